@@ -1,0 +1,490 @@
+"""P2R: a Llama decoder whose layers may share parameters (a *pseudo* model), and `delink()` to the *real* model.
+
+Weight names are Llama's, so a real (delinked) P2R checkpoint is a Llama checkpoint. Everything that is not about
+sharing (norm, rotary embedding, MLP, attention kernels, masks, caches, generation) comes from transformers.
+This file imports nothing from `hf_p2r`, so `save_pretrained(..., remote_code=True)` folders load anywhere with
+`trust_remote_code=True`.
+"""
+
+import copy
+import math
+import os
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.dynamic_module_utils import custom_object_save
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_p2r import P2RConfig, delink_sources
+
+logger = logging.get_logger(__name__)
+
+_LAYER_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<block>\d+)\.(?P<rest>.+)$")
+
+
+class P2RAttention(nn.Module):
+    """Llama's attention, except that the KV-cache slot is the depth of the call, not the module's own index.
+
+    A shared block runs at several depths; with a fixed `self.layer_idx` every depth would write the same cache slot
+    and cached generation would differ from uncached generation.
+    """
+
+    def __init__(self, config: P2RConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        layer_idx: int | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            cache_idx = self.layer_idx if layer_idx is None else layer_idx
+            key_states, value_states = past_key_values.update(key_states, value_states, cache_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class P2RDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: P2RConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+
+        self.self_attn = P2RAttention(config=config, layer_idx=layer_idx)
+
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layer_idx: int | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            layer_idx=layer_idx,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class P2RPreTrainedModel(PreTrainedModel):
+    config: P2RConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["P2RDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": P2RDecoderLayer,
+        "attentions": P2RAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # Residual-branch outputs get std / sqrt(2 L) (GPT-2, Megatron): a pseudo model adds its shared block's output
+        # to the residual stream L times, so the unscaled init grows the stream with depth however few blocks there are.
+        # (Checked on the Linear itself: for custom code, transformers skips modules that hold no parameters directly.)
+        if isinstance(module, nn.Linear) and any(
+            module is layer.self_attn.o_proj or module is layer.mlp.down_proj for layer in self.base_model.layers
+        ):
+            std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
+            init.normal_(module.weight, mean=0.0, std=std)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        r"""
+        Like [`PreTrainedModel.from_pretrained`], and a pseudo checkpoint loads as a more delinked model when asked:
+
+        ```python
+        >>> pseudo = P2RForCausalLM.from_pretrained("pseudo_dir")                        # k shared blocks
+        >>> real = P2RForCausalLM.from_pretrained("pseudo_dir", share_layers=False)      # L blocks, same function
+        >>> wider = P2RForCausalLM.from_pretrained("pseudo_dir", num_unique_layers=4)    # partial delink
+        ```
+
+        The checkpoint is loaded as stored (only its k blocks are materialised) and then delinked in place. Weights load
+        from safetensors only. Layer weights that are missing from, or extra in, the checkpoint raise `ValueError`
+        instead of being initialised at random.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("P2R models load weights from safetensors only (use_safetensors=False was given)")
+        kwargs["use_safetensors"] = True
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        requested = {
+            key: kwargs.pop(key) for key in ("share_layers", "num_unique_layers", "sharing_pattern") if key in kwargs
+        }
+        stored = _stored_layout(pretrained_model_name_or_path, kwargs)
+        config = kwargs.get("config")
+        target = None
+        if stored is not None:
+            # The Auto classes pass a config with the user's overrides already applied; a direct call passes kwargs.
+            # (Compared by model_type: under trust_remote_code, AutoConfig's P2RConfig is another class object.)
+            passed_config = getattr(config, "model_type", None) == P2RConfig.model_type
+            if passed_config:
+                requested = {
+                    "share_layers": config.share_layers,
+                    "num_unique_layers": config.num_blocks,
+                    "sharing_pattern": config.sharing_pattern,
+                }
+            target = _target_blocks(pretrained_model_name_or_path, stored, requested)
+            if passed_config and target != stored.num_blocks:
+                config = copy.deepcopy(config)
+                config.share_layers, config.num_unique_layers = stored.share_layers, stored.num_blocks
+                kwargs["config"] = config
+        elif requested:
+            kwargs.update(requested)
+        model, loading_info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        _check_layer_keys(pretrained_model_name_or_path, model.config, loading_info)
+        if target is not None and target != model.config.num_blocks:
+            model.delink(target)
+        return (model, loading_info) if output_loading_info else model
+
+    def save_pretrained(self, save_directory, *args, remote_code: bool = False, **kwargs):
+        """Like [`PreTrainedModel.save_pretrained`]; `remote_code=True` also copies this model's code into the folder
+        and writes `auto_map` into config.json, so it loads with `trust_remote_code=True` where hf_p2r is not installed.
+        """
+        if not remote_code:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # Per instance, not `register_for_auto_class()`, which would turn it on for every model of the class.
+        self._auto_class = "AutoModelForCausalLM" if isinstance(self, GenerationMixin) else "AutoModel"
+        self.config._auto_class = "AutoConfig"
+        try:
+            os.makedirs(save_directory, exist_ok=True)
+            custom_object_save(self, save_directory, config=self.config)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            del self._auto_class, self.config._auto_class
+            self.config.__dict__.pop("auto_map", None)
+
+    def delink_parameter_map(self, num_unique_layers: int | None = None) -> dict[str, str]:
+        """{parameter name after `delink(num_unique_layers)` -> parameter name now}, for every parameter.
+
+        Computed without changing the model; an optimizer uses it to carry state across `delink`. Names are those of
+        `named_parameters()` on this model.
+        """
+        sources = self._delink_sources(num_unique_layers)
+        copies: dict[int, list[int]] = {}
+        for new_block, old_block in enumerate(sources):
+            copies.setdefault(old_block, []).append(new_block)
+        mapping = {}
+        for name, _ in self.named_parameters():
+            match = _LAYER_KEY.match(name)
+            if match is None:
+                mapping[name] = name
+                continue
+            for new_block in copies[int(match["block"])]:
+                mapping[f"{match['prefix']}{new_block}.{match['rest']}"] = name
+        return mapping
+
+    def delink(self, num_unique_layers: int | None = None):
+        """Give layers their own parameters, in place, without changing the function; returns the model.
+
+        With `num_unique_layers=None` every depth gets its own block (the real model, `config.share_layers=False`).
+        With k' < L the model stays pseudo with k' blocks (partial delinking, e.g. 1 -> 4 -> 16); see
+        `delink_sources` for which transitions are valid. Each new block starts as a copy of the block its depths ran
+        before (the first copy of a block is the block itself), keeping dtype, device and `requires_grad`. Use
+        `delink_parameter_map` first to carry optimizer state.
+        """
+        sources = self._delink_sources(num_unique_layers)
+        base, config = self.base_model, self.config
+        taken: set[int] = set()
+        blocks = []
+        for new_block, old_block in enumerate(sources):
+            block = base.layers[old_block]
+            if old_block in taken:
+                block = copy.deepcopy(block)
+            taken.add(old_block)
+            block.self_attn.layer_idx = new_block
+            blocks.append(block)
+        base.layers = nn.ModuleList(blocks)
+        config.share_layers = len(blocks) < config.num_hidden_layers
+        config.num_unique_layers = len(blocks)
+        return self
+
+    def _delink_sources(self, num_unique_layers: int | None) -> list[int]:
+        config = self.config
+        if not config.share_layers:
+            raise ValueError("this model is already real (share_layers=False): there is nothing to delink")
+        target = config.num_hidden_layers if num_unique_layers is None else num_unique_layers
+        return delink_sources(config.num_hidden_layers, config.num_unique_layers, target, config.sharing_pattern)
+
+
+# Keyword arguments of `from_pretrained` that say where to find files (forwarded when reading the stored config).
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+
+
+def _stored_layout(pretrained_model_name_or_path, kwargs) -> P2RConfig | None:
+    """The config the checkpoint itself declares (no overrides), or None if it has no P2R config.json."""
+    if pretrained_model_name_or_path is None:
+        return None
+    hub_kwargs = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
+    try:
+        config_dict, _ = P2RConfig.get_config_dict(pretrained_model_name_or_path, **hub_kwargs)
+    except OSError:
+        return None
+    if config_dict.get("model_type") != P2RConfig.model_type:
+        return None
+    return P2RConfig.from_dict(config_dict)
+
+
+def _check_layer_keys(source, config: P2RConfig, loading_info: dict) -> None:
+    """Raise if the checkpoint's blocks disagree with its config: never leave a block randomly initialised."""
+    problems = []
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        # mismatched_keys holds (name, checkpoint shape, model shape) tuples; the others hold names
+        names = sorted(key[0] if isinstance(key, tuple) else key for key in loading_info.get(kind, ()))
+        names = [name for name in names if _LAYER_KEY.match(name)]
+        if names:
+            more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+            problems.append(f"{kind.replace('_', ' ')}: {', '.join(names[:3])}{more}")
+    if problems:
+        raise ValueError(
+            f"{source}: the layer weights do not match config.json (share_layers={config.share_layers}, "
+            f"num_unique_layers={config.num_blocks}, num_hidden_layers={config.num_hidden_layers}): "
+            + "; ".join(problems)
+        )
+
+
+def _target_blocks(source, stored: P2RConfig, requested: dict) -> int:
+    """How many blocks the caller asks for; only delinking (more blocks, same pattern) keeps the function."""
+    pattern = requested.get("sharing_pattern", stored.sharing_pattern)
+    share = requested.get("share_layers", stored.share_layers if "num_unique_layers" not in requested else True)
+    target = requested.get("num_unique_layers", stored.num_blocks) if share else stored.num_hidden_layers
+    if target < stored.num_blocks or (pattern != stored.sharing_pattern and target < stored.num_hidden_layers):
+        raise ValueError(
+            f"{source}: the checkpoint stores {stored.num_blocks} blocks (sharing_pattern={stored.sharing_pattern!r}) "
+            f"and cannot load as a model with {target} blocks (sharing_pattern={pattern!r}): only delinking to more "
+            "blocks with the same pattern keeps the function"
+        )
+    return target
+
+
+class P2RModel(P2RPreTrainedModel):
+    def __init__(self, config: P2RConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        # A pseudo model stores k blocks; a real one stores L.
+        self.layers = nn.ModuleList([P2RDecoderLayer(config, block) for block in range(config.num_blocks)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        # Initialize weights and apply final processing
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if inputs_embeds is None:
+            inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+
+        if use_cache and past_key_values is None:
+            # One cache slot per depth (config.num_hidden_layers), however many blocks are stored.
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        # The one place sharing shows: depth i runs block `block_of_depth[i]` and uses cache slot i.
+        for depth, block in enumerate(self.config.block_of_depth):
+            hidden_states = self.layers[block](
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                layer_idx=depth,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+        )
+
+
+class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
+
+    def __init__(self, config: P2RConfig):
+        super().__init__(config)
+        self.model = P2RModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        # Initialize weights and apply final processing
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+        hidden_states = outputs.last_hidden_state
+        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["P2RForCausalLM", "P2RModel", "P2RPreTrainedModel"]

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from hf_p2r import P2RConfig, block_of_depth, delink_sources
+
+from ..conftest import tiny_config
+
+
+def test_real_by_default_and_pseudo_defaults_to_one_block():
+    real = tiny_config()
+    assert (real.share_layers, real.num_unique_layers, real.num_blocks) == (False, 8, 8)
+    pseudo = tiny_config(share_layers=True)
+    assert (pseudo.num_unique_layers, pseudo.num_blocks, pseudo.num_hidden_layers) == (1, 1, 8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(share_layers=True, num_unique_layers=0), "num_unique_layers"),
+        (dict(share_layers=True, num_unique_layers=8), "num_unique_layers"),  # k == L is the real model
+        (dict(share_layers=True, num_unique_layers=9), "num_unique_layers"),
+        (dict(share_layers=False, num_unique_layers=2), "num_unique_layers"),
+        (dict(share_layers=True, sharing_pattern="random"), "sharing_pattern"),
+        (dict(num_hidden_layers=0), "num_hidden_layers"),
+    ],
+)
+def test_invalid_combinations_raise_value_error_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
+def test_wrong_types_are_rejected_by_strict_validation_naming_the_field():
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+
+    with pytest.raises(StrictDataclassFieldValidationError, match="num_unique_layers"):
+        tiny_config(share_layers=True, num_unique_layers=2.0)
+
+
+def test_block_of_depth_patterns():
+    assert block_of_depth(8, 1, "cycle") == [0] * 8
+    assert block_of_depth(8, 3, "cycle") == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert block_of_depth(8, 2, "sequence") == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert block_of_depth(8, 3, "sequence") == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert tiny_config(share_layers=True, num_unique_layers=4).block_of_depth == [0, 1, 2, 3] * 2
+    assert tiny_config().block_of_depth == list(range(8))
+
+
+def test_delink_sources_valid_transitions():
+    assert delink_sources(16, 1, 4, "cycle") == [0, 0, 0, 0]
+    assert delink_sources(16, 4, 16, "cycle") == [0, 1, 2, 3] * 4
+    assert delink_sources(16, 2, 4, "sequence") == [0, 0, 1, 1]
+    assert delink_sources(6, 4, 6, "sequence") == [0, 0, 1, 2, 2, 3]  # full delink is always valid
+    assert delink_sources(8, 3, 8, "cycle") == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("depth", "old", "new", "pattern"),
+    [
+        (16, 2, 3, "cycle"),  # 2 does not divide 3
+        (16, 4, 6, "cycle"),
+        (16, 4, 2, "cycle"),  # fewer blocks: re-sharing
+        (16, 4, 4, "cycle"),
+        (16, 4, 17, "cycle"),
+        (8, 2, 3, "sequence"),  # groups [0..2],[3..5],[6,7] straddle the old boundary at depth 4
+    ],
+)
+def test_delink_sources_rejects_function_changing_transitions(depth, old, new, pattern):
+    with pytest.raises(ValueError, match="num_unique_layers"):
+        delink_sources(depth, old, new, pattern)
+
+
+def test_config_round_trips_through_json(tmp_path):
+    config = tiny_config(share_layers=True, num_unique_layers=2, sharing_pattern="sequence")
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "p2r"
+    assert (saved["share_layers"], saved["num_unique_layers"], saved["sharing_pattern"]) == (True, 2, "sequence")
+    loaded = P2RConfig.from_pretrained(tmp_path)
+    assert loaded.block_of_depth == config.block_of_depth

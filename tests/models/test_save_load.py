@@ -1,0 +1,189 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCausalLM
+
+from hf_p2r import P2RConfig, P2RForCausalLM, P2RModel, export_llama
+from hf_p2r.models.p2r import modeling_p2r
+
+from ..conftest import tiny_config, tiny_model
+
+
+@pytest.fixture
+def pseudo_dir(tmp_path):
+    model = tiny_model(seed=2, num_hidden_layers=8, share_layers=True, num_unique_layers=2)
+    model.save_pretrained(tmp_path / "pseudo")
+    return tmp_path / "pseudo", model
+
+
+def _logits(model, input_ids):
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def test_pseudo_checkpoint_stores_only_its_blocks(pseudo_dir):
+    path, _ = pseudo_dir
+    with safe_open(path / "model.safetensors", "pt") as f:
+        layer_keys = [k for k in f.keys() if ".layers." in k]
+    assert {k.split(".")[2] for k in layer_keys} == {"0", "1"}
+    assert json.loads((path / "config.json").read_text())["share_layers"] is True
+
+
+def test_from_pretrained_pseudo_round_trip(pseudo_dir, input_ids):
+    path, model = pseudo_dir
+    loaded = P2RForCausalLM.from_pretrained(path)
+    assert (loaded.config.share_layers, len(loaded.model.layers)) == (True, 2)
+    assert torch.equal(_logits(loaded, input_ids), _logits(model, input_ids))
+
+
+def test_from_pretrained_pseudo_as_real(pseudo_dir, input_ids, monkeypatch):
+    path, model = pseudo_dir
+    built = []
+    init = modeling_p2r.P2RDecoderLayer.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_p2r.P2RDecoderLayer, "__init__", counting_init)
+    real, info = P2RForCausalLM.from_pretrained(path, share_layers=False, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert len(built) == 2, "only the stored blocks are built; the other six are copies made by delink"
+    assert (real.config.share_layers, real.config.num_unique_layers, len(real.model.layers)) == (False, 8, 8)
+    assert torch.equal(_logits(real, input_ids), _logits(model, input_ids))
+    assert len({p.data_ptr() for p in real.parameters()}) == len(list(real.parameters()))
+
+
+def test_from_pretrained_partial_delink(pseudo_dir, input_ids):
+    path, model = pseudo_dir
+    wider = P2RForCausalLM.from_pretrained(path, num_unique_layers=4)
+    assert (wider.config.share_layers, len(wider.model.layers)) == (True, 4)
+    assert torch.equal(_logits(wider, input_ids), _logits(model, input_ids))
+
+
+def test_auto_classes_apply_overrides(pseudo_dir, input_ids):
+    path, model = pseudo_dir
+    assert isinstance(AutoConfig.from_pretrained(path), P2RConfig)
+    real = AutoModelForCausalLM.from_pretrained(path, share_layers=False)
+    assert isinstance(real, P2RForCausalLM) and len(real.model.layers) == 8
+    assert torch.equal(_logits(real, input_ids), _logits(model, input_ids))
+    wider = AutoModelForCausalLM.from_pretrained(path, num_unique_layers=4)
+    assert len(wider.model.layers) == 4
+    base = AutoModel.from_pretrained(path)
+    assert isinstance(base, P2RModel)
+
+
+def test_auto_from_config_builds_p2r_models():
+    config = tiny_config(share_layers=True)
+    assert isinstance(AutoModelForCausalLM.from_config(config), P2RForCausalLM)
+    assert isinstance(AutoModel.from_config(config), P2RModel)
+    assert AutoConfig.for_model("p2r").model_type == "p2r"
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(num_unique_layers=1), dict(num_unique_layers=3), dict(sharing_pattern="sequence")]
+)
+def test_from_pretrained_rejects_function_changing_layouts(pseudo_dir, overrides):
+    path, _ = pseudo_dir
+    with pytest.raises(ValueError, match="num_unique_layers|blocks"):
+        P2RForCausalLM.from_pretrained(path, **overrides)
+
+
+def test_real_checkpoint_cannot_be_reshared(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="cannot load"):
+        P2RForCausalLM.from_pretrained(tmp_path, share_layers=True, num_unique_layers=2)
+
+
+@pytest.mark.parametrize(("declared", "problem"), [(4, "missing keys"), (1, "unexpected keys")])
+def test_blocks_that_disagree_with_config_are_an_error(pseudo_dir, declared, problem):
+    path, _ = pseudo_dir
+    config = json.loads((path / "config.json").read_text())
+    config["num_unique_layers"] = declared
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{path}.*{problem}"):
+        P2RForCausalLM.from_pretrained(path)
+
+
+def test_weights_load_from_safetensors_only(pseudo_dir):
+    path, _ = pseudo_dir
+    with pytest.raises(ValueError, match="safetensors only"):
+        P2RForCausalLM.from_pretrained(path, use_safetensors=False)
+
+
+def test_export_llama_loads_in_vanilla_transformers(tmp_path, input_ids):
+    real = tiny_model(seed=4, share_layers=True, num_unique_layers=2).delink()
+    out = export_llama(real, tmp_path / "llama")
+    real.save_pretrained(tmp_path / "p2r")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert not {"share_layers", "num_unique_layers", "sharing_pattern"} & config.keys()
+    assert not list(tmp_path.glob(".llama.tmp-*")), "the temporary folder is renamed into place"
+    for impl in ("eager", "sdpa"):
+        llama = LlamaForCausalLM.from_pretrained(out, attn_implementation=impl)
+        p2r = P2RForCausalLM.from_pretrained(tmp_path / "p2r", attn_implementation=impl)
+        # Bitwise against P2R over the same bytes. Against the in-memory model only to rounding: mmapped weights sit
+        # at another memory alignment, which can change the CPU GEMM kernel's last bit.
+        assert torch.equal(_logits(llama, input_ids), _logits(p2r, input_ids))
+        real.set_attn_implementation(impl)
+        torch.testing.assert_close(_logits(llama, input_ids), _logits(real, input_ids), rtol=1e-5, atol=1e-6)
+    assert torch.equal(
+        llama.generate(input_ids[:, :4], max_new_tokens=8, do_sample=False),
+        real.generate(input_ids[:, :4], max_new_tokens=8, do_sample=False),
+    )
+
+
+def test_export_llama_with_tied_embeddings(tmp_path, input_ids):
+    real = tiny_model(seed=4, tie_word_embeddings=True)
+    llama = LlamaForCausalLM.from_pretrained(export_llama(real, tmp_path / "llama"))
+    assert llama.lm_head.weight is llama.model.embed_tokens.weight
+    torch.testing.assert_close(_logits(llama, input_ids), _logits(real, input_ids), rtol=1e-5, atol=1e-6)
+
+
+def test_export_llama_refuses_pseudo_models_and_non_empty_folders(tmp_path):
+    with pytest.raises(ValueError, match="share_layers=True"):
+        export_llama(tiny_model(share_layers=True), tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_llama(tiny_model(), tmp_path / "b")
+    assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+
+
+def test_remote_code_folder_loads_without_hf_p2r(tmp_path, input_ids):
+    model = tiny_model(seed=6, share_layers=True, num_unique_layers=2)
+    folder = tmp_path / "remote"
+    model.save_pretrained(folder, remote_code=True)
+    assert {"configuration_p2r.py", "modeling_p2r.py"} <= set(os.listdir(folder))
+    assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": "configuration_p2r.P2RConfig",
+        "AutoModelForCausalLM": "modeling_p2r.P2RForCausalLM",
+    }
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    assert "auto_map" not in json.loads((plain / "config.json").read_text()), "remote code is per save, not global"
+
+    torch.save({"input_ids": input_ids, "logits": _logits(model, input_ids)}, tmp_path / "reference.pt")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        ref = torch.load({str(tmp_path / "reference.pt")!r}, weights_only=True)
+        pseudo = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        real = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, share_layers=False)
+        assert "hf_p2r" not in sys.modules, "the folder must not need hf_p2r"
+        with torch.no_grad():
+            assert torch.equal(pseudo(ref["input_ids"]).logits, ref["logits"])
+            assert torch.equal(real(ref["input_ids"]).logits, ref["logits"])
+        print(type(pseudo).__module__, len(pseudo.model.layers), len(real.model.layers))
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    module, pseudo_blocks, real_blocks = result.stdout.split()
+    assert module.startswith("transformers_modules.") and (pseudo_blocks, real_blocks) == ("2", "8")
