@@ -168,3 +168,11 @@ def test_cuda_bf16_attention(impl, input_ids):
         torch.testing.assert_close(
             model(input_ids.cuda()).logits, reference(input_ids.cuda()).logits, rtol=2e-2, atol=2e-2
         )
+
+
+def test_pseudo_model_compiles_as_one_graph(input_ids):
+    """`_can_compile_fullgraph = True` holds: the depth -> block loop is plain Python over config values."""
+    model = tiny_model(share_layers=True, num_unique_layers=2)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids).logits, model(input_ids).logits, rtol=1e-5, atol=1e-6)
