@@ -176,3 +176,17 @@ def test_pseudo_model_compiles_as_one_graph(input_ids):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids).logits, model(input_ids).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("pattern", "splittable"), [("cycle", False), ("sequence", True)])
+def test_pipeline_split_guard(pattern, splittable, input_ids):
+    """transformers' pipeline split keeps a range of stored blocks per stage: right for 'sequence', not for 'cycle'."""
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    model = tiny_model(share_layers=True, num_unique_layers=2, sharing_pattern=pattern)
+    model.model.layers[1] = PipelineIdentityLayer()
+    if splittable:
+        model(input_ids)
+    else:
+        with pytest.raises(ValueError, match="pipeline stages"):
+            model(input_ids)

@@ -187,3 +187,9 @@ def test_remote_code_folder_loads_without_hf_p2r(tmp_path, input_ids):
     assert result.returncode == 0, result.stderr[-2000:]
     module, pseudo_blocks, real_blocks = result.stdout.split()
     assert module.startswith("transformers_modules.") and (pseudo_blocks, real_blocks) == ("2", "8")
+
+
+def test_delink_on_load_refuses_tensor_parallel_loading(pseudo_dir):
+    path, _ = pseudo_dir
+    with pytest.raises(ValueError, match="hf-p2r convert"):
+        P2RForCausalLM.from_pretrained(path, share_layers=False, tp_plan="auto")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -213,6 +214,7 @@ class P2RPreTrainedModel(PreTrainedModel):
         stored = _stored_layout(pretrained_model_name_or_path, kwargs)
         config = kwargs.get("config")
         target = None
+        distributed = [key for key in _DISTRIBUTED_KWARGS if kwargs.get(key) is not None]
         if stored is not None:
             # The Auto classes pass a config with the user's overrides already applied; a direct call passes kwargs.
             # (Compared by model_type: under trust_remote_code, AutoConfig's P2RConfig is another class object.)
@@ -224,6 +226,12 @@ class P2RPreTrainedModel(PreTrainedModel):
                     "sharing_pattern": config.sharing_pattern,
                 }
             target = _target_blocks(pretrained_model_name_or_path, stored, requested)
+            if distributed and target != stored.num_blocks:
+                # delink() copies blocks, which cannot be done on blocks already sharded across processes.
+                raise ValueError(
+                    f"{pretrained_model_name_or_path}: delinking while loading cannot be combined with "
+                    f"{', '.join(distributed)}; convert the checkpoint first (hf-p2r convert), then load the result"
+                )
             if passed_config and target != stored.num_blocks:
                 config = copy.deepcopy(config)
                 config.share_layers, config.num_unique_layers = stored.share_layers, stored.num_blocks
@@ -308,6 +316,8 @@ class P2RPreTrainedModel(PreTrainedModel):
         return delink_sources(config.num_hidden_layers, config.num_unique_layers, target, config.sharing_pattern)
 
 
+# Keyword arguments of `from_pretrained` that shard the model across processes as it loads.
+_DISTRIBUTED_KWARGS = ("distributed_config", "tp_plan", "tp_size", "device_mesh")
 # Keyword arguments of `from_pretrained` that say where to find files (forwarded when reading the stored config).
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
@@ -411,6 +421,15 @@ class P2RModel(P2RPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        if self.config.share_layers and self.config.sharing_pattern == "cycle":
+            # Pipeline splitting keeps a contiguous range of *stored* blocks per stage; a cycle runs every block at
+            # every stage, so a split model would silently compute another function.
+            if any(isinstance(layer, PipelineIdentityLayer) for layer in self.layers):
+                raise ValueError(
+                    "sharing_pattern='cycle' pseudo models cannot be split into pipeline stages; use "
+                    "sharing_pattern='sequence' or delink the model first"
+                )
 
         # The one place sharing shows: depth i runs block `block_of_depth[i]` and uses cache slot i.
         for depth, block in enumerate(self.config.block_of_depth):

@@ -1,0 +1,234 @@
+"""FSDP2 for P2R models: every stored block is one FSDP unit (a pseudo model's shared block is one unit called at
+several depths), and `delink` of a sharded model without gathering it.
+
+torch's `fully_shard` (FSDP2) supports a module that runs several times per step (torch tests it in
+`test_multi_forward_module`, `test/distributed/_composable/fsdp/test_fully_shard_training.py`): each call all-gathers
+in its pre-forward hook and, with the default `reshard_after_forward=True`, reshards after it and all-gathers again in
+the backward. The gradient is reduce-scattered once, because autograd sums a leaf's gradient over all its uses before
+writing `.grad`. So a pseudo block used at n = L/k depths costs 2n all-gathers per step. `gather_shared_once` keeps a
+shared block unsharded from its first use in the forward to its last use in the backward: one all-gather and one
+reduce-scatter per step, so the pseudo stage moves k blocks per step, not L, for k extra unsharded blocks in memory.
+
+Under Accelerate (`fsdp_version: 2`, `fsdp_transformer_layer_cls_to_wrap: P2RDecoderLayer`) the stored blocks are
+the units already; call `gather_shared_once(model)` after `accelerator.prepare` to get the schedule above. Accelerate
+turns FSDP on only for accelerators: on CPU the plugin is ignored, which is why the CPU tests call `fully_shard_p2r`
+(and Accelerate's `fsdp2_prepare_model`) directly. DeepSpeed's delink goes through `gather_deepspeed_model`.
+"""
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from .models.p2r import P2RPreTrainedModel, delink_sources
+
+
+def fully_shard_p2r(
+    model: P2RPreTrainedModel,
+    *,
+    mesh=None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    shared_gather_once: bool = True,
+) -> P2RPreTrainedModel:
+    """Apply FSDP2 in place: one unit per stored block, then the root unit (embeddings, final norm, head).
+
+    A block is never split across units, so a shared block's parameters belong to exactly one FSDP group (FSDP2
+    refuses a parameter seen by two groups). With `shared_gather_once` (the default) shared blocks follow the
+    schedule of `gather_shared_once`; real blocks reshard after forward as `reshard_after_forward` says.
+
+    ```python
+    >>> mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (world_size,))
+    >>> fully_shard_p2r(model, mesh=mesh)
+    >>> optimizer = torch.optim.AdamW(model.parameters())   # over the sharded (DTensor) parameters
+    ```
+    """
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for block in model.base_model.layers:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, **kwargs)
+    if shared_gather_once:
+        gather_shared_once(model)
+    return model
+
+
+def gather_shared_once(model: P2RPreTrainedModel) -> P2RPreTrainedModel:
+    """Make every shared block of an FSDP2-sharded pseudo model all-gather once per step instead of twice per depth
+    that runs it. Returns the model; real blocks are left as they are.
+
+    The block stays unsharded (one full copy per rank, like FSDP's root unit) from its first use in the forward to
+    its last use in the backward (the first depth), where it reshards as usual. Like the root unit, it stays
+    unsharded after a forward without backward (evaluation) until the next backward. Call it after
+    `fully_shard_p2r(..., shared_gather_once=False)` or after `accelerator.prepare`; calling it twice is harmless.
+    """
+    config = model.config
+    first_depth: dict[int, int] = {}
+    uses: dict[int, int] = {}
+    for depth, block in enumerate(config.block_of_depth):
+        first_depth.setdefault(block, depth)
+        uses[block] = uses.get(block, 0) + 1
+    for index, block in enumerate(model.base_model.layers):
+        if uses.get(index, 0) < 2 or getattr(block, "_p2r_gather_once", False):
+            continue
+        if not isinstance(block, FSDPModule):
+            raise ValueError(
+                f"model.layers.{index} is not an FSDP2 unit: shard each stored block with fully_shard first "
+                "(fully_shard_p2r, or Accelerate with fsdp_transformer_layer_cls_to_wrap: P2RDecoderLayer)"
+            )
+        block.set_reshard_after_forward(False, recurse=False)
+        block.register_forward_hook(_SyncOnLastUse(block, first_depth[index]), with_kwargs=True)
+        block._p2r_gather_once = True
+    return model
+
+
+class _SyncOnLastUse:
+    """Forward hook of a shared block: tags each use's output so that, in the backward, every use but the last one
+    (the first depth) leaves the block unsharded for the next."""
+
+    def __init__(self, block: FSDPModule, first_depth: int):
+        self.block = block
+        self.first_depth = first_depth
+        self.user_setting: bool | None = None
+
+    def __call__(self, module: nn.Module, args, kwargs, output):
+        if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return output
+        depth = kwargs.get("layer_idx")
+        if depth is None:
+            raise ValueError("a shared P2R block was called without layer_idx: gather_shared_once needs the depth")
+        return _BackwardSwitch.apply(self, depth == self.first_depth, output)
+
+    def switch(self, last_use: bool) -> None:
+        # FSDP2 reads the flag in the post-backward hook of this use, which runs after this switch. The user's value
+        # (FSDP2 has no getter; this is where `set_reshard_after_backward` writes it) is restored for the last use.
+        if not last_use:
+            if self.user_setting is None:
+                self.user_setting = self.block._get_fsdp_state()._fsdp_param_groups[0].reshard_after_backward
+            self.block.set_reshard_after_backward(False, recurse=False)
+        elif self.user_setting is not None:
+            self.block.set_reshard_after_backward(self.user_setting, recurse=False)
+            self.user_setting = None
+
+
+class _BackwardSwitch(torch.autograd.Function):
+    """Identity in the forward; in the backward, before the block's own backward, sets how FSDP ends this use."""
+
+    @staticmethod
+    def forward(ctx, hook: _SyncOnLastUse, last_use: bool, output: torch.Tensor) -> torch.Tensor:
+        ctx.hook, ctx.last_use = hook, last_use
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.hook.switch(ctx.last_use)
+        return None, None, grad
+
+
+def delink_fully_sharded(
+    model: P2RPreTrainedModel,
+    num_unique_layers: int | None = None,
+    *,
+    shard: Callable[[nn.Module], nn.Module],
+) -> tuple[P2RPreTrainedModel, dict[str, str]]:
+    """Delink an FSDP2-sharded pseudo model without gathering it; returns `(new_model, parameter_map)`.
+
+    `delink` cannot run in place on a sharded model (it deep-copies blocks, and FSDP2's state would be copied with
+    them). Instead a new model with the delinked config is built on the meta device, sharded by `shard` (e.g.
+    `functools.partial(fully_shard_p2r, mesh=mesh)`: the same layout as the old model), allocated, and filled rank
+    by rank: a new block is a copy of an old block of the same shapes, and FSDP2 shards equal shapes equally on the
+    same mesh, so each rank's shard of the new block is its shard of the old one. No parameter is ever gathered.
+
+    `parameter_map` is `{new parameter name: old parameter name}` (`delink_parameter_map`), for carrying optimizer
+    state: the optimizer state tensors are DTensors laid out like their parameters, so they carry shard by shard too.
+    The caller drops the old model and optimizer afterwards. Buffers (rotary tables) are copied from the old model.
+    """
+    config = model.config
+    target = config.num_hidden_layers if num_unique_layers is None else num_unique_layers
+    if not config.share_layers:
+        raise ValueError("this model is already real (share_layers=False): there is nothing to delink")
+    sources = delink_sources(config.num_hidden_layers, config.num_unique_layers, target, config.sharing_pattern)
+    parameter_map = model.delink_parameter_map(target)
+    old_parameters = dict(model.named_parameters())
+    dtypes = {parameter.dtype for parameter in old_parameters.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"delink_fully_sharded needs one parameter dtype, the model has {sorted(map(str, dtypes))}")
+
+    new_config = copy.deepcopy(config)
+    new_config.share_layers = len(sources) < config.num_hidden_layers
+    new_config.num_unique_layers = len(sources)
+    model_class = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    with torch.device("meta"):
+        new_model = model_class(new_config).to(dtypes.pop())
+    new_model = shard(new_model)
+
+    first = next(iter(old_parameters.values()))
+    new_model.to_empty(device=_local(first).device)
+    with torch.no_grad():
+        for name, parameter in new_model.named_parameters():
+            source = old_parameters[parameter_map[name]]
+            if getattr(parameter, "placements", None) != getattr(source, "placements", None) or (
+                _local(parameter).shape != _local(source).shape
+            ):
+                raise ValueError(
+                    f"{name}: the new model is not sharded like the old one ({_layout(parameter)} vs "
+                    f"{_layout(source)}); pass a `shard` that applies the old model's FSDP layout"
+                )
+            _local(parameter).copy_(_local(source))
+            parameter.requires_grad_(source.requires_grad)
+    _copy_buffers(model, new_model)
+    new_model.train(model.training)
+    return new_model, parameter_map
+
+
+def gather_deepspeed_model(engine) -> P2RPreTrainedModel:
+    """A plain copy of a DeepSpeed engine's P2R model on every rank, with the full fp32 master weights (ZeRO-1/2/3).
+
+    DeepSpeed's delink transition: `gather_deepspeed_model(engine).delink()`, then a new optimizer and a new engine
+    (`deepspeed.initialize`, or `accelerator.prepare` on the new model and optimizer). The weights come from
+    DeepSpeed's `safe_get_full_fp32_param` (a collective under ZeRO-3: every rank must call this), so no precision is
+    lost; the optimizer state restarts (DeepSpeed keeps it in flat partitions with no per-parameter carry).
+    The copy lives in CPU memory: the pseudo model's k blocks, delinked there to L.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    state = {name: safe_get_full_fp32_param(p).detach().to("cpu", copy=True) for name, p in module.named_parameters()}
+    config = copy.deepcopy(module.config)
+    with torch.device("meta"):
+        model = type(module)(config)
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"could not rebuild the model from DeepSpeed: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    _copy_buffers(module, model, device="cpu")
+    return model.train(module.training)
+
+
+def _copy_buffers(source: nn.Module, target: nn.Module, device: torch.device | str | None = None) -> None:
+    """Give `target` copies of `source`'s buffers (the rotary tables, which meta-device construction leaves empty)."""
+    for name, buffer in source.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        target.get_submodule(owner)._buffers[leaf] = buffer.detach().to(device or buffer.device, copy=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writes go to the shard), or the tensor itself."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    placements = getattr(tensor, "placements", None)
+    return f"placements={placements}, local shape={tuple(_local(tensor).shape)}"
+
+
+__all__ = ["delink_fully_sharded", "fully_shard_p2r", "gather_deepspeed_model", "gather_shared_once"]

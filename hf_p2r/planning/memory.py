@@ -1,0 +1,303 @@
+"""Bytes per GPU of a P2R model under a parallel layout, counted from the model built on the meta device.
+
+Model states (weights, gradients, optimizer state) are summed tensor by tensor over the parameters a GPU holds:
+the model's own tensor-parallel plan (`model.tp_plan`, Llama's `base_model_tp_plan` plus the head's `_tp_plan`)
+says which dimension TP splits, FSDP2 / ZeRO-3 split dimension 0 in `dp` chunks (FSDP2's layout; rank 0 holds the
+largest chunk), and a pipeline stage holds the blocks its depths run. A pseudo model stores k blocks, so its model
+states are about k/L of the real model's; its activations are the real model's (it computes all L depths).
+
+Activations follow the tensors autograd saves in `P2RDecoderLayer` with SDPA attention (no L x L score matrix),
+counted in `layer_activation_bytes`; the unit test checks the count against `saved_tensors_hooks` byte for byte.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..models.p2r import P2RConfig, P2RForCausalLM
+
+GiB = 2**30
+
+# Where TP splits a weight, by the style names of transformers' `ALL_PARALLEL_STYLES`; other styles replicate.
+_TP_DIM = {
+    "colwise": 0,
+    "colwise_rep": 0,
+    "colwise_gather_output": 0,
+    "packed_colwise": 0,
+    "embedding_rowwise": 0,
+    "rowwise": -1,
+    "rowwise_rep": -1,
+    "rowwise_split_input": -1,
+    "packed_rowwise": -1,
+    "embedding_colwise": 1,
+}
+_BLOCK = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of a training recipe.
+
+    `optimizer` counts every optimizer byte per parameter element, including an fp32 master copy when the weights
+    are kept in low precision; `optimizer_per_tensor` is AdamW's `step` counter (one fp32 scalar per parameter
+    tensor in torch's AdamW; Megatron and DeepSpeed keep one per group, so 0 there).
+    """
+
+    name: str
+    weight: int
+    grad: int
+    optimizer: int
+    optimizer_per_tensor: int
+    activation: int
+    description: str
+
+
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("mixed", 2, 4, 12, 0, 2, "bf16 weights, fp32 grads, fp32 master + Adam (Megatron, DeepSpeed)"),
+        Precision("amp", 4, 4, 8, 4, 2, "fp32 weights and Adam, bf16 compute (Accelerate bf16, FSDP2 fp32 shards)"),
+        Precision("fp32", 4, 4, 8, 4, 4, "fp32 everything (torch AdamW)"),
+        Precision("bf16", 2, 2, 4, 4, 2, "bf16 everything, Adam moments in bf16 (torch AdamW)"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ParameterTensor:
+    """One parameter tensor as the planner sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    block: int | None  # stored block index for `model.layers.{b}.*`, None for embeddings, final norm and head
+    tp_dim: int | None  # dimension the TP plan splits; None when every TP rank holds all of it
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.name.endswith("embed_tokens.weight")
+
+    def tp_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape on one TP rank (the largest chunk when the dimension does not divide)."""
+        if self.tp_dim is None or tp == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] = -(-shape[self.tp_dim] // tp)
+        return tuple(shape)
+
+
+def parameter_tensors(config: P2RConfig) -> list[ParameterTensor]:
+    """Every parameter of `P2RForCausalLM(config)` (tied ones once), built on the meta device: nothing allocated."""
+    with torch.device("meta"):
+        model = P2RForCausalLM(config)
+    plan = model.tp_plan
+    tensors = []
+    for name, parameter in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        style = plan.get(re.sub(r"\.\d+\.", ".*.", module_name))
+        tp_dim = _TP_DIM.get(style)
+        if tp_dim is not None and leaf == "bias" and tp_dim == -1:
+            tp_dim = None  # a row-wise layer's bias is added after the reduction: replicated
+        if tp_dim is not None and tp_dim < 0:
+            tp_dim += parameter.dim()
+        match = _BLOCK.match(name)
+        tensors.append(ParameterTensor(name, tuple(parameter.shape), int(match[1]) if match else None, tp_dim))
+    return tensors
+
+
+def dp_shard_numel(shape: tuple[int, ...], dp: int) -> int:
+    """Elements of the largest FSDP2 / ZeRO-3 shard of a tensor: dimension 0 cut in `dp` chunks."""
+    if not shape:
+        return 1
+    return -(-shape[0] // dp) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model is spread over `dp * tp * pp` GPUs, and what else saves memory.
+
+    `zero`: 0 = DDP (everything replicated), 1 = optimizer state sharded over DP (ZeRO-1, Megatron's distributed
+    optimizer), 2 = + gradients (ZeRO-2), 3 = + weights (ZeRO-3 / FSDP2). `offload`: fraction of the blocks whose
+    model states live in CPU memory (granular offload; 1.0 also moves embeddings and head, as FSDP2's
+    `CPUOffloadPolicy` does). `recompute`: activation checkpointing of every decoder layer.
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: float = 0.0
+    recompute: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def offloads_everything(self) -> bool:
+        return self.zero == 3 and self.offload >= 1
+
+    @property
+    def sharding(self) -> str:
+        return ("ddp", "zero1", "zero2", "fsdp2/zero3")[self.zero]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: the depths it runs, the stored blocks they use, and its share of the other tensors."""
+
+    depths: range
+    blocks: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+def pipeline_stages(config: P2RConfig, pp: int) -> list[Stage]:
+    """Equal numbers of depths per stage (PipeDream-2BW's partitioning of repeated transformer layers).
+
+    A stage holds every stored block its depths run: for a `"sequence"` pseudo model each block lands on one stage;
+    for a `"cycle"` pseudo model every stage holds all the blocks its depths cycle through (a copy per stage).
+    """
+    depth = config.num_hidden_layers
+    if depth % pp:
+        raise ValueError(f"pp={pp} must divide num_hidden_layers ({depth})")
+    per_stage = depth // pp
+    block_of_depth = config.block_of_depth
+    stages = []
+    for s in range(pp):
+        depths = range(s * per_stage, (s + 1) * per_stage)
+        blocks = tuple(sorted({block_of_depth[d] for d in depths}))
+        stages.append(Stage(depths, blocks, first=s == 0, last=s == pp - 1))
+    return stages
+
+
+def stage_tensors(tensors: list[ParameterTensor], stage: Stage, tied: bool) -> list[ParameterTensor]:
+    """The parameters a stage holds. With tied embeddings the last stage keeps its own copy of the embedding to
+    compute the logits (as Megatron does)."""
+    blocks = set(stage.blocks)
+    held = []
+    for tensor in tensors:
+        if tensor.block is not None:
+            if tensor.block in blocks:
+                held.append(tensor)
+        elif tensor.is_embedding:
+            if stage.first or (tied and stage.last):
+                held.append(tensor)
+        elif stage.last:
+            held.append(tensor)
+    return held
+
+
+@dataclass
+class Memory:
+    """Bytes on one GPU (and the CPU memory it uses for offload)."""
+
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    buffers: int = 0  # unsharded FSDP units in flight, offload staging
+    cpu: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations + self.buffers
+
+
+def model_state_bytes(
+    tensors: list[ParameterTensor], layout: Layout, precision: Precision, offload_blocks: set[int] = frozenset()
+) -> Memory:
+    """Weights, gradients and optimizer state on one GPU holding `tensors` (one stage), by tensor.
+
+    Tensors of the blocks in `offload_blocks` (every tensor when `layout.offloads_everything`) count as CPU memory.
+    """
+    memory = Memory()
+    for tensor in tensors:
+        numel = math.prod(tensor.tp_shape(layout.tp))
+        shard = dp_shard_numel(tensor.tp_shape(layout.tp), layout.dp)
+        weights = precision.weight * (shard if layout.zero >= 3 else numel)
+        grads = precision.grad * (shard if layout.zero >= 2 else numel)
+        optimizer = precision.optimizer * (shard if layout.zero >= 1 else numel) + precision.optimizer_per_tensor
+        if layout.offloads_everything or tensor.block in offload_blocks:
+            memory.cpu += weights + grads + optimizer
+        else:
+            memory.weights += weights
+            memory.grads += grads
+            memory.optimizer += optimizer
+    return memory
+
+
+def layer_activation_bytes(config: P2RConfig, tokens: int, tp: int, precision: Precision) -> int:
+    """Bytes autograd saves in one decoder layer for `tokens` tokens (SDPA attention, no recompute).
+
+    Each RMSNorm saves its input in fp32 (upcast) and its per-token inverse RMS (fp32), the normalized tensor and
+    its output (the next linear layer's input), all replicated over TP ranks. Split over TP: queries, keys and
+    values after RoPE, the attention output, the MLP's gate, up, SiLU and product tensors (4 x intermediate), and
+    the attention's log-sum-exp (fp32, one per head).
+    """
+    a = precision.activation
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
+    norms = 2 * (4 * hidden + 4 + 2 * a * hidden)
+    split = a * (2 * q + 2 * kv + 4 * config.intermediate_size) + 4 * heads
+    return tokens * (norms + split // tp)
+
+
+def head_activation_bytes(config: P2RConfig, tokens: int, precision: Precision) -> int:
+    """Final norm, the fp32 log-softmax the loss saves, and the label ids (last pipeline stage)."""
+    hidden = config.hidden_size
+    return tokens * ((4 * hidden + 4 + 2 * precision.activation * hidden) + 4 * config.vocab_size + 8)
+
+
+def logits_bytes(config: P2RConfig, tokens: int, precision: Precision) -> int:
+    """The logits the forward returns (live until the step ends; every TP rank holds them gathered)."""
+    return tokens * config.vocab_size * precision.activation
+
+
+def saved_activation_bytes(
+    config: P2RConfig, batch: int, seq_len: int, precision: Precision, tp: int = 1, recompute: bool = False
+) -> int:
+    """Bytes autograd saves in one forward of the whole model with labels (SDPA, no pipeline), the quantity the unit
+    test measures: the input ids, the rotary tables (kept by the layers' saved tensors; not with recompute, where a
+    checkpointed layer keeps only its input hidden states), every depth, the head and the loss's fp32 normalizer."""
+    tokens = batch * seq_len
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if recompute:
+        layers = tokens * precision.activation * config.hidden_size
+        rotary = 0
+    else:
+        layers = layer_activation_bytes(config, tokens, tp, precision)
+        rotary = 2 * precision.activation * seq_len * head_dim
+    return (
+        8 * tokens + rotary + config.num_hidden_layers * layers + head_activation_bytes(config, tokens, precision) + 4
+    )
+
+
+__all__ = [
+    "GiB",
+    "PRECISIONS",
+    "Layout",
+    "Memory",
+    "ParameterTensor",
+    "Precision",
+    "Stage",
+    "dp_shard_numel",
+    "head_activation_bytes",
+    "layer_activation_bytes",
+    "logits_bytes",
+    "model_state_bytes",
+    "parameter_tensors",
+    "pipeline_stages",
+    "saved_activation_bytes",
+    "stage_tensors",
+]

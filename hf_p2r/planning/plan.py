@@ -1,0 +1,387 @@
+"""`plan`: which parallel layouts fit a P2R model on N GPUs, best first by estimated step time.
+
+The layout space follows the Frontier study (arXiv 2312.12705), which trained 22B-1T models by combining sharded
+data parallelism, tensor parallelism within a node and pipeline parallelism: DP with ZeRO stage 0-3 (FSDP2 is
+ZeRO-3), TP degrees that divide a node, PP degrees that divide the depth, granular CPU offload and activation
+recomputation. Like PipeDream-2BW's planner (arXiv 2006.09503), it exploits the repeated transformer layers (equal
+layers per stage), discards the configurations that exceed the memory capacity, and ranks the others with a cost
+model.
+
+Cost model (every assumption is a field of `Hardware`, overridable from the command line):
+- compute: 6 N FLOPs per token for the N matmul parameters of the *real* depth (a pseudo model computes all L
+  depths) plus 12 L h s for attention scores (PaLM's count), 8 N + 16 L h s with recomputation, at
+  `mfu * peak_flops`, stretched by the pipeline bubble (m + pp - 1) / m for m micro-batches per pipeline;
+- communication: ring collectives move 2 (n-1)/n of a buffer for an all-reduce and (n-1)/n for a reduce-scatter
+  or all-gather; a group inside a node uses `intra_node_bandwidth`, one that spans nodes `inter_node_bandwidth`
+  (ranks are placed TP innermost, then DP, then PP, as in Megatron);
+- offload: weights host-to-device for every use, gradients device-to-host, at `pcie_bandwidth`, and the CPU
+  optimizer step at `cpu_adam_params_per_second` shared by a node's GPUs;
+- nothing overlaps: the step time is the sum (an upper bound, the same for every layout).
+"""
+
+import copy
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..models.p2r import P2RConfig
+from .memory import (
+    GiB,
+    Layout,
+    Memory,
+    ParameterTensor,
+    Precision,
+    head_activation_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    model_state_bytes,
+    parameter_tensors,
+    pipeline_stages,
+    stage_tensors,
+)
+
+OFFLOAD_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)  # granular offload: share of the stored blocks in CPU memory
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine, and the named assumptions of the cost model (defaults: 8 x H100 80GB nodes)."""
+
+    gpu_memory: int = 80 * 10**9
+    cpu_memory: int | None = None  # per node; None: not checked
+    gpus_per_node: int = 8
+    peak_flops: float = 989e12  # dense bf16 FLOP/s per GPU (H100 SXM)
+    mfu: float = 0.40  # share of peak the matmuls reach (Frontier reports 32-38% end to end)
+    intra_node_bandwidth: float = 150e9  # bytes/s per GPU a collective achieves over NVLink
+    inter_node_bandwidth: float = 25e9  # bytes/s per GPU across nodes (200 Gb/s InfiniBand per GPU)
+    pcie_bandwidth: float = 25e9  # bytes/s per GPU between host and device
+    cpu_adam_params_per_second: float = 1e9  # CPU Adam updates per second, per node
+    reserved_gpu_bytes: int = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: `global_batch` sequences of `seq_len` tokens, `micro_batch` per GPU per forward."""
+
+    seq_len: int
+    micro_batch: int
+    global_batch: int
+    precision: Precision
+
+
+@dataclass
+class Estimate:
+    """One layout of one model: the most loaded GPU's memory and the estimated step time."""
+
+    model: str
+    layout: Layout
+    memory: Memory
+    cpu_per_node: int
+    compute_seconds: float
+    comm_seconds: float
+    offload_seconds: float
+    fits: bool
+    engine: str
+    tokens_per_step: int = field(repr=False)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.comm_seconds + self.offload_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+
+def estimate(
+    config: P2RConfig,
+    layout: Layout,
+    workload: Workload,
+    hardware: Hardware,
+    tensors: list[ParameterTensor] | None = None,
+    model: str = "",
+) -> Estimate:
+    """Memory of the most loaded GPU, and the step time of `config` under `layout` with the communication and offload
+    time of the slowest pipeline stage (see the module docstring)."""
+    tensors = parameter_tensors(config) if tensors is None else tensors
+    p = workload.precision
+    a, hidden = p.activation, config.hidden_size
+    micro_batches = math.ceil(workload.global_batch / (layout.dp * workload.micro_batch))
+    tokens = workload.micro_batch * workload.seq_len
+    stages = pipeline_stages(config, layout.pp)
+
+    memory: Memory | None = None  # of the most loaded stage
+    comm = offload = 0.0  # of the slowest stage: the pipeline runs at its pace
+    for index, stage in enumerate(stages):
+        held = stage_tensors(tensors, stage, config.tie_word_embeddings)
+        uses = Counter(config.block_of_depth[d] for d in stage.depths)  # depths of this stage running each block
+        offloaded = set(stage.blocks[: round(layout.offload * len(stage.blocks))])
+        stage_memory = model_state_bytes(held, layout, p, offloaded)
+        units = _unit_numels(held, layout.tp)
+        stage_memory.buffers = _buffer_bytes(units, layout, p, uses, offloaded)
+
+        in_flight = min(layout.pp - index, micro_batches)
+        layer = layer_activation_bytes(config, tokens, layout.tp, p)
+        per_micro_batch = len(stage.depths) * (tokens * a * hidden if layout.recompute else layer)
+        stage_memory.activations = in_flight * per_micro_batch + (layer if layout.recompute else 0)
+        if stage.first:
+            stage_memory.activations += in_flight * 8 * tokens  # input ids
+        if stage.last:
+            stage_memory.activations += head_activation_bytes(config, tokens, p) + logits_bytes(config, tokens, p)
+
+        comm = max(comm, _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardware, stage))
+        offload = max(offload, _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware))
+        if memory is None or stage_memory.total > memory.total:
+            memory = stage_memory
+
+    cpu_per_node = memory.cpu * min(hardware.gpus_per_node, layout.gpus)
+    fits = memory.total + hardware.reserved_gpu_bytes <= hardware.gpu_memory and (
+        hardware.cpu_memory is None or cpu_per_node <= hardware.cpu_memory
+    )
+    tokens_per_step = workload.global_batch * workload.seq_len
+    compute = _compute_seconds(config, tensors, layout, tokens_per_step, workload.seq_len, micro_batches, hardware)
+    return Estimate(model, layout, memory, cpu_per_node, compute, comm, offload, fits, _engine(layout), tokens_per_step)
+
+
+def candidate_layouts(config: P2RConfig, gpus: int, hardware: Hardware, max_tp: int, max_pp: int) -> list[Layout]:
+    """The layouts the engines run (and, with `max_pp > 1`, pipeline layouts for sizing).
+
+    TP degrees divide a node and the attention heads; PP degrees divide the depth. TP composes with FSDP2 (Accelerate's
+    `ParallelismConfig(dp_shard_size, tp_size)`); ZeRO-1/2 are DeepSpeed's; granular offload of some blocks is
+    hf-p2r's (one GPU or DDP); full offload is FSDP2's `CPUOffloadPolicy` or DeepSpeed's ZeRO-3 offload.
+    """
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    layouts = []
+    for tp in _divisors(gpus):
+        if tp > min(max_tp, hardware.gpus_per_node) or heads % tp or kv_heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > max_pp or config.num_hidden_layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            zeros = (0,) if dp == 1 else (3,) if tp > 1 else (0, 1, 2, 3)
+            for zero in zeros:
+                if zero == 0 and tp == pp == 1:  # granular: whole blocks, so k blocks give at most k + 1 choices
+                    blocks = config.num_blocks
+                    ratios = sorted({round(ratio * blocks) / blocks for ratio in OFFLOAD_RATIOS})
+                else:
+                    ratios = (0.0, 1.0) if zero == 3 else (0.0,)
+                for offload in ratios:
+                    for recompute in (False, True):
+                        layouts.append(Layout(dp, tp, pp, zero, offload, recompute))
+    return layouts
+
+
+def plan(
+    config: P2RConfig,
+    gpus: int,
+    workload: Workload,
+    hardware: Hardware,
+    *,
+    max_tp: int = 8,
+    max_pp: int = 1,
+    model: str = "",
+) -> list[Estimate]:
+    """Every candidate layout of `config` on `gpus` GPUs: the ones that fit first, fastest first, then the rest by
+    memory."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    tensors = parameter_tensors(config)
+    estimates = [
+        estimate(config, layout, workload, hardware, tensors, model)
+        for layout in candidate_layouts(config, gpus, hardware, max_tp, max_pp)
+    ]
+    return sorted(estimates, key=lambda e: (not e.fits, e.step_seconds if e.fits else e.memory.total))
+
+
+@dataclass
+class PlanInput:
+    """What `read_config` found: the model, and the run's settings when the file is a trainer YAML."""
+
+    config: P2RConfig
+    seq_len: int | None = None
+    micro_batch: int | None = None
+    gradient_accumulation_steps: int = 1
+    precision: str | None = None
+    recompute: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_config(path: str | os.PathLike) -> PlanInput:
+    """Read a model config for planning.
+
+    Accepts a model folder or a `config.json` (model_type `p2r`, or `llama`: read as a real P2R model), or a
+    trainer YAML (`scripts/train.py --config`): its model fields, `block_size` (sequence length),
+    `per_device_batch_size`, `gradient_accumulation_steps`, `mixed_precision` and `activation_checkpointing`.
+    """
+    path = Path(path)
+    if path.suffix in (".yaml", ".yml"):
+        return _read_trainer_yaml(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"{file}: cannot read: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file}: not valid JSON: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(values).__name__}")
+    model_type = values.get("model_type")
+    if model_type not in (P2RConfig.model_type, "llama"):
+        raise ValueError(f"{file}: model_type must be 'p2r' or 'llama', got {model_type!r}")
+    values = {key: value for key, value in values.items() if key not in ("model_type", "architectures", "auto_map")}
+    try:
+        return PlanInput(P2RConfig.from_dict(values))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{file}: {str(error).strip().splitlines()[-1].strip()}") from None
+
+
+def _read_trainer_yaml(path: Path) -> PlanInput:
+    from ..training.config import parse_config  # the trainer's own reader: same keys, same errors
+
+    run = parse_config(["--config", str(path)])
+    notes = []
+    vocab_size = run.model.vocab_size
+    if vocab_size is None:
+        vocab_size = 256
+        notes.append(f"{path}: vocab_size is not set (the tokenizer decides it at training time); assumed 256")
+    config = run.p2r_config(vocab_size=vocab_size, num_blocks=run.initial_blocks(), special_tokens={})
+    precision = {"bf16": "amp", "fp16": "amp", "no": "fp32"}.get(run.train.mixed_precision)
+    return PlanInput(
+        config,
+        seq_len=run.data.block_size,
+        micro_batch=run.train.per_device_batch_size,
+        gradient_accumulation_steps=run.train.gradient_accumulation_steps,
+        precision=precision,
+        recompute=run.model.activation_checkpointing,
+        notes=notes,
+    )
+
+
+def pseudo_and_real(config: P2RConfig, num_unique_layers: int | None = None) -> tuple[P2RConfig, P2RConfig]:
+    """The pseudo model (k blocks: the config's own, else `num_unique_layers`, default 1) and the real model."""
+    pseudo, real = copy.deepcopy(config), copy.deepcopy(config)
+    depth = config.num_hidden_layers
+    k = num_unique_layers or (config.num_blocks if config.share_layers else 1)
+    if not 1 <= k < depth:
+        raise ValueError(f"num_unique_layers must satisfy 1 <= k < num_hidden_layers ({depth}), got {k}")
+    pseudo.share_layers, pseudo.num_unique_layers = True, k
+    real.share_layers, real.num_unique_layers = False, depth
+    return pseudo, real
+
+
+def _unit_numels(held: list[ParameterTensor], tp: int) -> dict:
+    """Elements per FSDP unit on one TP rank: each block, the embedding, and the tail (final norm and head)."""
+    units: dict = {}
+    for tensor in held:
+        key = tensor.block if tensor.block is not None else "embed" if tensor.is_embedding else "tail"
+        units[key] = units.get(key, 0) + math.prod(tensor.tp_shape(tp))
+    return units
+
+
+def _buffer_bytes(units: dict, layout: Layout, p: Precision, uses: Counter, offloaded: set) -> int:
+    """Transient full copies: FSDP2 gathers a unit (and prefetches the next) and holds its full gradient until the
+    reduce-scatter; shared blocks stay gathered all step (`gather_shared_once`). Offload stages the same way."""
+    if layout.zero >= 3:
+        shared = [key for key in units if isinstance(key, int) and uses[key] > 1]
+        rest = [numel for key, numel in units.items() if key not in shared]
+        kept = sum(units[key] for key in shared) * (p.weight + p.grad)
+        return kept + (max(rest, default=0) * (2 * p.weight + p.grad))
+    if offloaded:
+        return max(units[b] for b in offloaded) * (2 * p.weight + p.grad)
+    return 0
+
+
+def _compute_seconds(config, tensors, layout, tokens_per_step, seq_len, micro_batches, hardware) -> float:
+    block_numel = sum(t.numel for t in tensors if t.block is not None) // config.num_blocks
+    head = config.vocab_size * config.hidden_size
+    heads = config.num_attention_heads
+    q = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layers = config.num_hidden_layers * (2 * block_numel + 4 * q * seq_len)  # forward FLOPs per token
+    flops_per_token = 3 * layers + 6 * head + (layers if layout.recompute else 0)
+    seconds = flops_per_token * tokens_per_step / (layout.gpus * hardware.peak_flops * hardware.mfu)
+    return seconds * (micro_batches + layout.pp - 1) / micro_batches
+
+
+def _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardware, stage) -> float:
+    gpn = hardware.gpus_per_node
+    seconds = 0.0
+    if layout.dp > 1:
+        numel = sum(units.values())
+        weights, grads, share = p.weight * numel, p.grad * numel, (layout.dp - 1) / layout.dp
+        if layout.zero == 0:
+            volume = 2 * share * grads
+        elif layout.zero == 1:
+            volume = share * (grads + weights)
+        elif layout.zero == 2:
+            volume = share * (micro_batches * grads + weights)
+        else:
+            regathered = sum(n for key, n in units.items() if isinstance(key, int) and uses[key] == 1)
+            volume = micro_batches * share * (weights + p.weight * regathered + grads)
+        bandwidth = hardware.intra_node_bandwidth if layout.tp * layout.dp <= gpn else hardware.inter_node_bandwidth
+        seconds += volume / bandwidth
+    if layout.tp > 1:
+        share, a, hidden = (layout.tp - 1) / layout.tp, p.activation, config.hidden_size
+        volume = len(stage.depths) * 4 * 2 * share * tokens * hidden * a  # 2 all-reduces forward, 2 backward
+        if stage.first:
+            volume += 2 * share * tokens * hidden * a
+        if stage.last:
+            volume += 2 * share * tokens * config.vocab_size * a  # gathered logits, and their gradient
+        bandwidth = hardware.intra_node_bandwidth if layout.tp <= gpn else hardware.inter_node_bandwidth
+        seconds += micro_batches * volume / bandwidth
+    if layout.pp > 1:
+        volume = 2 * 2 * tokens * config.hidden_size * p.activation  # activations forward, gradients backward
+        bandwidth = hardware.intra_node_bandwidth if layout.gpus <= gpn else hardware.inter_node_bandwidth
+        seconds += micro_batches * volume / bandwidth
+    return seconds
+
+
+def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware) -> float:
+    rest = 0
+    if layout.offloads_everything:
+        offloaded = {key for key in units if isinstance(key, int)}
+        rest = sum(n for key, n in units.items() if not isinstance(key, int))
+    elif not offloaded:
+        return 0.0
+    shard = (lambda n: -(-n // layout.dp)) if layout.zero >= 3 else (lambda n: n)
+    reads = 3 if layout.recompute else 2  # forward, backward (and the recomputed forward)
+    traffic = sum(shard(units[b]) * (uses[b] * reads * p.weight + p.grad) for b in offloaded)
+    traffic += shard(rest) * (2 * p.weight + p.grad)
+    numel = sum(shard(units[b]) for b in offloaded) + shard(rest)
+    cpu_rate = hardware.cpu_adam_params_per_second / min(hardware.gpus_per_node, layout.gpus)
+    return micro_batches * traffic / hardware.pcie_bandwidth + numel / cpu_rate
+
+
+def _engine(layout: Layout) -> str:
+    if layout.pp > 1:
+        return "sizing only: no HF engine trains with PP"
+    if layout.tp > 1:
+        if layout.dp > 1:
+            return f"Accelerate ParallelismConfig(dp_shard_size={layout.dp}, tp_size={layout.tp})"
+        return f"transformers DistributedConfig(tp_size={layout.tp})"
+    if layout.zero == 0:
+        return "ddp.yaml + hf-p2r GranularOffload" if layout.offload else "ddp.yaml"
+    if layout.zero in (1, 2):
+        return f"deepspeed_zero2.yaml (zero_stage: {layout.zero})"
+    return "fsdp2_offload.yaml or deepspeed_zero3_offload.yaml" if layout.offload else "fsdp2.yaml"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+__all__ = [
+    "OFFLOAD_RATIOS",
+    "Estimate",
+    "Hardware",
+    "PlanInput",
+    "Workload",
+    "candidate_layouts",
+    "estimate",
+    "plan",
+    "pseudo_and_real",
+    "read_config",
+]

@@ -1,0 +1,84 @@
+"""The table `hf-p2r plan` prints."""
+
+from ..models.p2r import P2RConfig
+from .memory import GiB, parameter_tensors
+from .plan import Estimate, Hardware, Workload
+
+COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "tok/s")
+
+
+def layout_name(estimate: Estimate) -> str:
+    """E.g. 'dp8 tp8 fsdp2/zero3 offload50% recompute'."""
+    layout = estimate.layout
+    parts = [f"dp{layout.dp}"]
+    parts += [f"tp{layout.tp}"] if layout.tp > 1 else []
+    parts += [f"pp{layout.pp}"] if layout.pp > 1 else []
+    parts.append(layout.sharding)
+    parts += [f"offload{layout.offload:.0%}"] if layout.offload else []
+    parts += ["recompute"] if layout.recompute else []
+    return " ".join(parts)
+
+
+def format_rows(estimates: list[Estimate], top: int) -> str:
+    """The `top` best layouts as a markdown table (GiB), with the engine that runs each."""
+    rows = []
+    for rank, e in enumerate(estimates[:top], start=1):
+        m = e.memory
+        gib = [f"{value / GiB:.1f}" for value in (m.weights, m.grads, m.optimizer, m.activations, m.buffers, m.total)]
+        fits = "" if e.fits else " (does not fit)"
+        rows.append(
+            [str(rank), layout_name(e) + fits, *gib, f"{e.cpu_per_node / GiB:.0f}", f"{e.step_seconds:.3g}"]
+            + [f"{e.tokens_per_second:.3g}", e.engine]
+        )
+    header = [*COLUMNS, "engine"]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(header, widths)) + " |"]
+    lines.append("|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    lines += ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_plan(
+    results: dict[str, list[Estimate]],
+    configs: dict[str, P2RConfig],
+    workload: Workload,
+    hardware: Hardware,
+    gpus: int,
+    top: int,
+    notes: list[str] = (),
+) -> str:
+    """Both models' tables with a header stating the workload and the assumptions."""
+    cpu = f", {hardware.cpu_memory / 10**9:.0f} GB CPU per node" if hardware.cpu_memory else ""
+    lines = [
+        f"{gpus} GPUs ({hardware.gpus_per_node} per node), {hardware.gpu_memory / 10**9:.0f} GB each{cpu}; "
+        f"{workload.global_batch} x {workload.seq_len} tokens per step, micro-batch {workload.micro_batch}, "
+        f"precision {workload.precision.name} ({workload.precision.description})",
+        f"assumed: {hardware.peak_flops / 1e12:.0f} TFLOP/s peak at {hardware.mfu:.0%} MFU, "
+        f"{hardware.intra_node_bandwidth / 1e9:.0f} GB/s in a node, {hardware.inter_node_bandwidth / 1e9:.0f} GB/s "
+        f"across nodes, {hardware.pcie_bandwidth / 1e9:.0f} GB/s PCIe, {hardware.reserved_gpu_bytes / GiB:.0f} GiB "
+        "reserved per GPU; memory in GiB on the most loaded GPU, step time assumes no overlap",
+        *notes,
+    ]
+    for name, estimates in results.items():
+        config = configs[name]
+        fitting = sum(e.fits for e in estimates)
+        what = (
+            f"{config.num_blocks} stored block{'s' * (config.num_blocks > 1)} run at {config.num_hidden_layers} "
+            f"depths ({config.sharing_pattern})"
+            if config.share_layers
+            else f"{config.num_hidden_layers} blocks"
+        )
+        parameters = sum(t.numel for t in parameter_tensors(config))
+        lines += ["", f"{name} model: {what}, {_count(parameters)} parameters; {fitting} of {len(estimates)} fit"]
+        lines.append(format_rows(estimates if fitting else estimates[:3], top))
+    return "\n".join(lines)
+
+
+def _count(number: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= size:
+            return f"{number / size:.3g}{unit}"
+    return str(number)
+
+
+__all__ = ["format_plan", "format_rows", "layout_name"]
