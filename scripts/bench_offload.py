@@ -1,0 +1,487 @@
+"""Granular CPU offload on one GPU: throughput by offload ratio against no offload and against FSDP2's
+`CPUOffloadPolicy`, the largest real model trainable at each ratio, and the host<->device copy bandwidth (the
+physical limit), all measured in the same run.
+
+    python scripts/bench_offload.py                          # H100/H200: writes benchmarks/offload.{json,md}
+    python scripts/bench_offload.py --part throughput        # or `largest`: one half (each under ~5 min)
+    python scripts/bench_offload.py --device cpu --smoke     # seconds on CPU: checks the script, not a result
+
+Throughput: one model that fits, trained for `--steps` optimizer steps of `--accumulation` micro-batches each (bf16
+autocast, AdamW with gradient clipping) as: no offload; GranularOffload at ratio 0 (hooks only), 0.25, 0.5, 1.0
+(`compute_dtype=bfloat16`, `prefetch=1`); FSDP2 `fully_shard` with `CPUOffloadPolicy` in a 1-rank process group
+(`MixedPrecisionPolicy(param_dtype=bfloat16)`). Each configuration is built, warmed up and timed in turn in this one
+process; the figures are ratios to the no-offload run of the same process.
+
+Largest trainable: real models of the same layer shape with activation checkpointing, one full training step each,
+searched by layer count around a prediction (from `estimate_device_bytes` and measured activations) until an
+out-of-memory error brackets the limit. A count whose offloaded state would not fit in the host's available memory
+is not tried (it would be OOM-killed) and is reported as host-bound.
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_throughput import machine  # noqa: E402
+
+from hf_p2r import P2RConfig, P2RForCausalLM  # noqa: E402
+from hf_p2r.training.offload import (  # noqa: E402
+    GranularOffload,
+    decoder_layers,
+    estimate_device_bytes,
+    measure_activation_bytes,
+    select_layers,
+)
+
+GIB = 2**30
+RATIOS = (0.0, 0.25, 0.5, 1.0)
+PRESETS = {
+    # A ~0.5B real model (25M parameters per layer) for one H100/H200.
+    "cuda": dict(
+        dims=dict(
+            hidden_size=1536,
+            intermediate_size=4096,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            num_hidden_layers=16,
+            vocab_size=32000,
+        ),
+        batch=4,
+        seq=2048,
+        accumulation=8,
+        steps=4,
+        warmup=2,
+        bandwidth_bytes=GIB,
+        max_trials=3,
+        max_layers=4096,  # 100B parameters: beyond any single GPU + 128 GB host
+    ),
+    # Seconds on 2 CPU cores: checks every code path of the script.
+    "cpu": dict(
+        dims=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            vocab_size=256,
+        ),
+        batch=2,
+        seq=32,
+        accumulation=2,
+        steps=2,
+        warmup=1,
+        bandwidth_bytes=64 * 2**20,
+        max_trials=2,
+        max_layers=4,  # the smoke run has no memory limit
+    ),
+}
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()  # pinned host memory is cached too
+
+
+def copy_bandwidth(device: str, nbytes: int, reps: int = 5) -> dict:
+    """GB/s of host->device and device->host copies of `nbytes` (pinned host memory), median over `reps`."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for name, dst, src in (("host_to_device_GBps", target, host), ("device_to_host_GBps", host, target)):
+        times = []
+        for _ in range(reps + 1):
+            synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        result[name] = nbytes / statistics.median(times[1:]) / 1e9
+    return result
+
+
+def host_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line")
+
+
+def meta_model(dims: dict, layers: int) -> P2RForCausalLM:
+    """A real P2R model with `layers` layers on the meta device (shapes only, no memory)."""
+    config = P2RConfig(**{**dims, "num_hidden_layers": layers}, max_position_embeddings=8192, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return P2RForCausalLM(config)
+
+
+def shapes(dims: dict, layers: int) -> P2RForCausalLM:
+    """For planning only: a meta model whose `layers` blocks are one module repeated (built in milliseconds at any
+    depth; `select_layers` and `estimate_device_bytes` only count blocks and their parameters)."""
+    model = meta_model(dims, 1)
+    model.model.layers = torch.nn.ModuleList([model.model.layers[0]] * layers)
+    return model
+
+
+def build_model(
+    dims: dict, layers: int, device: str, offloaded: list[int] | None = None, init_host: bool = True
+) -> P2RForCausalLM:
+    """A real P2R model with `layers` layers; blocks in `offloaded` are created in CPU memory, the rest on `device`.
+
+    Created on the meta device and materialised in place, so a model larger than the GPU never passes through it.
+    `init_host=False` leaves the CPU blocks uninitialised (fresh pages are zeros): the size search needs memory, not
+    values, and initialising tens of GB on the CPU takes longer than the step.
+    """
+    model = meta_model(dims, layers)
+    config = model.config
+    offloaded = set(offloaded or ())
+    for index, block in enumerate(decoder_layers(model)):
+        block.to_empty(device="cpu" if index in offloaded else device)
+    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        module.to_empty(device=device)
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers are computed, not loaded
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.device.type == "cpu" and device != "cpu" and not init_host:
+                continue
+            param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(0.0, 0.02)
+    return model.train()
+
+
+def train_step(model, optimizer, batch, accumulation: int, device: str) -> None:
+    for _ in range(accumulation):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=batch, labels=batch).loss
+        (loss / accumulation).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def setup(name: str, dims: dict, device: str):
+    """(model, optimizer, offload or None) for one throughput configuration."""
+    layers = dims["num_hidden_layers"]
+    model = build_model(dims, layers, device)
+    hyper = dict(lr=1e-4, weight_decay=0.1, fused=True)
+    if name == "no offload":
+        return model, torch.optim.AdamW(model.parameters(), **hyper), None
+    if name == "fsdp2 CPUOffloadPolicy":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        from hf_p2r.parallel import fully_shard_p2r
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device == "cuda" else None
+        fully_shard_p2r(
+            model,
+            mesh=init_device_mesh(device, (1,)),
+            mp_policy=policy,
+            offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
+        )
+        return model, torch.optim.AdamW(model.parameters(), **hyper), None
+    ratio = float(name.split()[-1])
+    dtype = torch.bfloat16 if device == "cuda" else None
+    offload = GranularOffload(model, ratio, device=device, compute_dtype=dtype)
+    return model, offload.build_optimizer(**hyper), offload
+
+
+def throughput(preset: dict, device: str) -> dict:
+    dims, batch_size, seq, accumulation = preset["dims"], preset["batch"], preset["seq"], preset["accumulation"]
+    batch = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
+    names = ["no offload", *(f"granular ratio {r}" for r in RATIOS), "fsdp2 CPUOffloadPolicy"]
+    runs = {}
+    for name in names:
+        model, optimizer, offload = setup(name, dims, device)
+        for _ in range(preset["warmup"]):
+            train_step(model, optimizer, batch, accumulation, device)
+        synchronize(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        copied = dict(offload.copied_bytes) if offload else None
+        seconds = []
+        for _ in range(preset["steps"]):
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, accumulation, device)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        step_s = statistics.median(seconds)
+        run = {
+            "tokens_per_s": accumulation * batch.numel() / step_s,
+            "step_s": seconds,
+            "peak_device_GiB": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
+        }
+        if offload:
+            run["offloaded_blocks"] = offload.layers
+            run["copied_GB_per_step"] = {
+                key: (offload.copied_bytes[key] - copied[key]) / preset["steps"] / 1e9 for key in copied
+            }
+        runs[name] = run
+        print(f"{name}: {run['tokens_per_s']:,.0f} tokens/s, peak {run['peak_device_GiB']} GiB", flush=True)
+        if offload:
+            offload.remove()
+        del model, optimizer, offload
+        free_memory(device)
+    base = runs["no offload"]["tokens_per_s"]
+    for run in runs.values():
+        run["vs_no_offload"] = run["tokens_per_s"] / base
+    return {"batch": batch_size, "seq": seq, "accumulation": accumulation, "steps": preset["steps"], "runs": runs}
+
+
+def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> bool:
+    """One full training step of a `layers`-layer real model with `ratio` of its blocks offloaded; False on OOM."""
+    model = optimizer = offload = None
+    try:
+        offloaded = select_layers(shapes(dims, layers), ratio)
+        model = build_model(dims, layers, device, offloaded, init_host=False)
+        model.activation_checkpointing_enable()
+        dtype = torch.bfloat16 if device == "cuda" else None
+        offload = GranularOffload(model, offloaded, device=device, compute_dtype=dtype)
+        optimizer = offload.build_optimizer(lr=1e-4, fused=True)
+        train_step(model, optimizer, batch, 1, device)
+        synchronize(device)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        del model, optimizer, offload  # the hooks only reference the offload: all of it is garbage now
+        free_memory(device)
+
+
+def largest_count(fits, cap: int) -> int:
+    """The largest n in 0..2*cap with fits(n), for a predicate that holds up to some n and not beyond."""
+    if not fits(1):
+        return 0
+    n = 1
+    while n < cap and fits(2 * n):
+        n *= 2
+    low, high = n, 2 * n
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def largest_trainable(preset: dict, device: str) -> dict:
+    dims, batch_size, seq = preset["dims"], preset["batch"], preset["seq"]
+    batch = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
+    dtype = torch.bfloat16 if device == "cuda" else None
+    # Activations under checkpointing grow linearly with depth: measure two depths, as the step will hold them.
+    measured = []
+    for layers in (2, 4):
+        model = build_model(dims, layers, device)
+        model.activation_checkpointing_enable()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            measured.append(measure_activation_bytes(model, batch))
+        del model
+        free_memory(device)
+    per_layer = (measured[1] - measured[0]) / 2
+    fixed = measured[0] - 2 * per_layer
+    budget = torch.cuda.get_device_properties().total_memory if device == "cuda" else 2 * GIB
+    host = host_available_bytes()
+    block_params = sum(p.numel() for p in meta_model(dims, 1).model.layers[0].parameters())
+    results = {}
+    for ratio in RATIOS:
+
+        def device_fits(layers: int, ratio=ratio) -> bool:
+            model = shapes(dims, layers)
+            activations = int(fixed + per_layer * layers)
+            need = estimate_device_bytes(
+                model, select_layers(model, ratio), activation_bytes=activations, compute_dtype=dtype
+            )
+            return need <= budget
+
+        def host_fits(layers: int, ratio=ratio) -> bool:
+            # fp32 master, gradient and two AdamW moments per offloaded parameter; 1.3 for the pinned allocator's
+            # rounding and the staging copies.
+            offloaded = len(select_layers(shapes(dims, layers), ratio))
+            return 1.3 * 16 * block_params * offloaded <= 0.9 * host
+
+        predicted = largest_count(device_fits, preset["max_layers"])
+        host_limit = largest_count(host_fits, preset["max_layers"])
+        layers = min(predicted, host_limit)
+        ok, fail, trials = None, None, []
+        for _ in range(preset["max_trials"]):
+            start = time.perf_counter()
+            fits = try_training(dims, layers, ratio, batch, device)
+            trials.append({"layers": layers, "fits": fits, "seconds": time.perf_counter() - start})
+            print(f"largest: ratio {ratio}, {layers} layers: {'fits' if fits else 'out of memory'}", flush=True)
+            ok, fail = (max(ok or 0, layers), fail) if fits else (ok, min(fail or layers, layers))
+            step = max(1, layers // 12)
+            if ok is not None and fail is not None:
+                if fail - ok <= 1:
+                    break
+                layers = (ok + fail) // 2
+            elif fits:
+                if not host_fits(layers + step):
+                    break  # the next count would not fit in host memory
+                layers += step
+            elif layers == 1:
+                break
+            else:
+                layers -= step
+        results[str(ratio)] = {
+            "predicted_layers": predicted,
+            "host_limit_layers": host_limit,
+            "largest_ok_layers": ok,
+            "smallest_failed_layers": fail,
+            "host_bound": ok is not None and fail is None and not host_fits(ok + max(1, ok // 12)),
+            "trials": trials,
+            "params_billion_at_ok": None if ok is None else _parameters(dims, ok) / 1e9,
+        }
+    return {
+        "batch": batch_size,
+        "seq": seq,
+        "activation_checkpointing": True,
+        "device_budget_GiB": budget / GIB,
+        "host_available_GiB": host / GIB,
+        "activation_bytes_per_layer": per_layer,
+        "ratios": results,
+    }
+
+
+def _parameters(dims: dict, layers: int) -> int:
+    model = shapes(dims, layers)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    return sum(p.numel() for p in model.parameters()) + (layers - 1) * block  # parameters() counts the block once
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script (needs --device cpu)")
+    parser.add_argument("--part", choices=["all", "throughput", "largest"], default="all")
+    parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_offload: needs a CUDA GPU and none is available (--device cpu --smoke checks the script)")
+        return 1
+    if args.device == "cpu" and not args.smoke:
+        print("bench_offload: on CPU only --smoke makes sense (storage and compute device are the same)")
+        return 1
+    out = args.out or Path("benchmarks/offload_smoke" if args.smoke else "benchmarks/offload")
+    preset = PRESETS[args.device]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+
+    # FSDP2 needs a process group: one rank. GranularOffload accepts a world of size 1.
+    import torch.distributed as dist
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+        result = {
+            **previous,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "model": preset["dims"],
+            "bandwidth": copy_bandwidth(args.device, preset["bandwidth_bytes"]),
+        }
+        print(f"copy bandwidth: {result['bandwidth']}", flush=True)
+        if args.part in ("all", "throughput"):
+            result["throughput"] = throughput(preset, args.device)
+        if args.part in ("all", "largest"):
+            result["largest"] = largest_trainable(preset, args.device)
+    finally:
+        dist.destroy_process_group()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(result, indent=2) + "\n"), (".md", render_markdown(result, args.smoke))):
+        tmp = out.with_suffix(suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out.with_suffix(suffix))
+    print(render_markdown(result, args.smoke))
+    return 0
+
+
+def render_markdown(r: dict, smoke: bool) -> str:
+    m, dims = r["machine"], r["model"]
+    title = "# Granular CPU offload" + (" — CPU smoke run (checks the script; not a result)" if smoke else "")
+    lines = [
+        title,
+        "",
+        f"Produced by `python {r['command']}` on {r['date']}.",
+        f"Machine: {m.get('gpu', m['cpu'])}; {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, {m['platform']}.",
+        f"Layer shape: hidden {dims['hidden_size']}, FFN {dims['intermediate_size']}, {dims['num_attention_heads']} "
+        f"heads ({dims['num_key_value_heads']} KV), vocab {dims['vocab_size']}.",
+        "",
+        f"Pinned copy bandwidth: host→device {r['bandwidth']['host_to_device_GBps']:.1f} GB/s, device→host "
+        f"{r['bandwidth']['device_to_host_GBps']:.1f} GB/s.",
+    ]
+    if "throughput" in r:
+        t = r["throughput"]
+        lines += [
+            "",
+            f"## Throughput ({dims['num_hidden_layers']} layers; {t['accumulation']} micro-batches of {t['batch']} x "
+            f"{t['seq']} tokens per optimizer step; median of {t['steps']} steps)",
+            "",
+            "| configuration | tokens/s | vs no offload | peak device GiB | H2D GB/step | D2H GB/step |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, run in t["runs"].items():
+            copied = run.get("copied_GB_per_step", {})
+            peak = "" if run["peak_device_GiB"] is None else f"{run['peak_device_GiB']:.2f}"
+            lines.append(
+                f"| {name} | {run['tokens_per_s']:,.0f} | {run['vs_no_offload']:.3f} | {peak} | "
+                f"{copied.get('to_device', 0):.2f} | {copied.get('to_host', 0):.2f} |"
+            )
+        runs = t["runs"]
+        lines += [
+            "",
+            f"Targets: ratio 0.5 ≥ 0.85 of no offload: **{runs['granular ratio 0.5']['vs_no_offload']:.3f}**; full "
+            f"offload faster than FSDP2 CPUOffloadPolicy: **{runs['granular ratio 1.0']['tokens_per_s']:,.0f} vs "
+            f"{runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:,.0f} tokens/s**.",
+        ]
+    if "largest" in r:
+        g = r["largest"]
+        lines += [
+            "",
+            f"## Largest trainable real model (activation checkpointing, batch {g['batch']} x {g['seq']}; device "
+            f"{g['device_budget_GiB']:.0f} GiB, host available {g['host_available_GiB']:.0f} GiB)",
+            "",
+            "| ratio | predicted (device) | host limit | largest that trained | smallest that failed | parameters (B) "
+            "| host-bound |",
+            "|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for ratio, row in g["ratios"].items():
+            params = "" if row["params_billion_at_ok"] is None else f"{row['params_billion_at_ok']:.2f}"
+            lines.append(
+                f"| {ratio} | {row['predicted_layers']} | {row['host_limit_layers']} | {row['largest_ok_layers']} | "
+                f"{row['smallest_failed_layers']} | {params} | {'yes' if row['host_bound'] else 'no'} |"
+            )
+        base = g["ratios"]["0.0"]["largest_ok_layers"]
+        best = max((row["largest_ok_layers"] or 0) for row in g["ratios"].values())
+        if base:
+            lines += [
+                "",
+                f"Target: largest ≥ 3x the no-offload limit: **{best / base:.2f}x** ({best} vs {base} layers).",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
