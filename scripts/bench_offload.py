@@ -382,7 +382,7 @@ def main() -> int:
     if args.device == "cpu" and not args.smoke:
         print("bench_offload: on CPU only --smoke makes sense (storage and compute device are the same)")
         return 1
-    out = args.out or Path("benchmarks/offload_smoke" if args.smoke else "benchmarks/offload")
+    out = args.out or Path("runs/offload_smoke" if args.smoke else "benchmarks/offload")
     preset = PRESETS[args.device]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
