@@ -1,0 +1,137 @@
+"""Checkpoints and model saves, all written atomically (a temporary folder beside the target, renamed at the end).
+
+A checkpoint is `output_dir/checkpoints/checkpoint-{step}/`: Accelerate's `save_state` (model, optimizer, RNG
+states, gradient scaler) plus `trainer_state.json` (step, blocks, data position, the run's configuration). The model
+stored there has the blocks it had at that step, so resuming after a delink builds a model with that many blocks
+before `load_state`.
+"""
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from transformers import PreTrainedTokenizerBase
+
+from ..checkpoint import atomic_directory
+from ..models.p2r import P2RForCausalLM
+from .config import DataArguments, ModelArguments, TrainConfig
+
+STATE_FILE = "trainer_state.json"
+CHECKPOINTS = "checkpoints"
+# Fields that decide what a checkpoint's weights mean: a resumed run must agree on them.
+_COMPATIBLE_FIELDS = (
+    [f.name for f in dataclasses.fields(ModelArguments)]
+    + [f.name for f in dataclasses.fields(DataArguments) if f.name not in ("cache_dir", "preprocessing_num_workers")]
+    + ["seed"]
+)
+
+
+@dataclass
+class TrainState:
+    """Where the run is; everything else (the learning rate, the data order) is a function of these and the config."""
+
+    step: int = 0  # optimizer steps done
+    num_blocks: int = 1  # blocks of the model now
+    blocks_consumed: int = 0  # data position: training blocks used so far, over all processes
+    train_time_s: float = 0.0  # wall time spent in training steps (no evaluation, no saving)
+    log_loss_sum: float = 0.0  # training loss summed over the steps since the last metrics record
+    log_steps: int = 0
+    metrics_records: int = 0  # records in metrics.jsonl (a resumed run drops those written after the checkpoint)
+
+
+def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"checkpoint-{step}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first (temporary folders of interrupted saves are ignored)."""
+    folder = Path(output_dir) / CHECKPOINTS
+    found = [p for p in folder.glob("checkpoint-*") if (p / STATE_FILE).is_file() and _step_of(p) is not None]
+    return sorted(found, key=_step_of)
+
+
+def _step_of(path: Path) -> int | None:
+    suffix = path.name.removeprefix("checkpoint-")
+    return int(suffix) if suffix.isdigit() else None
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: TrainState, config: TrainConfig) -> Path:
+    """Write `checkpoint-{step}` atomically and keep the newest `save_total_limit`; call on every process.
+
+    The main process makes the temporary folder and tells the others its name (each writes its RNG state there);
+    it is renamed into place once every process has finished writing.
+    """
+    destination = checkpoint_path(output_dir, state.step)
+    payload = {"state": dataclasses.asdict(state), "config": config.to_dict()}
+    if accelerator.is_main_process:
+        with atomic_directory(destination, overwrite=True) as tmp:
+            broadcast_object_list([str(tmp)])
+            accelerator.save_state(tmp)
+            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+            accelerator.wait_for_everyone()
+        limit = config.train.save_total_limit
+        if limit is not None:
+            for old in list_checkpoints(output_dir)[:-limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    else:
+        [tmp] = broadcast_object_list([None])
+        accelerator.save_state(tmp)
+        accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
+    return destination
+
+
+def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
+    """`name` is a checkpoint folder or "latest" (the newest complete one in `output_dir`)."""
+    if name == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise FileNotFoundError(f"resume_from_checkpoint: no checkpoint in {Path(output_dir) / CHECKPOINTS}")
+        return found[-1]
+    path = Path(name)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"resume_from_checkpoint: {path} is not a checkpoint (no {STATE_FILE})")
+    return path
+
+
+def read_state(path: Path, config: TrainConfig) -> TrainState:
+    """The state saved in checkpoint `path`, after checking that it belongs to a run like `config`."""
+    payload = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    saved, current = payload["config"], config.to_dict()
+    differing = [name for name in _COMPATIBLE_FIELDS if saved.get(name) != current[name]]
+    if differing:
+        details = ", ".join(f"{name}={saved.get(name)!r} there, {current[name]!r} now" for name in differing)
+        raise ValueError(f"resume_from_checkpoint: {path} comes from a different run ({details})")
+    state = TrainState(**payload["state"])
+    if state.num_blocks > config.blocks_at(state.step):
+        raise ValueError(
+            f"resume_from_checkpoint: {path} holds a model with {state.num_blocks} blocks at step {state.step}, but "
+            f"this configuration delinks to that later (pseudo_steps, partial_delink_steps)"
+        )
+    return state
+
+
+def save_model(
+    accelerator: Accelerator,
+    model: P2RForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: str | Path,
+    remote_code: bool,
+) -> None:
+    """`save_pretrained` of the unwrapped model and its tokenizer into `directory`, atomically, on the main process."""
+    if accelerator.is_main_process:
+        with atomic_directory(directory, overwrite=True) as tmp:
+            model.save_pretrained(tmp, remote_code=remote_code)
+            tokenizer.save_pretrained(tmp)
+    accelerator.wait_for_everyone()
+
+
+def discard_after(output_dir: str | Path, step: int) -> None:
+    """Remove checkpoints newer than `step`: resuming from `step` abandons what the run wrote after it."""
+    for path in list_checkpoints(output_dir):
+        if _step_of(path) > step:
+            shutil.rmtree(path)

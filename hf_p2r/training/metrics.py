@@ -1,0 +1,83 @@
+"""Metrics: `metrics.jsonl` (one JSON record per logged step) and the loss-curve PNG drawn from it.
+
+A record has `step`, `stage` ("pseudo" or "real"), `num_blocks`, and, when measured at that step, `loss` (mean
+training loss since the previous record), `lr`, `grad_norm`, `tokens_per_s`, `train_time_s`, `memory_gb` (peak GPU
+memory allocated by torch, or the process's peak RSS on CPU) and `val_loss`. A delink adds a record with
+`"event": "delink"`, `num_blocks_before` and the new `num_blocks`, at the step after which it happened.
+"""
+
+import json
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl` file (an empty list if there is none)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def truncate_metrics(path: str | Path, keep: int) -> None:
+    """Keep the first `keep` records (a resumed run writes the others again)."""
+    records = read_metrics(path)[:keep]
+    Path(path).write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+
+
+def append_metrics(path: str | Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "") -> bool:
+    """Training and validation loss against steps, a dashed line at each delink; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    validation = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if train:
+        axes.plot(*zip(*train), label="training loss", linewidth=1)
+    if validation:
+        axes.plot(*zip(*validation), "o-", label="validation loss", markersize=3)
+    for step, blocks in delink_points(records):
+        axes.axvline(step, color="gray", linestyle="--", linewidth=1)
+        axes.annotate(
+            f"delink -> {blocks} blocks",
+            (step, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color="gray",
+        )
+    axes.set(xlabel="optimizer step", ylabel="loss (nats/token)", title=title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def delink_points(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """[(step, blocks after)] of the delink records (`"event": "delink"`)."""
+    return [(record["step"], record["num_blocks"]) for record in records if record.get("event") == "delink"]

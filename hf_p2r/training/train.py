@@ -1,0 +1,324 @@
+"""The P2R training run, top to bottom: build -> prepare -> (resume) -> loop [pseudo steps, delink, real steps] -> save.
+
+```python
+from hf_p2r.training import parse_config, train
+
+exit_code = train(parse_config(["--config", "configs/demo.yaml"]))
+```
+
+Launch with `accelerate launch scripts/train.py --config ...` for one CPU, one GPU or many (whatever `accelerate
+config` says). Exit codes: 0 when the schedule is done; 128 + signal number (143 for SIGTERM, 130 for SIGINT) when
+a signal stopped it after saving a checkpoint; a non-finite loss raises `NonFiniteLossError`.
+"""
+
+import math
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from ..models.p2r import P2RForCausalLM
+from .checkpointing import (
+    CHECKPOINTS,
+    TrainState,
+    discard_after,
+    list_checkpoints,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_model,
+)
+from .config import TrainConfig
+from .data import BlockOrder, build_blocks, load_tokenizer
+from .delink import check_delink_supported, delink_in_training
+from .metrics import (
+    METRICS_FILE,
+    PLOT_FILE,
+    append_metrics,
+    peak_memory_gb,
+    plot_losses,
+    read_metrics,
+    truncate_metrics,
+)
+from .optim import build_optimizer, learning_rate_at
+
+# What a run writes into output_dir (and what overwrite_output_dir removes; nothing else there is touched).
+OUTPUTS = (CHECKPOINTS, "pseudo", "real", METRICS_FILE, PLOT_FILE, "logs", "train_config.yaml")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the run stopped without saving over the last good checkpoint."""
+
+
+def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blocks: int) -> P2RForCausalLM:
+    """A freshly initialised P2R model with `num_blocks` blocks (k: pseudo, L: real), in training mode."""
+    vocab_size = config.model.vocab_size or -(-len(tokenizer) // 64) * 64  # round up: friendlier matrix shapes
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    special_tokens = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    model = P2RForCausalLM(config.p2r_config(vocab_size, num_blocks, special_tokens))
+    if config.model.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    return model.train()
+
+
+def train(config: TrainConfig) -> int:
+    """Run the schedule of `config`; returns the exit code (see the module docstring)."""
+    args = config.train
+    output_dir = Path(args.output_dir)
+    depth = config.model.num_hidden_layers
+    delink_steps = [step for step, _ in config.delink_schedule()]
+
+    # Build.
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        cpu=args.cpu if args.cpu is not None else not torch.accelerator.is_available(),
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=output_dir,
+    )
+    if delink_steps:
+        check_delink_supported(accelerator)
+    checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
+    _prepare_output_dir(accelerator, output_dir, config, resumed=state if checkpoint else None)
+
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    with accelerator.main_process_first():
+        train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
+    model = build_model(config, tokenizer, state.num_blocks)
+    optimizer = build_optimizer(model, args)
+
+    # Prepare (device placement, DDP, mixed precision) and resume.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if checkpoint:
+        accelerator.load_state(checkpoint)
+        _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
+    if args.report_to != "none":
+        accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
+
+    order = BlockOrder(len(train_blocks), args.seed)
+    tokens_per_step = (
+        args.per_device_batch_size
+        * accelerator.num_processes
+        * args.gradient_accumulation_steps
+        * config.data.block_size
+    )
+    metrics_path = output_dir / METRICS_FILE
+    progress = tqdm(
+        total=args.total_steps,
+        initial=state.step,
+        desc=_stage(state, depth),
+        dynamic_ncols=True,
+        disable=not accelerator.is_local_main_process,
+    )
+    if checkpoint is None and args.eval_steps:
+        _record(
+            accelerator, metrics_path, state, depth, val_loss=_evaluate(accelerator, model, validation_blocks, args)
+        )
+
+    interval_steps, interval_time = 0, 0.0  # in this process since the last record, for tokens_per_s
+    # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
+    with _StopOnSignal() as stop:
+        while True:
+            target = config.blocks_at(state.step)
+            if state.num_blocks < target:
+                if target == depth:
+                    save_model(
+                        accelerator, accelerator.unwrap_model(model), tokenizer, output_dir / "pseudo", args.remote_code
+                    )
+                model, optimizer = delink_in_training(
+                    accelerator, model, optimizer, target if target < depth else None, args
+                )
+                before, state.num_blocks = state.num_blocks, target
+                _record(accelerator, metrics_path, state, depth, event="delink", num_blocks_before=before)
+                _say(
+                    accelerator,
+                    f"step {state.step}: delinked {before} -> {target} blocks "
+                    f"(optimizer_carry={args.optimizer_carry}, lr_after_delink={args.lr_after_delink})",
+                )
+                progress.set_description(_stage(state, depth))
+            if state.step == args.total_steps:
+                break
+
+            started = time.perf_counter()
+            lr = learning_rate_at(state.step, args, delink_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            losses = []
+            for _ in range(args.gradient_accumulation_steps):
+                batch = _next_batch(accelerator, train_blocks, order, state, args.per_device_batch_size)
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch, labels=batch).loss
+                    accelerator.backward(loss)
+                losses.append(loss.detach().float())
+            # One collective gives every process the same mean loss and the same stop decision.
+            gathered = accelerator.gather(torch.stack([torch.stack(losses).mean(), stop.tensor(accelerator.device)]))
+            loss_value = gathered[0::2].mean().item()
+            signum = int(gathered[1::2].max().item())
+            if not math.isfinite(loss_value):
+                last = list_checkpoints(output_dir)
+                raise NonFiniteLossError(
+                    f"non-finite training loss ({loss_value}) at step {state.step + 1} ({_stage(state, depth)} "
+                    f"stage): stopped without saving; last good checkpoint: {last[-1] if last else 'none'}; "
+                    "try a lower learning_rate, more warmup_steps or max_grad_norm"
+                )
+            # The last accumulate() synchronised the gradients: clip, then step.
+            grad_norm = (
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+            )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            elapsed = time.perf_counter() - started
+            state.train_time_s += elapsed
+            interval_steps, interval_time = interval_steps + 1, interval_time + elapsed
+            state.log_loss_sum += loss_value
+            state.log_steps += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+
+            final = state.step == args.total_steps
+            measure = {}
+            if state.step % args.logging_steps == 0 or final:
+                measure.update(
+                    loss=state.log_loss_sum / state.log_steps,
+                    lr=lr,
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    tokens_per_s=tokens_per_step * interval_steps / interval_time,
+                    train_time_s=state.train_time_s,
+                    memory_gb=peak_memory_gb(accelerator.device),
+                )
+                state.log_loss_sum, state.log_steps = 0.0, 0
+                interval_steps, interval_time = 0, 0.0
+            if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
+                measure["val_loss"] = _evaluate(accelerator, model, validation_blocks, args)
+            if measure:
+                _record(accelerator, metrics_path, state, depth, **measure)
+            if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
+                save_checkpoint(accelerator, output_dir, state, config)
+            if signum and not final:
+                progress.close()
+                _say(
+                    accelerator,
+                    f"stopped by signal {signum} after step {state.step}; checkpoint saved: resume with "
+                    "--resume_from_checkpoint latest",
+                )
+                return 128 + signum
+    progress.close()
+
+    # Save: the real model (already delinked by the loop), its tokenizer, the loss curve.
+    save_model(accelerator, accelerator.unwrap_model(model), tokenizer, output_dir / "real", args.remote_code)
+    if accelerator.is_main_process:
+        title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, optimizer_carry={args.optimizer_carry}"
+        if not plot_losses(read_metrics(metrics_path), output_dir / PLOT_FILE, title):
+            print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
+    accelerator.end_training()
+    return 0
+
+
+def _next_batch(accelerator, blocks, order: BlockOrder, state: TrainState, batch_size: int) -> torch.Tensor:
+    """This process's slice of the next global micro-batch; advances the data position by the global batch."""
+    start = state.blocks_consumed + accelerator.process_index * batch_size
+    state.blocks_consumed += batch_size * accelerator.num_processes
+    return blocks[order.indices(start, batch_size)]["input_ids"].to(accelerator.device)
+
+
+@torch.no_grad()
+def _evaluate(accelerator: Accelerator, model, blocks, args) -> float:
+    """Mean loss over `eval_blocks` validation blocks spread evenly over the split, each process taking every n-th."""
+    # The unwrapped model (mixed-precision wrapper kept): DDP's forward could start collectives that a process with
+    # fewer validation blocks would never join.
+    model = accelerator.unwrap_model(model).eval()
+    count = min(len(blocks), args.eval_blocks)
+    # Evenly spaced rather than the first ones: consecutive blocks come from the same few documents.
+    chosen = [index * len(blocks) // count for index in range(count)]
+    mine = chosen[accelerator.process_index :: accelerator.num_processes]
+    total = torch.zeros((), device=accelerator.device)
+    for start in range(0, len(mine), args.per_device_batch_size):
+        ids = blocks[mine[start : start + args.per_device_batch_size]]["input_ids"].to(accelerator.device)
+        total += model(input_ids=ids, labels=ids).loss.float() * len(ids)
+    model.train()
+    return accelerator.reduce(total, reduction="sum").item() / count
+
+
+def _record(accelerator: Accelerator, path: Path, state: TrainState, depth: int, **values) -> None:
+    record = {"step": state.step, "stage": _stage(state, depth), "num_blocks": state.num_blocks, **values}
+    state.metrics_records += 1
+    if accelerator.is_main_process:
+        append_metrics(path, record)
+    numbers = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    if numbers and accelerator.trackers:
+        accelerator.log(numbers, step=state.step)
+
+
+def _stage(state: TrainState, depth: int) -> str:
+    return "pseudo" if state.num_blocks < depth else "real"
+
+
+def _say(accelerator: Accelerator, message: str) -> None:
+    if accelerator.is_local_main_process:
+        tqdm.write(message)
+
+
+def _prepare_output_dir(accelerator: Accelerator, output_dir: Path, config: TrainConfig, resumed: TrainState | None):
+    """A fresh run refuses earlier outputs unless overwrite_output_dir; a resumed run drops what came after its
+    checkpoint. Every process checks (so all of them stop on an error); the main process changes the folder."""
+    existing = [output_dir / name for name in OUTPUTS if (output_dir / name).exists()]
+    if resumed is None and existing and not config.train.overwrite_output_dir:
+        raise FileExistsError(
+            f"output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); pass "
+            "--resume_from_checkpoint latest to continue it or --overwrite_output_dir true to start over"
+        )
+    accelerator.wait_for_everyone()  # every process has looked before the main one changes anything
+    if accelerator.is_main_process:
+        if resumed is not None:
+            discard_after(output_dir, resumed.step)
+            truncate_metrics(output_dir / METRICS_FILE, resumed.metrics_records)
+        else:
+            for path in existing:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            output_dir.mkdir(parents=True, exist_ok=True)
+        # The resolved configuration, usable as --config to repeat the run.
+        config_text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+        (output_dir / "train_config.yaml").write_text(config_text, encoding="utf-8")
+    accelerator.wait_for_everyone()
+
+
+class _StopOnSignal:
+    """SIGTERM / SIGINT ask the loop to stop after the current step (it then saves a checkpoint and returns).
+
+    The first signal only sets a flag; the previous handler is put back, so a second signal acts at once.
+    """
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(float(self.signum), device=device)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._previous[signum])
+
+    def __enter__(self):
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,59 @@
+"""Shared settings for the training tests: a model and corpus small enough for a step in milliseconds."""
+
+import os
+import sys
+from pathlib import Path
+
+from hf_p2r.training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_unique_layers": 1,
+    "block_size": 32,
+    "corpus_max_bytes": 30000,
+    "per_device_batch_size": 4,
+    "learning_rate": 3e-3,
+    "warmup_steps": 2,
+    "logging_steps": 1,
+    "eval_steps": 2,
+    "eval_blocks": 8,
+    "save_total_limit": 100,
+    "cpu": "true",
+}
+
+
+def tiny_argv(output_dir, **overrides) -> list[str]:
+    """Command-line arguments for a tiny run into `output_dir` (values as strings, the way a shell passes them)."""
+    fields = {**TINY, "output_dir": output_dir, **overrides}
+    argv = []
+    for key, value in fields.items():
+        argv += [f"--{key}", *(str(v) for v in value)] if isinstance(value, list) else [f"--{key}", str(value)]
+    return argv
+
+
+def subprocess_env() -> dict[str, str]:
+    """Offline, quiet, and one thread per process (two processes share this machine's two cores)."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+# What a resumed or distributed run must reproduce (the rest is timing and memory).
+DETERMINISTIC = ("step", "stage", "num_blocks", "event", "loss", "lr", "grad_norm", "val_loss")
+
+
+def trajectory(output_dir) -> list[dict]:
+    """The deterministic part of every metrics record of a run."""
+    return [{k: r[k] for k in DETERMINISTIC if k in r} for r in read_metrics(Path(output_dir) / "metrics.jsonl")]

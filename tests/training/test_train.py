@@ -1,0 +1,112 @@
+"""The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_p2r import P2RForCausalLM
+from hf_p2r.training import NonFiniteLossError, parse_config, train
+from hf_p2r.training.checkpointing import list_checkpoints
+
+from .helpers import tiny_argv, trajectory
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps; a checkpoint every step.
+SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2], save_steps=1)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One uninterrupted run, shared by the tests below (they copy it before resuming)."""
+    output_dir = tmp_path_factory.mktemp("full") / "run"
+    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
+    return output_dir
+
+
+def test_run_writes_both_models_metrics_and_checkpoints(full_run):
+    records = json.loads("[" + ",".join((full_run / "metrics.jsonl").read_text().splitlines()) + "]")
+    delinks = [(r["step"], r["num_blocks_before"], r["num_blocks"]) for r in records if r.get("event") == "delink"]
+    assert delinks == [(2, 1, 2), (4, 2, 4)]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 8))
+    assert {r["stage"] for r in records if "loss" in r and r["step"] <= 4} == {"pseudo"}
+    assert {r["stage"] for r in records if "loss" in r and r["step"] > 4} == {"real"}
+    assert all(r["tokens_per_s"] > 0 and r["memory_gb"] > 0 for r in records if "loss" in r)
+    assert (full_run / "loss.png").stat().st_size > 0
+    assert [p.name for p in list_checkpoints(full_run)] == [f"checkpoint-{step}" for step in range(1, 8)]
+
+    # pseudo/ is the model just before the last delink (2 shared blocks), real/ the final model; both with tokenizer.
+    pseudo = AutoModelForCausalLM.from_pretrained(full_run / "pseudo")
+    real = AutoModelForCausalLM.from_pretrained(full_run / "real")
+    assert (pseudo.config.share_layers, pseudo.config.num_unique_layers) == (True, 2)
+    assert (real.config.share_layers, len(real.model.layers)) == (False, 4)
+    for folder in ("pseudo", "real"):
+        assert AutoTokenizer.from_pretrained(full_run / folder)("ab")["input_ids"] == [97, 98]
+    # pseudo/ delinks on load into exactly the model the real stage started from.
+    started = P2RForCausalLM.from_pretrained(full_run / "pseudo", share_layers=False).eval()
+    ids = torch.arange(3, 35).unsqueeze(0)
+    assert torch.equal(started(ids).logits, pseudo.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("resume_step", [1, 2, 4, 5])  # pseudo (k=1), at the partial delink, at the real delink, real
+def test_resume_continues_exactly(full_run, tmp_path, resume_step):
+    output_dir = tmp_path / "run"
+    shutil.copytree(full_run, output_dir)
+    checkpoint = output_dir / "checkpoints" / f"checkpoint-{resume_step}"
+    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE, resume_from_checkpoint=checkpoint))) == 0
+    assert trajectory(output_dir) == trajectory(full_run)  # every loss, learning rate and gradient norm, bitwise
+    assert [p.name for p in list_checkpoints(output_dir)] == [p.name for p in list_checkpoints(full_run)]
+
+
+def test_resume_comparison_can_fail(full_run, tmp_path):
+    """Control: resuming with another optimizer carry changes the losses after the delink, and the test sees it."""
+    output_dir = tmp_path / "run"
+    shutil.copytree(full_run, output_dir)
+    argv = tiny_argv(output_dir, **SCHEDULE, resume_from_checkpoint="latest", optimizer_carry="reset")
+    shutil.rmtree(output_dir / "checkpoints" / "checkpoint-7")
+    for step in (6, 5, 4, 3):
+        shutil.rmtree(output_dir / "checkpoints" / f"checkpoint-{step}")  # "latest" is now checkpoint-2
+    assert train(parse_config(argv)) == 0
+    resumed, full = trajectory(output_dir), trajectory(full_run)
+    assert resumed[:4] == full[:4]
+    assert [r.get("loss") for r in resumed if r["step"] > 3] != [r.get("loss") for r in full if r["step"] > 3]
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(full_run, tmp_path):
+    output_dir = tmp_path / "run"
+    shutil.copytree(full_run, output_dir)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .* different run \(hidden_size=32 there, 64 now\)"):
+        train(parse_config(tiny_argv(output_dir, **SCHEDULE, resume_from_checkpoint="latest", hidden_size=64)))
+
+
+def test_fresh_run_refuses_an_earlier_run_without_overwrite(full_run):
+    with pytest.raises(FileExistsError, match="output_dir: .* already holds a run"):
+        train(parse_config(tiny_argv(full_run, **SCHEDULE)))
+
+
+def test_non_finite_loss_stops_without_touching_the_last_checkpoint(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    forward = P2RForCausalLM.forward
+
+    def poisoned(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 3:  # the third training step
+                output.loss = output.loss * float("nan")
+        return output
+
+    monkeypatch.setattr(P2RForCausalLM, "forward", poisoned)
+    output_dir = tmp_path / "run"
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"non-finite training loss \(nan\) at step 3 \(pseudo stage\).*"
+        r"checkpoint-2",
+    ):
+        train(parse_config(tiny_argv(output_dir, **SCHEDULE)))
+    assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-1", "checkpoint-2"]
+    assert json.loads((output_dir / "checkpoints/checkpoint-2/trainer_state.json").read_text())["state"]["step"] == 2
+    assert not (output_dir / "real").exists()
