@@ -166,9 +166,26 @@ class TrainArguments:
     remote_code: bool = field(
         default=True, metadata={"help": "Save the modeling code with pseudo/ and real/ (trust_remote_code)."}
     )
+    offload: str | None = field(
+        default=None,
+        metadata={
+            "help": "Granular CPU offload of blocks (one process): auto, a ratio of blocks (0.5) or block indices "
+            "([1, 3, 5]); re-selected after every delink, so auto offloads nothing while the pseudo model fits."
+        },
+    )
+    offload_budget_gb: float | None = field(
+        default=None, metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85% of it)."}
+    )
+    offload_prefetch: int = field(default=1, metadata={"help": "Offloaded blocks copied ahead of their use."})
 
     def __post_init__(self):
+        # YAML gives a number or a list; the command line a string. Keep one canonical string form.
+        if isinstance(self.offload, int | float | list) and not isinstance(self.offload, bool):
+            self.offload = str(self.offload)
         check_types(self)
+        parse_offload(self.offload)
+        check_range("offload_budget_gb", self.offload_budget_gb, low=0.0, strict_low=True)
+        check_range("offload_prefetch", self.offload_prefetch, low=0)
         for name in ("pseudo_steps", "real_steps", "warmup_steps", "eval_steps", "save_steps"):
             check_range(name, getattr(self, name), low=0)
         for name in ("rewarm_steps", "per_device_batch_size", "gradient_accumulation_steps", "logging_steps"):
@@ -188,6 +205,32 @@ class TrainArguments:
     @property
     def total_steps(self) -> int:
         return self.pseudo_steps + self.real_steps
+
+    @property
+    def offload_spec(self) -> str | float | list[int] | None:
+        """`offload` as `GranularOffload` takes it: "auto", a ratio, a list of block indices, or None."""
+        return parse_offload(self.offload)
+
+
+def parse_offload(text: str | None) -> str | float | list[int] | None:
+    """ "auto" | "0.5" | "[1, 3, 5]" | None -> "auto" | 0.5 | [1, 3, 5] | None; `ValueError("offload: ...")` else."""
+    text = None if text is None else text.strip()
+    if text in (None, "", "none"):
+        return None
+    if text == "auto":
+        return text
+    try:
+        if text.startswith("["):
+            indices = yaml.safe_load(text)
+            if isinstance(indices, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+                return indices
+        elif 0.0 <= (ratio := float(text)) <= 1.0:
+            return ratio
+    except (ValueError, yaml.YAMLError):
+        pass
+    raise ValueError(
+        f"offload: expected auto, a ratio between 0 and 1 (0.5) or a list of block indices ([1, 3, 5]), got {text!r}"
+    )
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Delinking during training: the model gets more blocks, and the optimizer follows.
 
 `delink_with_optimizer` is plain PyTorch (testable alone); `delink_in_training` wraps it for a model and optimizer
-prepared by Accelerate. How the Adam state of a block's copies starts (`optimizer_carry`):
+prepared by Accelerate (one device, DDP, FSDP2, DeepSpeed) and for granular offload. How the Adam state of a block's
+copies starts (`optimizer_carry`):
 
 - `reset`: fresh state, as if the copies were new parameters (Adam's bias correction restarts for them).
 - `copy`: each copy takes the shared parameter's `exp_avg`, `exp_avg_sq` and `step`.
@@ -14,6 +15,7 @@ Parameters outside the transformer blocks (embeddings, final norm, head) keep th
 """
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
@@ -22,40 +24,63 @@ from torch import nn
 
 from ..models.p2r import P2RForCausalLM
 from .config import TrainArguments
-from .optim import build_optimizer
+from .offload import GranularOffload
+from .optim import apply_offload, build_optimizer
 
-# Engines whose parameters and optimizer state are sharded or owned by the engine: delinking them needs a gather
-# (or the engine's own checkpoint reshaping), which this module does not do yet.
-UNSUPPORTED_ENGINES = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+@dataclass
+class _Before:
+    """What carrying the optimizer state needs to know of the model before it was delinked."""
+
+    params: dict[str, nn.Parameter]  # name -> parameter
+    uses: Counter  # block -> depths it ran at
+    block_of: dict[int, int]  # id(parameter) -> block
+
+    @classmethod
+    def of(cls, model: P2RForCausalLM) -> "_Before":
+        return cls(dict(model.named_parameters()), Counter(model.config.block_of_depth), _block_of_parameter(model))
+
+
+def carry_optimizer_state(
+    old_optimizer: torch.optim.Optimizer,
+    new_optimizer: torch.optim.Optimizer,
+    model: P2RForCausalLM,
+    mapping: dict[str, str],
+    before: _Before,
+    carry: str,
+) -> None:
+    """Fill `new_optimizer` (over the delinked `model`) from `old_optimizer` per `carry` (reset, copy, scale).
+
+    `mapping` is `delink_parameter_map` ({new name: old name}). Each carried tensor is placed on its new parameter's
+    device, so offloaded parameters keep their state in CPU memory.
+    """
+    uses_after, block_after = Counter(model.config.block_of_depth), _block_of_parameter(model)
+    for name, param in model.named_parameters():
+        source = before.params[mapping[name]]
+        state = old_optimizer.state.get(source)
+        if not state:
+            continue
+        if id(param) not in block_after:  # outside the blocks: keeps its state in every mode
+            new_optimizer.state[param] = {key: _to(value, param) for key, value in state.items()}
+        elif carry != "reset":
+            ratio = 1.0
+            if carry == "scale":
+                ratio = uses_after[block_after[id(param)]] / before.uses[before.block_of[id(source)]]
+            new_optimizer.state[param] = _scaled_state(state, ratio, param)
+    # A state_dict round trip lets torch place each `step` where this optimizer's implementation wants it
+    # (fused and capturable AdamW keep it on the parameter's device, the others on the CPU).
+    new_optimizer.load_state_dict(new_optimizer.state_dict())
 
 
 def delink_with_optimizer(
     model: P2RForCausalLM, optimizer: torch.optim.Optimizer, num_unique_layers: int | None, args: TrainArguments
-) -> torch.optim.AdamW:
+) -> torch.optim.Optimizer:
     """Delink `model` in place to `num_unique_layers` blocks (None: the real model) and return a new optimizer over
     its parameters whose state is carried from `optimizer` according to `args.optimizer_carry`."""
-    uses_before = Counter(model.config.block_of_depth)
-    block_before = _block_of_parameter(model)
-    old_params = dict(model.named_parameters())
-    mapping = model.delink_parameter_map(num_unique_layers)  # new name -> current name, computed before delinking
-
+    before, mapping = _Before.of(model), model.delink_parameter_map(num_unique_layers)
     model.delink(num_unique_layers)
-
-    uses_after = Counter(model.config.block_of_depth)
-    block_after = _block_of_parameter(model)
     new_optimizer = build_optimizer(model, args)
-    for name, param in model.named_parameters():
-        source = old_params[mapping[name]]
-        state = optimizer.state.get(source)
-        if not state:
-            continue
-        if id(param) not in block_after:  # not in a transformer block: the same Parameter, the same state
-            new_optimizer.state[param] = state
-        elif args.optimizer_carry != "reset":
-            ratio = 1.0
-            if args.optimizer_carry == "scale":
-                ratio = uses_after[block_after[id(param)]] / uses_before[block_before[id(source)]]
-            new_optimizer.state[param] = _scaled_state(state, ratio)
+    carry_optimizer_state(optimizer, new_optimizer, model, mapping, before, args.optimizer_carry)
     return new_optimizer
 
 
@@ -64,38 +89,92 @@ def _block_of_parameter(model: P2RForCausalLM) -> dict[int, int]:
     return {id(param): block for block, layer in enumerate(model.base_model.layers) for param in layer.parameters()}
 
 
-def _scaled_state(state: dict, ratio: float) -> dict:
+def _to(value, param: nn.Parameter):
+    """`value` on `param`'s device (DTensor shards stay as they are: they are laid out like their parameter)."""
+    if torch.is_tensor(value) and value.ndim and value.device != param.device:
+        return value.to(param.device)
+    return value
+
+
+def _scaled_state(state: dict, ratio: float, param: nn.Parameter) -> dict:
     """A copy of one parameter's Adam state with the first moment times `ratio`, the second times `ratio**2`."""
     factors = {"exp_avg": ratio, "exp_avg_sq": ratio**2, "max_exp_avg_sq": ratio**2}
     return {
-        key: value * factors[key] if key in factors and ratio != 1.0 else value.clone() for key, value in state.items()
+        key: _to(value * factors[key] if key in factors and ratio != 1.0 else value.clone(), param)
+        for key, value in state.items()
     }
 
 
-def check_delink_supported(accelerator: Accelerator) -> None:
-    """Raise `ValueError` up front when the run would delink under an engine this module cannot handle yet."""
-    if accelerator.distributed_type in UNSUPPORTED_ENGINES:
+def check_delink_supported(accelerator: Accelerator, args: TrainArguments) -> None:
+    """Raise `ValueError` up front when the run would delink under an engine this module cannot handle."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ValueError("pseudo_steps: delinking under FSDP1 is not supported; use FSDP2 (fsdp_version: 2)")
+    if kind == DistributedType.DEEPSPEED and args.optimizer_carry != "reset":
         raise ValueError(
-            f"pseudo_steps: delinking under {accelerator.distributed_type.value} is not supported yet; train the "
-            "pseudo stage with DDP (or one device), or set pseudo_steps: 0"
+            "optimizer_carry: under DeepSpeed the optimizer state lives in flat ZeRO partitions with no per-parameter "
+            "carry; use optimizer_carry: reset (or FSDP2, which carries it)"
         )
+    if kind == DistributedType.MEGATRON_LM:
+        raise ValueError("pseudo_steps: delinking under Megatron-LM is not supported; use FSDP2 or DeepSpeed")
 
 
 def delink_in_training(
-    accelerator: Accelerator, model: nn.Module, optimizer, num_unique_layers: int | None, args: TrainArguments
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Delink the prepared `model` and rebuild the prepared `optimizer`; returns the newly prepared pair.
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer,
+    num_unique_layers: int | None,
+    args: TrainArguments,
+    offload: GranularOffload | None = None,
+    activation_bytes: int = 0,
+) -> tuple[nn.Module, torch.optim.Optimizer, GranularOffload | None]:
+    """Delink the prepared `model` and rebuild the prepared `optimizer`; returns the newly prepared pair and the
+    granular offload applied to the new model (None without `args.offload`).
 
-    Call it between optimizer steps (gradients zeroed). Under DDP the wrapper's gradient buckets list the old
-    parameters, so the model is unwrapped, delinked and wrapped again. Accelerate keeps the prepared objects in
+    Call it between optimizer steps (gradients zeroed). Accelerate keeps the prepared objects in
     `accelerator._models` / `_optimizers` (what `save_state` saves); its public `free_memory()` drops them (and
     resets `accelerator.step`, the gradient-accumulation counter, which is 0 modulo the accumulation steps between
-    optimizer steps), so that afterwards Accelerate knows only the delinked pair. Mixed-precision forward wrappers
-    are removed before and added again by `prepare`.
+    optimizer steps), so that afterwards Accelerate knows only the delinked pair.
+
+    - FSDP2: the sharded model is delinked without gathering it (`hf_p2r.parallel.delink_fully_sharded`: each rank
+      copies its own shards), then sharded like the old one; the optimizer state is carried shard by shard.
+    - DeepSpeed: the full fp32 weights are gathered, the model is delinked and a new engine is built; the optimizer
+      state restarts (`optimizer_carry: reset`, checked up front).
+    - One device or DDP: the model is unwrapped (DDP's gradient buckets list the old parameters), delinked in place
+      and wrapped again. Under granular offload the hooks are removed first (every parameter back where it was),
+      and the offload is applied again to the delinked model, re-selecting its blocks (`offload: auto` picks none
+      while the model fits: the pseudo model trains on the GPU, the real one offloads just enough).
     """
-    check_delink_supported(accelerator)
-    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    check_delink_supported(accelerator, args)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
+    if accelerator.is_fsdp2:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        from ..parallel import delink_fully_sharded, gather_shared_once
+
+        before = _Before.of(model)
+        new_model, mapping = delink_fully_sharded(
+            model, num_unique_layers, shard=lambda m: gather_shared_once(fsdp2_prepare_model(accelerator, m))
+        )
+        new_optimizer = build_optimizer(new_model, args)
+        carry_optimizer_state(raw_optimizer, new_optimizer, new_model, mapping, before, args.optimizer_carry)
+        accelerator.free_memory()
+        return *accelerator.prepare(new_model, new_optimizer), None
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from ..parallel import gather_deepspeed_model
+
+        plain = gather_deepspeed_model(model).delink(num_unique_layers)  # a collective: every rank calls it
+        accelerator.free_memory()
+        return *accelerator.prepare(plain, build_optimizer(plain, args)), None
+
+    unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     accelerator.free_memory()
-    new_optimizer = delink_with_optimizer(unwrapped, raw_optimizer, num_unique_layers, args)
-    return accelerator.prepare(unwrapped, new_optimizer)
+    if offload is not None:
+        offload.remove()
+    before, mapping = _Before.of(unwrapped), unwrapped.delink_parameter_map(num_unique_layers)
+    unwrapped.delink(num_unique_layers)
+    offload = apply_offload(unwrapped, args, accelerator, activation_bytes)
+    new_optimizer = build_optimizer(unwrapped, args, offload)
+    carry_optimizer_state(raw_optimizer, new_optimizer, unwrapped, mapping, before, args.optimizer_carry)
+    placement = [False, False] if offload is not None else None
+    return *accelerator.prepare(unwrapped, new_optimizer, device_placement=placement), offload

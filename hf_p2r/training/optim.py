@@ -8,23 +8,67 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import TrainArguments
+from .offload import GranularOffload, measure_activation_bytes
 
 
-def build_optimizer(model: nn.Module, args: TrainArguments) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, args: TrainArguments, offload: GranularOffload | None = None
+) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; weight decay on matrices and embeddings, not on norms and biases.
 
-    The single place where the optimizer is made: at the start, at every delink and when resuming.
+    The single place where the optimizer is made: at the start, at every delink and when resuming. With granular
+    `offload`, the offloaded blocks' part of each group steps on the CPU (`GranularOffload.build_optimizer`).
+    torch's fused AdamW is used wherever it applies (not on FSDP2's DTensor shards), with or without offload, so
+    the two give the same updates.
     """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon
+    options = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    if offload is not None:
+        return offload.build_optimizer(groups, **options, fused=True)
+    fused = not any(isinstance(p, DTensor) for p in decay + no_decay)
+    return torch.optim.AdamW(groups, **options, fused=fused or None)
+
+
+def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activation_bytes: int = 0):
+    """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it.
+
+    Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks).
+    """
+    if args.offload is None:
+        return None
+    budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
+    return GranularOffload(
+        model,
+        args.offload_spec,
+        device=accelerator.device,
+        prefetch=args.offload_prefetch,
+        compute_dtype=torch.bfloat16 if accelerator.mixed_precision == "bf16" else None,
+        budget_bytes=budget,
+        activation_bytes=activation_bytes,
     )
+
+
+def measure_offload_activations(model: nn.Module, args: TrainArguments, block_size: int, accelerator) -> int:
+    """Activation bytes of one training micro-batch, for `offload: auto` (0 for other offload modes).
+
+    Measured on the CPU, before the model is placed (the pseudo model's activations equal the real model's), with
+    one sequence of at most 512 tokens under the run's bf16 autocast, then scaled linearly to the micro-batch:
+    attention is `sdpa`-like (linear in the sequence), so this is an estimate, like the rest of `auto`'s plan.
+    """
+    if args.offload != "auto":
+        return 0
+    tokens = min(block_size, 512)
+    input_ids = torch.zeros((1, tokens), dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=accelerator.mixed_precision == "bf16"):
+        measured = measure_activation_bytes(model, input_ids)
+    return measured * args.per_device_batch_size * block_size // tokens
 
 
 def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -> float:

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ..models.p2r import P2RForCausalLM
+from ..parallel import gather_shared_once
 from .checkpointing import (
     CHECKPOINTS,
     TrainState,
@@ -47,7 +48,7 @@ from .metrics import (
     read_metrics,
     truncate_metrics,
 )
-from .optim import build_optimizer, learning_rate_at
+from .optim import apply_offload, build_optimizer, learning_rate_at, measure_offload_activations
 
 # What a run writes into output_dir (and what overwrite_output_dir removes; nothing else there is touched).
 OUTPUTS = (CHECKPOINTS, "pseudo", "real", METRICS_FILE, PLOT_FILE, "logs", "train_config.yaml")
@@ -89,7 +90,15 @@ def train(config: TrainConfig) -> int:
         project_dir=output_dir,
     )
     if delink_steps:
-        check_delink_supported(accelerator)
+        check_delink_supported(accelerator, args)
+    if args.offload is not None and (
+        accelerator.num_processes > 1 or accelerator.distributed_type != DistributedType.NO
+    ):
+        raise ValueError(
+            f"offload: granular offload runs in one process, this run has {accelerator.num_processes} "
+            f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml or "
+            "deepspeed_zero3_offload.yaml"
+        )
     checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
     _prepare_output_dir(accelerator, output_dir, config, resumed=state if checkpoint else None)
@@ -99,10 +108,20 @@ def train(config: TrainConfig) -> int:
     with accelerator.main_process_first():
         train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
     model = build_model(config, tokenizer, state.num_blocks)
-    optimizer = build_optimizer(model, args)
+    # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
+    activation_bytes = measure_offload_activations(model, args, config.data.block_size, accelerator)
+    offload = apply_offload(model, args, accelerator, activation_bytes)
+    optimizer = build_optimizer(model, args, offload)
 
-    # Prepare (device placement, DDP, mixed precision) and resume.
-    model, optimizer = accelerator.prepare(model, optimizer)
+    # Prepare (device placement, DDP / FSDP2 / DeepSpeed, mixed precision) and resume.
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        _fill_deepspeed_batch_size(accelerator, args)
+    placement = [False, False] if offload is not None else None
+    model, optimizer = accelerator.prepare(model, optimizer, device_placement=placement)
+    if accelerator.is_fsdp2:
+        gather_shared_once(model)  # a shared block is gathered once per step, not at every depth
+    if offload is not None:
+        _say(accelerator, f"offload: blocks {offload.layers} of {state.num_blocks} in CPU memory")
     if checkpoint:
         accelerator.load_state(checkpoint)
         _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
@@ -139,15 +158,17 @@ def train(config: TrainConfig) -> int:
                     save_model(
                         accelerator, accelerator.unwrap_model(model), tokenizer, output_dir / "pseudo", args.remote_code
                     )
-                model, optimizer = delink_in_training(
-                    accelerator, model, optimizer, target if target < depth else None, args
+                model, optimizer, offload = delink_in_training(
+                    accelerator, model, optimizer, target if target < depth else None, args, offload, activation_bytes
                 )
                 before, state.num_blocks = state.num_blocks, target
-                _record(accelerator, metrics_path, state, depth, event="delink", num_blocks_before=before)
+                offloaded = {"offloaded_blocks": offload.layers} if offload is not None else {}
+                _record(accelerator, metrics_path, state, depth, event="delink", num_blocks_before=before, **offloaded)
                 _say(
                     accelerator,
                     f"step {state.step}: delinked {before} -> {target} blocks "
-                    f"(optimizer_carry={args.optimizer_carry}, lr_after_delink={args.lr_after_delink})",
+                    f"(optimizer_carry={args.optimizer_carry}, lr_after_delink={args.lr_after_delink})"
+                    + (f"; offload: blocks {offload.layers} in CPU memory" if offload is not None else ""),
                 )
                 progress.set_description(_stage(state, depth))
             if state.step == args.total_steps:
@@ -227,6 +248,14 @@ def train(config: TrainConfig) -> int:
             print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
     accelerator.end_training()
     return 0
+
+
+def _fill_deepspeed_batch_size(accelerator: Accelerator, args) -> None:
+    """DeepSpeed needs its micro-batch size before `prepare`; Accelerate reads it from a DataLoader, which this loop
+    does not use, so an "auto" value in the DeepSpeed config is set from `per_device_batch_size`."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = args.per_device_batch_size
 
 
 def _next_batch(accelerator, blocks, order: BlockOrder, state: TrainState, batch_size: int) -> torch.Tensor:

@@ -107,7 +107,8 @@ def test_delink_in_training_leaves_accelerate_with_only_the_new_pair():
     accelerator = Accelerator(cpu=True)
     model, optimizer, _ = _trained(num_hidden_layers=8, num_unique_layers=2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    model, optimizer = delink_in_training(accelerator, model, optimizer, None, TrainArguments())
+    model, optimizer, offload = delink_in_training(accelerator, model, optimizer, None, TrainArguments())
+    assert offload is None
     assert accelerator._models == [model] and accelerator._optimizers == [optimizer]
     assert len(model.model.layers) == 8
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}

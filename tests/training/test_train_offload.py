@@ -1,0 +1,91 @@
+"""Granular offload inside the trainer: the same training with and without it, and `offload: auto` switching on
+at the delink (the pseudo model fits, the real one needs it). Without CUDA the compute device is the CPU: the same
+code path runs, with CPU-to-CPU copies."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_p2r.training import parse_config, train
+from hf_p2r.training.data import load_tokenizer
+from hf_p2r.training.metrics import read_metrics
+from hf_p2r.training.offload import estimate_device_bytes, spread_layers
+from hf_p2r.training.optim import apply_offload, measure_offload_activations
+from hf_p2r.training.train import build_model
+
+from .helpers import tiny_argv, trajectory
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps.
+SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2])
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("plain") / "run"
+    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
+    return output_dir
+
+
+def _final_weights(output_dir):
+    from safetensors.torch import load_file
+
+    return load_file(output_dir / "real" / "model.safetensors")
+
+
+def test_offloaded_training_equals_plain_training(plain_run, tmp_path):
+    output_dir = tmp_path / "run"
+    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE, offload="0.5"))) == 0
+    assert trajectory(output_dir) == trajectory(plain_run)  # every loss, learning rate and gradient norm, bitwise
+    offloaded, plain = _final_weights(output_dir), _final_weights(plain_run)
+    assert offloaded.keys() == plain.keys()
+    assert all(torch.equal(offloaded[k], plain[k]) for k in plain)
+    delinks = [r for r in read_metrics(output_dir / "metrics.jsonl") if r.get("event") == "delink"]
+    assert [r["offloaded_blocks"] for r in delinks] == [[1], [1, 3]]  # half of 2 blocks, then of 4
+
+
+def test_offload_auto_switches_on_at_delink(plain_run, tmp_path):
+    """With a budget the pseudo model fits in, auto offloads nothing until the real model needs it."""
+    config = parse_config(tiny_argv(tmp_path / "probe", **SCHEDULE))
+    tokenizer, accelerator = load_tokenizer(None), SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))
+    args = config.train
+    args.offload = "auto"
+    pseudo, real = build_model(config, tokenizer, 1), build_model(config, tokenizer, 4)
+    activations = measure_offload_activations(pseudo, args, config.data.block_size, accelerator)
+    assert activations == measure_offload_activations(real, args, config.data.block_size, accelerator) > 0
+    # A budget that fits the real model with 2 of its 4 blocks offloaded, but not with 1.
+    budget = estimate_device_bytes(real, spread_layers(2, 4), activation_bytes=activations)
+    assert estimate_device_bytes(real, spread_layers(1, 4), activation_bytes=activations) > budget
+    assert estimate_device_bytes(pseudo, [], activation_bytes=activations) <= budget
+    args.offload_budget_gb = budget / 2**30
+    assert apply_offload(pseudo, args, accelerator, activations).layers == []
+
+    output_dir = tmp_path / "run"
+    argv = tiny_argv(output_dir, **SCHEDULE, offload="auto", offload_budget_gb=budget / 2**30)
+    assert train(parse_config(argv)) == 0
+    delinks = [r for r in read_metrics(output_dir / "metrics.jsonl") if r.get("event") == "delink"]
+    assert [r["offloaded_blocks"] for r in delinks] == [[], spread_layers(2, 4)]
+    assert trajectory(output_dir) == trajectory(plain_run)
+
+
+@pytest.mark.parametrize(
+    ("value", "spec"), [("auto", "auto"), ("0.5", 0.5), ("[1, 3]", [1, 3]), ("none", None), (None, None)]
+)
+def test_offload_values_from_the_command_line(tmp_path, value, spec):
+    extra = {} if value is None else {"offload": value}
+    assert parse_config(tiny_argv(tmp_path, **extra)).train.offload_spec == spec
+
+
+def test_offload_values_from_yaml(tmp_path):
+    for text, spec in (("offload: 0.25", 0.25), ("offload: [0, 2]", [0, 2]), ("offload: auto", "auto")):
+        path = tmp_path / "config.yaml"
+        path.write_text(text + "\n")
+        assert parse_config(["--config", str(path)]).train.offload_spec == spec
+
+
+@pytest.mark.parametrize("value", ["1.5", "half", "[1, two]", "-0.1"])
+def test_bad_offload_values_name_the_field(tmp_path, value):
+    with pytest.raises(ValueError, match="^offload: "):
+        parse_config(tiny_argv(tmp_path, offload=value))
