@@ -174,7 +174,7 @@ class TrainArguments:
         },
     )
     offload_budget_gb: float | None = field(
-        default=None, metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85% of it)."}
+        default=None, metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85%% of it)."}
     )
     offload_prefetch: int = field(default=1, metadata={"help": "Offloaded blocks copied ahead of their use."})
 

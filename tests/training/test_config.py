@@ -85,3 +85,15 @@ def test_script_prints_one_line_and_exits_2(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.err == "train.py: error: optimizer_carry: expected one of 'reset', 'copy', 'scale', got 'cpy'\n"
     assert captured.out == ""
+
+
+def test_help_lists_every_field(capsys):
+    from hf_p2r.training.config import DataArguments, ModelArguments, TrainArguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for arguments in (ModelArguments, DataArguments, TrainArguments):
+        for name in arguments.__dataclass_fields__:
+            assert f"--{name}" in text, name
