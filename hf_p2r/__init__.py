@@ -2,7 +2,8 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .checkpoint import export_llama, llama_config
+from .checkpoint import convert_pseudo_to_real, export_llama, llama_config
+from .hub import push_to_hub
 from .models.p2r import P2RConfig, P2RForCausalLM, P2RModel, P2RPreTrainedModel, block_of_depth, delink_sources
 
 __version__ = "0.1.0"
@@ -17,7 +18,9 @@ __all__ = [
     "P2RModel",
     "P2RPreTrainedModel",
     "block_of_depth",
+    "convert_pseudo_to_real",
     "delink_sources",
     "export_llama",
     "llama_config",
+    "push_to_hub",
 ]

@@ -25,17 +25,62 @@ def llama_config(config: P2RConfig) -> LlamaConfig:
 
 
 def export_llama(
-    model: P2RForCausalLM, save_directory: str | os.PathLike, *, overwrite: bool = False, **save_kwargs
+    model: P2RForCausalLM | str | os.PathLike,
+    save_directory: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    **save_kwargs,
 ) -> Path:
-    """Save a real P2R model as a vanilla `LlamaForCausalLM` checkpoint (written atomically); returns the folder.
+    """Save a real P2R model, or copy a real P2R checkpoint folder, as a vanilla `LlamaForCausalLM` checkpoint (written
+    atomically); returns the folder.
+
+    Given a folder, the weights are streamed as they are (memory-mapped in, written shard by shard) and only
+    config.json is rewritten; `save_kwargs` then go to `convert_pseudo_to_real`'s writer options (`max_shard_size`,
+    `dtype`, `verify`, `progress`).
 
     ```python
     >>> export_llama(pseudo.delink(), "llama_out")
+    >>> export_llama("real_p2r_dir", "llama_out")    # on disk, streamed
     >>> LlamaForCausalLM.from_pretrained("llama_out")   # same logits, no hf_p2r needed
     ```
     """
+    if isinstance(model, (str, os.PathLike)):
+        return _export_llama_folder(Path(model), save_directory, overwrite=overwrite, **save_kwargs)
     config = llama_config(model.config)
     with atomic_directory(save_directory, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, **save_kwargs)
         config.save_pretrained(tmp)  # replaces the P2R config.json
     return Path(save_directory)
+
+
+def _export_llama_folder(
+    src: Path,
+    save_directory: str | os.PathLike,
+    *,
+    overwrite: bool,
+    max_shard_size: int | str = "5GB",
+    dtype=None,
+    verify: bool = False,
+    progress: bool = True,
+) -> Path:
+    # Imported here: convert.py builds on this module (llama_config).
+    from .convert import read_p2r_config, rewrite_checkpoint
+
+    config = read_p2r_config(src)
+    if config.share_layers:
+        raise ValueError(
+            f"{src / 'config.json'}: share_layers is true (a pseudo checkpoint) and has no Llama equivalent; use "
+            f"hf_p2r.convert_pseudo_to_real({str(src)!r}, dst, target='llama')"
+        )
+    return rewrite_checkpoint(
+        src,
+        save_directory,
+        config,
+        num_blocks=config.num_hidden_layers,
+        target="llama",
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        overwrite=overwrite,
+        verify=verify,
+        progress=progress,
+    )

@@ -1,0 +1,55 @@
+"""`hf-p2r convert SRC DST`: stream a pseudo checkpoint into a real (or less shared) one; see
+`hf_p2r.convert_pseudo_to_real`."""
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a pseudo checkpoint into a real one (streamed, atomic)",
+        description="Delink a pseudo checkpoint on disk: every layer gets its own copy of its block's weights. "
+        "Tensors are read memory-mapped and written shard by shard, so the model never has to fit in RAM.",
+    )
+    parser.add_argument(
+        "src", metavar="SRC", help="pseudo checkpoint folder (config.json + safetensors, single or sharded)"
+    )
+    parser.add_argument(
+        "dst", metavar="DST", help="output folder (written to a temporary folder beside it, renamed at the end)"
+    )
+    parser.add_argument(
+        "--num-unique-layers",
+        type=int,
+        metavar="K",
+        help="partial delink to K blocks (default: the real model, one block per layer)",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE", help="largest output shard, e.g. 5GB, 500MB (default 5GB)"
+    )
+    parser.add_argument("--dtype", metavar="DTYPE", help="cast floating-point tensors, e.g. bfloat16, float16, float32")
+    parser.add_argument(
+        "--target",
+        choices=("p2r", "llama"),
+        default="p2r",
+        help="p2r: a P2R checkpoint (default); llama: a vanilla LlamaForCausalLM checkpoint",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    parser.add_argument("--verify", action="store_true", help="reopen the output and check it against the source")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import convert_pseudo_to_real
+
+    out = convert_pseudo_to_real(
+        args.src,
+        args.dst,
+        num_unique_layers=args.num_unique_layers,
+        max_shard_size=args.max_shard_size,
+        dtype=args.dtype,
+        target=args.target,
+        overwrite=args.overwrite,
+        verify=args.verify,
+    )
+    print(out)
+    return 0

@@ -1,0 +1,36 @@
+"""`hf-p2r push DIR REPO_ID`: publish a checkpoint folder to the Hugging Face Hub; see `hf_p2r.push_to_hub`."""
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "push",
+        help="publish a checkpoint folder to the Hugging Face Hub (with a model card)",
+        description="Create the repository if needed, render the model card and upload the folder. The token comes "
+        "from HF_TOKEN or `hf auth login`; it is never printed.",
+    )
+    parser.add_argument("folder", metavar="DIR", help="checkpoint folder to upload")
+    parser.add_argument("repo_id", metavar="REPO_ID", help="e.g. user/model-name")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--revision", help="branch to push to (default: main)")
+    parser.add_argument("--commit-message", help="commit message (default: 'Upload <folder name> with hf-p2r')")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the files and print the model card; no network access"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..hub import push_to_hub
+
+    result = push_to_hub(
+        args.folder,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        dry_run=args.dry_run,
+    )
+    print(result)
+    return 0

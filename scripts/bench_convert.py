@@ -1,0 +1,472 @@
+"""Benchmark: streaming pseudo -> real conversion (`hf-p2r convert`) against mergekit passthrough and `cp -r`.
+
+The job (issue 3): a one-block Llama-shaped pseudo checkpoint (hidden 2048, FFN 5504, vocab 32000, 16 heads, bf16,
+untied embeddings) expanded to 32 and to 64 layers. For each depth, in one run:
+
+- hf-p2r:   `hf-p2r convert SRC DST` in a fresh process, as a user runs it; the process also reports how long its
+            imports took and how long the conversion itself took;
+- mergekit: `mergekit-yaml` passthrough stacking the same tensors saved as a one-layer Llama (with `--mergekit`;
+            installed into its own virtualenv, runs/bench_convert/mergekit-venv, the first time);
+- hf-p2r --dtype float16: the same with a cast, so that every tensor goes through the file-backed staging path;
+- cp:       `cp -r` of the folder hf-p2r produced.
+
+Every tool runs as its own process. Wall time is measured around the process. Memory is read from /proc/PID/status
+every 5 ms and summed over the process tree: peak RSS is the largest VmHWM (the kernel's high-water mark of resident
+memory, page cache of mmapped files included); peak anonymous memory is the largest RssAnon (private memory not backed
+by any file: what cannot be reclaimed without swap; mmapped files and page cache are RssFile, not counted). Each run
+starts after `sync` with its inputs in the page cache (the container cannot drop caches) and writes without fsync,
+like `cp`. Each measurement is repeated (`--repeat`, tools interleaved) and the median is reported.
+
+    .venv/bin/python scripts/bench_convert.py --mergekit        # ~15 GB free disk needed; ~15 minutes
+    .venv/bin/python scripts/bench_convert.py --layers 32 --hidden-size 256   # quick smoke run
+
+Writes benchmarks/convert.json and benchmarks/convert.md (unless --out says otherwise).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = Path(sys.executable)
+MERGEKIT = "mergekit==0.1.5"
+TORCH_CPU = "torch==2.13.0"  # installed first into mergekit's venv: a bare `torch` requirement pulls a CUDA build
+CAST = "hf-p2r --dtype float16"
+DD = "dd (read/write copy)"
+TOOLS = ("hf-p2r", CAST, "cp", DD, "mergekit")
+# `hf-p2r ARGS` (the console script calls the same main) that also reports its import and conversion times.
+_HF_P2R = """import json, sys, time
+start = time.perf_counter()
+from hf_p2r.cli import main
+imported = time.perf_counter()
+code = main(sys.argv[1:])
+print("BENCH", json.dumps({"import_s": imported - start, "convert_s": time.perf_counter() - imported}))
+sys.exit(code)
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--intermediate-size", type=int, default=5504)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per tool and depth (median reported)")
+    parser.add_argument("--mergekit", action="store_true", help=f"also run {MERGEKIT} (installed on first use)")
+    parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_convert", help="checkpoints, outputs")
+    parser.add_argument("--mergekit-venv", type=Path, default=REPO / "runs" / "bench_convert" / "mergekit-venv")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "convert", help="writes OUT.json + OUT.md")
+    args = parser.parse_args()
+
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    mergekit_bin, mergekit_note = _mergekit(args.mergekit_venv.resolve()) if args.mergekit else (None, "not requested")
+    sources = _build_sources(work, args)
+    shape = {key: getattr(args, key) for key in ("hidden_size", "intermediate_size", "vocab_size")}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    results = []
+    for layers in args.layers:
+        _check_disk(work, 2.2 * _output_bytes(sources["weights"], layers))
+        src, dst, copy, merged = work / f"pseudo-{layers}", work / f"real-{layers}", work / "cp-copy", work / "merged"
+        for _ in range(args.repeat):
+            for path in (dst, copy, merged):
+                shutil.rmtree(path, ignore_errors=True)
+            command = [PYTHON, "-c", _HF_P2R, "convert", src, dst]
+            results.append(_run("hf-p2r", layers, command, warm=[src], env=env, out=dst))
+            cast = work / "cast"  # the cast path: every tensor staged through the file-backed scratch mapping
+            results.append(
+                _run(CAST, layers, [*command[:-1], cast, "--dtype", "float16"], warm=[src], env=env, out=cast)
+            )
+            shutil.rmtree(cast)
+            results.append(_run("cp", layers, ["cp", "-r", dst, copy], warm=[dst], out=copy))
+            shutil.rmtree(copy)
+            # the same copy through read()/write(): the system calls any user-space writer (safetensors too) uses
+            dd = 'mkdir "$2" && for f in "$1"/*; do dd if="$f" of="$2/${f##*/}" bs=64M status=none; done'
+            results.append(_run(DD, layers, ["sh", "-c", dd, "dd", dst, copy], warm=[dst], out=copy))
+            if mergekit_bin is not None:
+                config = _mergekit_config(work, sources["llama"], layers)
+                command = [mergekit_bin, config, merged, "--no-copy-tokenizer", "--quiet"]
+                shutil.rmtree(copy)  # disk: at most two outputs at a time
+                results.append(_run("mergekit", layers, command, warm=[sources["llama"]], env=env, out=merged))
+        for path in (dst, copy, merged):
+            shutil.rmtree(path, ignore_errors=True)
+
+    report = {
+        "benchmark": "pseudo -> real conversion (scripts/bench_convert.py)",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _machine(work),
+        "conditions": (
+            f"Each tool is a separate process, run {args.repeat} times (interleaved), each run after `sync` with its "
+            "inputs in the page cache (dropping caches is not permitted in this container); outputs are written "
+            "without fsync. Medians are reported. The machine was shared with other jobs: see load_average per run."
+        ),
+        "checkpoint": {
+            **shape,
+            "num_attention_heads": 16,
+            "dtype": "bfloat16",
+            "tie_word_embeddings": False,
+            "pseudo_blocks": 1,
+            "source_bytes": sources["weights"].stat().st_size,
+        },
+        "command": " ".join(["scripts/bench_convert.py", *sys.argv[1:]]),
+        "mergekit": mergekit_note,
+        "results": results,
+        "summary": _summary(results, args.layers),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(_markdown(report))
+    print(args.out.with_suffix(".md").read_text())
+
+
+# --- the checkpoints -------------------------------------------------------------------------------------------------
+
+
+def _build_sources(work: Path, args) -> dict[str, Path]:
+    """One bf16 weight file, written with hf-p2r's writer from tensors generated directly in bf16 (no model is built),
+    hard-linked into the pseudo checkpoints (one config.json per depth) and the one-layer Llama checkpoint for
+    mergekit: every tool reads the same bytes."""
+    from transformers import LlamaConfig
+
+    from hf_p2r import P2RConfig, P2RForCausalLM
+    from hf_p2r.checkpoint import write_checkpoint
+
+    fields = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    weights_dir = work / "weights"
+    weights = weights_dir / "model.safetensors"
+    config = P2RConfig(**fields, num_hidden_layers=max(args.layers), share_layers=True, num_unique_layers=1)
+    if not weights.exists() or json.loads((weights_dir / "shape.json").read_text()) != fields:
+        shutil.rmtree(weights_dir, ignore_errors=True)
+        weights_dir.mkdir()
+        generator = torch.Generator().manual_seed(0)
+        with torch.device("meta"):
+            names = {name: p.shape for name, p in P2RForCausalLM(config).state_dict().items()}
+        tensors = {}
+        for name, shape in names.items():
+            tensor = torch.empty(shape, dtype=torch.bfloat16)
+            tensors[name] = (
+                tensor.fill_(1.0) if name.endswith("norm.weight") else tensor.normal_(0, 0.02, generator=generator)
+            )
+        write_checkpoint(weights_dir, tensors, progress=False)
+        (weights_dir / "shape.json").write_text(json.dumps(fields))
+    for layers in args.layers:
+        folder = work / f"pseudo-{layers}"
+        _link_weights(weights, folder)
+        P2RConfig(**fields, num_hidden_layers=layers, share_layers=True, num_unique_layers=1).save_pretrained(folder)
+    llama = work / "llama-1"
+    _link_weights(weights, llama)
+    LlamaConfig(**fields, num_hidden_layers=1, architectures=["LlamaForCausalLM"]).save_pretrained(llama)
+    return {"weights": weights, "llama": llama}
+
+
+def _link_weights(weights: Path, folder: Path) -> None:
+    folder.mkdir(exist_ok=True)
+    target = folder / weights.name
+    if target.exists() and target.stat().st_ino == weights.stat().st_ino:
+        return
+    target.unlink(missing_ok=True)
+    os.link(weights, target)
+
+
+def _output_bytes(weights: Path, layers: int) -> int:
+    return weights.stat().st_size * layers  # generous: one block is most of the file
+
+
+def _check_disk(work: Path, needed: float) -> None:
+    free = shutil.disk_usage(work).free
+    if free < needed:
+        sys.exit(f"bench_convert: {work} has {free / 1e9:.1f} GB free, needs about {needed / 1e9:.1f} GB")
+
+
+# --- mergekit --------------------------------------------------------------------------------------------------------
+
+
+def _mergekit(venv: Path) -> tuple[Path | None, str]:
+    """mergekit-yaml from its own virtualenv (created on first use), or None and the reason it is unavailable."""
+    binary = venv / "bin" / "mergekit-yaml"
+    if not binary.exists():
+        try:
+            subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+            pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet"]
+            subprocess.run([*pip, TORCH_CPU], check=True)
+            subprocess.run([*pip, MERGEKIT], check=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            return None, f"could not install {MERGEKIT}: {error}"
+    version = subprocess.run(
+        [venv / "bin" / "python", "-c", "import importlib.metadata as m; print(m.version('mergekit'))"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return binary, f"mergekit {version} (passthrough, CPU, defaults, --no-copy-tokenizer) in {venv}"
+
+
+def _mergekit_config(work: Path, llama: Path, layers: int) -> Path:
+    slices = "".join(f"  - sources:\n      - model: {llama}\n        layer_range: [0, 1]\n" for _ in range(layers))
+    path = work / f"mergekit-{layers}.yml"
+    path.write_text(f"merge_method: passthrough\ndtype: bfloat16\nslices:\n{slices}")
+    return path
+
+
+# --- measuring -------------------------------------------------------------------------------------------------------
+
+
+def _run(tool: str, layers: int, command: list, *, warm: list[Path], env: dict | None = None, out=None) -> dict:
+    subprocess.run(["sync"], check=True)
+    for folder in warm:  # inputs in the page cache, as after the step that produced them
+        for path in Path(folder).rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as file:
+                    while file.read(1 << 24):
+                        pass
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty tool must never block on a full pipe
+        start = time.perf_counter()
+        process = subprocess.Popen([str(c) for c in command], env=env, stdout=log, stderr=subprocess.STDOUT)
+        peaks = {"rss": 0, "anon": 0}
+        sampler = threading.Thread(target=_sample, args=(process, peaks), daemon=True)
+        sampler.start()
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: tell Popen
+        sampler.join()
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    result = {
+        "tool": tool,
+        "layers": layers,
+        "wall_s": round(wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),  # user + system, the process and its waited-for children
+        "peak_rss_mb": round(peaks["rss"] / 2**20),
+        "peak_anon_mb": round(peaks["anon"] / 2**20),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "exit_code": process.returncode,
+    }
+    if out is not None and Path(out).exists():
+        result["output_bytes"] = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
+    for line in output.splitlines():
+        if line.startswith("BENCH "):
+            result.update({key: round(value, 2) for key, value in json.loads(line[6:]).items()})
+    if result["exit_code"] != 0:
+        result["error"] = output[-2000:]
+    print(f"{tool:9s} L={layers}: {result}", flush=True)
+    return result
+
+
+def _sample(process: subprocess.Popen, peaks: dict) -> None:
+    """Largest RSS (VmHWM, the kernel's high-water mark) and RssAnon summed over the process and its descendants,
+    every 5 ms until it exits. (Not wait4's ru_maxrss: with vfork/exec it reports the parent's peak.)"""
+    try:
+        root = psutil.Process(process.pid)
+    except psutil.NoSuchProcess:
+        return
+    while True:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            if root.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        rss = anon = 0
+        for proc in tree:
+            fields = _status_fields(proc.pid)
+            rss += fields.get("VmHWM", 0)
+            anon += fields.get("RssAnon", 0)
+        peaks["rss"], peaks["anon"] = max(peaks["rss"], rss), max(peaks["anon"], anon)
+        time.sleep(0.005)
+
+
+def _status_fields(pid: int) -> dict[str, int]:
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return {}
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+# --- report ----------------------------------------------------------------------------------------------------------
+
+
+def _machine(work: Path) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    mount = subprocess.run(["df", "-T", str(work)], capture_output=True, text=True).stdout.splitlines()[-1].split()
+    import safetensors
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
+        "filesystem": f"{mount[1]} ({mount[0]})",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "transformers": transformers.__version__,
+        "cp": subprocess.run(["cp", "--version"], capture_output=True, text=True).stdout.splitlines()[0],
+    }
+
+
+def _summary(results: list[dict], depths: list[int]) -> dict:
+    """Medians per (tool, depth), the ratios the issue sets targets on, and whether each target is met."""
+    runs = {}
+    for r in results:
+        if r.get("exit_code") == 0:
+            runs.setdefault((r["tool"], r["layers"]), []).append(r)
+    summary = {}
+    for layers in depths:
+        row = {}
+        for tool in TOOLS:
+            if (tool, layers) in runs:
+                done = runs[(tool, layers)]
+                row[tool] = {
+                    "runs": len(done),
+                    "wall_s": round(statistics.median(r["wall_s"] for r in done), 2),
+                    "wall_s_range": [min(r["wall_s"] for r in done), max(r["wall_s"] for r in done)],
+                    "peak_rss_mb": max(r["peak_rss_mb"] for r in done),
+                    "peak_anon_mb": max(r["peak_anon_mb"] for r in done),
+                    "cpu_s": round(statistics.median(r["cpu_s"] for r in done), 2),
+                }
+                if tool.startswith("hf-p2r"):
+                    row[tool]["import_s"] = round(statistics.median(r["import_s"] for r in done), 2)
+                    row[tool]["convert_s"] = round(statistics.median(r["convert_s"] for r in done), 2)
+        ours, cp, mk = row.get("hf-p2r"), row.get("cp"), row.get("mergekit")
+        if ours and cp:
+            row["time_vs_cp"] = _ratio(ours["wall_s"], cp["wall_s"])
+            row["conversion_only_vs_cp"] = _ratio(ours["convert_s"], cp["wall_s"])
+            row["cpu_vs_cp"] = _ratio(ours["cpu_s"], cp["cpu_s"])
+        if ours and DD in row:
+            row["conversion_only_vs_dd"] = _ratio(ours["convert_s"], row[DD]["wall_s"])
+        if ours and mk:
+            row["time_vs_mergekit"] = _ratio(ours["wall_s"], mk["wall_s"], 3)
+            row["peak_rss_vs_mergekit"] = _ratio(ours["peak_rss_mb"], mk["peak_rss_mb"], 3)
+        summary[f"L{layers}"] = row
+    for tool in ("hf-p2r", CAST):
+        anon = [summary[f"L{n}"][tool]["peak_anon_mb"] for n in depths if tool in summary[f"L{n}"]]
+        if len(anon) > 1:
+            summary.setdefault("peak_anon_growth_mb", {})[tool] = anon[-1] - anon[0]
+    summary["targets"] = {
+        "time <= 1/3 mergekit": _all(summary, depths, lambda row: row.get("time_vs_mergekit"), 1 / 3),
+        "time <= 1.1 x cp": _all(summary, depths, lambda row: row.get("time_vs_cp"), 1.1),
+        "conversion without interpreter start and imports <= 1.1 x cp": _all(
+            summary, depths, lambda row: row.get("conversion_only_vs_cp"), 1.1
+        ),
+        "peak anon <= 300 MB (with and without --dtype)": _all(
+            summary,
+            depths,
+            lambda row: max(row.get(tool, {}).get("peak_anon_mb", 1e9) for tool in ("hf-p2r", CAST)),
+            300,
+        ),
+        "peak anon flat from first to last depth (growth <= 16 MB)": (
+            max(summary["peak_anon_growth_mb"].values()) <= 16 if "peak_anon_growth_mb" in summary else None
+        ),
+    }
+    return summary
+
+
+def _ratio(ours: float, theirs: float, digits: int = 2) -> float | None:
+    return round(ours / theirs, digits) if theirs else None
+
+
+def _all(summary: dict, depths: list[int], value, limit: float) -> bool | None:
+    values = [value(summary[f"L{n}"]) for n in depths]
+    return None if None in values else all(v <= limit for v in values)
+
+
+def _markdown(report: dict) -> str:
+    machine, summary, checkpoint = report["machine"], report["summary"], report["checkpoint"]
+    lines = [
+        "# Pseudo -> real conversion benchmark",
+        "",
+        f"{report['date']} on {machine['cpu']}, {machine['cores']} cores, {machine['memory_gb']} GB RAM, "
+        f"{machine['filesystem']}; torch {machine['torch']}, safetensors {machine['safetensors']}, {machine['cp']}. "
+        f"Command: `{report['command']}`.",
+        "",
+        f"Job: a one-block pseudo checkpoint (hidden {checkpoint['hidden_size']}, "
+        f"FFN {checkpoint['intermediate_size']}, vocab {checkpoint['vocab_size']}, bf16, untied; "
+        f"{checkpoint['source_bytes'] / 1e6:.0f} MB) expanded to L layers. {report['conditions']}",
+        "",
+        "| L | tool | wall s, median (min-max) | of which: imports / conversion s | CPU s | peak RSS MB "
+        "| peak anon MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, row in summary.items():
+        if not key.startswith("L"):
+            continue
+        for tool in TOOLS:
+            if tool not in row:
+                why = report["mergekit"] if tool == "mergekit" else "failed: see convert.json"
+                lines.append(f"| {key[1:]} | {tool} | not run ({why}) | | | | |")
+                continue
+            t = row[tool]
+            inner = f"{t['import_s']} / {t['convert_s']}" if tool.startswith("hf-p2r") else ""
+            lines.append(
+                f"| {key[1:]} | {tool} | {t['wall_s']} ({t['wall_s_range'][0]}-{t['wall_s_range'][1]}) | {inner} "
+                f"| {t['cpu_s']} "
+                f"| {t['peak_rss_mb']} | {t['peak_anon_mb']} |"
+            )
+    lines += [
+        "",
+        "| L | hf-p2r / mergekit time | hf-p2r / cp time | conversion only / cp | conversion only / dd | "
+        "hf-p2r / cp CPU time | hf-p2r / mergekit RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, row in summary.items():
+        if key.startswith("L"):
+            cells = (
+                "time_vs_mergekit",
+                "time_vs_cp",
+                "conversion_only_vs_cp",
+                "conversion_only_vs_dd",
+                "cpu_vs_cp",
+                "peak_rss_vs_mergekit",
+            )
+            values = [row.get(cell) for cell in cells]
+            lines.append(f"| {key[1:]} | " + " | ".join("-" if v is None else str(v) for v in values) + " |")
+    lines += ["", "Targets:", ""]
+    lines += [
+        f"- {target}: {'met' if ok else 'not met' if ok is False else 'not measured'}"
+        for target, ok in summary["targets"].items()
+    ]
+    lines += [
+        "",
+        f"Growth of peak anonymous memory from the first to the last depth, MB: {summary.get('peak_anon_growth_mb')}. "
+        f"mergekit: {report['mergekit']}.",
+        "",
+        "*imports* is the time `from hf_p2r.cli import main` took inside the hf-p2r process (torch and transformers); "
+        "*conversion* is the rest of that process after it. Peak anon is the largest RssAnon (memory backed by no "
+        "file) sampled every 5 ms over the process tree; peak RSS is the largest VmHWM, which also counts pages of "
+        "mmapped files (page cache the kernel can reclaim at will). Every run, with its load average, is in "
+        "convert.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+import errno
+import hashlib
+import json
+import os
+import resource
+import runpy
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from hf_p2r import P2RForCausalLM, convert_pseudo_to_real, export_llama
+from hf_p2r.checkpoint import CheckpointReader, verify_checkpoint
+from hf_p2r.checkpoint import writer as writer_module
+from hf_p2r.cli import main
+
+from ..conftest import tiny_model
+
+
+def _pseudo(tmp_path, name="pseudo", seed=0, **overrides):
+    fields = dict(share_layers=True, num_unique_layers=2) | overrides
+    model = tiny_model(seed=seed, **fields)
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name, model
+
+
+def _assert_same_weights(loaded, reference):
+    ours, theirs = loaded.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def _logits(model, input_ids):
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def _hashes(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _leftovers(parent, name):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.mark.parametrize(
+    ("k", "new_k", "pattern"),
+    [(1, None, "cycle"), (2, None, "cycle"), (2, None, "sequence"), (2, 4, "cycle"), (2, 4, "sequence")],
+)
+def test_conversion_equals_in_memory_delink(tmp_path, input_ids, k, new_k, pattern):
+    src, model = _pseudo(tmp_path, num_unique_layers=k, sharing_pattern=pattern)
+    out = convert_pseudo_to_real(src, tmp_path / "out", num_unique_layers=new_k, verify=True)
+    loaded = P2RForCausalLM.from_pretrained(out)
+    reference = model.delink(new_k)
+    _assert_same_weights(loaded, reference)
+    assert (loaded.config.share_layers, loaded.config.num_unique_layers) == (new_k is not None, new_k or 8)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["share_layers"], config["num_unique_layers"], config["sharing_pattern"]) == (
+        new_k is not None,
+        new_k or 8,
+        pattern,
+    )
+    assert torch.equal(
+        _logits(loaded, input_ids), _logits(P2RForCausalLM.from_pretrained(src, share_layers=False), input_ids)
+    )
+    assert _leftovers(tmp_path, "out") == [], "the temporary folder was renamed into place"
+
+
+def test_sharded_input_and_output(tmp_path):
+    model = tiny_model(seed=1, share_layers=True, num_unique_layers=2)
+    model.save_pretrained(tmp_path / "pseudo", max_shard_size="20KB")
+    assert (tmp_path / "pseudo" / "model.safetensors.index.json").exists()
+    before = _hashes(tmp_path / "pseudo")
+    out = convert_pseudo_to_real(tmp_path / "pseudo", tmp_path / "real", max_shard_size="30KB", verify=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    _assert_same_weights(P2RForCausalLM.from_pretrained(out), model.delink())
+    assert _hashes(tmp_path / "pseudo") == before, "the source is never modified"
+
+
+def test_llama_target_loads_in_vanilla_transformers(tmp_path, input_ids):
+    src, model = _pseudo(tmp_path, seed=3)
+    model.save_pretrained(src, remote_code=True)  # remote code must not leak into a Llama checkpoint
+    llama_dir = convert_pseudo_to_real(src, tmp_path / "llama", target="llama", verify=True)
+    p2r_dir = convert_pseudo_to_real(src, tmp_path / "p2r")
+    config = json.loads((llama_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert not {"share_layers", "num_unique_layers", "sharing_pattern", "auto_map"} & config.keys()
+    assert not list(llama_dir.glob("*.py"))
+    llama = LlamaForCausalLM.from_pretrained(llama_dir)
+    assert torch.equal(_logits(llama, input_ids), _logits(P2RForCausalLM.from_pretrained(p2r_dir), input_ids))
+    torch.testing.assert_close(_logits(llama, input_ids), _logits(model.delink(), input_ids), rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings_stay_tied(tmp_path, input_ids):
+    src, model = _pseudo(tmp_path, tie_word_embeddings=True)
+    out = convert_pseudo_to_real(src, tmp_path / "out", verify=True)
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    loaded = P2RForCausalLM.from_pretrained(out)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    _assert_same_weights(loaded, model.delink())
+
+
+def test_dtype_cast(tmp_path):
+    src, model = _pseudo(tmp_path)
+    out = convert_pseudo_to_real(src, tmp_path / "out", dtype="bfloat16", verify=True)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = P2RForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    _assert_same_weights(loaded, model.delink().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="floating-point torch dtype"):
+        convert_pseudo_to_real(src, tmp_path / "bad", dtype="int8")
+
+
+def test_tokenizer_generation_config_and_remote_code_are_carried(tmp_path):
+    src, model = _pseudo(tmp_path)
+    model.save_pretrained(src, remote_code=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (src / name).write_text(f"{name} contents")
+    (src / "optimizer.pt").write_bytes(b"training state")
+    out = convert_pseudo_to_real(src, tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "chat_template.jinja",
+        "config.json",
+        "configuration_p2r.py",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_p2r.py",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert (out / "tokenizer.json").read_text() == "tokenizer.json contents"
+    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
+        "modeling_p2r.P2RForCausalLM"
+    )
+
+
+def test_model_card_records_provenance(tmp_path):
+    src, _ = _pseudo(tmp_path, num_unique_layers=2, sharing_pattern="sequence")
+    out = convert_pseudo_to_real(src, tmp_path / "real-8", dtype="float16")
+    card = (out / "README.md").read_text()
+    for text in ("source: pseudo", "source_num_unique_layers: 2", "num_unique_layers: 8", "sharing_pattern: sequence"):
+        assert text in card
+    assert "dtype: float16" in card and "# real-8" in card and 'from_pretrained("real-8")' in card
+
+
+# --- bad input: one error naming the file and the problem, nothing written -------------------------------------------
+
+
+def _break(src, how):
+    config_path = src / "config.json"
+    config = json.loads(config_path.read_text())
+    if how == "no config":
+        config_path.unlink()
+    elif how == "not p2r":
+        config_path.write_text(json.dumps(config | {"model_type": "llama"}))
+    elif how == "no weights":
+        (src / "model.safetensors").unlink()
+    elif how == "truncated":
+        data = (src / "model.safetensors").read_bytes()
+        (src / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "shapes":
+        config_path.write_text(json.dumps(config | {"intermediate_size": 48}))
+    elif how == "blocks":
+        config_path.write_text(json.dumps(config | {"num_unique_layers": 4}))
+    elif how == "real":
+        config_path.write_text(json.dumps(config | {"share_layers": False, "num_unique_layers": 8}))
+    elif how == "bad json":
+        config_path.write_text("{")
+
+
+BAD_INPUTS = {
+    "no config": (FileNotFoundError, r"pseudo: no config.json"),
+    "not p2r": (ValueError, r"pseudo/config.json: model_type is 'llama', not 'p2r'"),
+    "no weights": (FileNotFoundError, r"pseudo: no model.safetensors"),
+    "truncated": (ValueError, r"pseudo/model.safetensors: not a valid safetensors file: .*truncated"),
+    "shapes": (ValueError, r"pseudo/model.safetensors: model.layers.0.mlp.\w+_proj.weight has shape \[\d+, \d+\] but"),
+    "blocks": (ValueError, r"pseudo: the weights hold 2 layer blocks \(blocks 0..1\) but .*config.json describes a "),
+    "real": (ValueError, r"pseudo/config.json: share_layers is false: .* already a real checkpoint"),
+    "bad json": (ValueError, r"pseudo/config.json: not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("how", BAD_INPUTS)
+def test_bad_input_is_one_clear_error(tmp_path, how):
+    src, _ = _pseudo(tmp_path)
+    _break(src, how)
+    before = _hashes(src)
+    error, message = BAD_INPUTS[how]
+    with pytest.raises(error, match=message):
+        convert_pseudo_to_real(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+    assert _hashes(src) == before
+
+
+def test_bad_sharded_input(tmp_path):
+    model = tiny_model(share_layers=True, num_unique_layers=2)
+    model.save_pretrained(tmp_path / "pseudo", max_shard_size="20KB")
+    index_path = tmp_path / "pseudo" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00009-of-00009.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="index.json: names shard model-00009-of-00009.safetensors"):
+        convert_pseudo_to_real(tmp_path / "pseudo", tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_unique_layers=3), "pseudo: num_unique_layers=3 cannot be reached from 2"),
+        (dict(num_unique_layers=1), "pseudo: num_unique_layers must be an integer with 2 < num_unique_layers"),
+        (dict(num_unique_layers=4, target="llama"), "target='llama' needs the real model"),
+        (dict(target="gguf"), "target must be 'p2r' or 'llama'"),
+    ],
+)
+def test_bad_options(tmp_path, kwargs, message):
+    src, _ = _pseudo(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        convert_pseudo_to_real(src, tmp_path / "out", **kwargs)
+
+
+def test_destination_rules(tmp_path):
+    src, model = _pseudo(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="out: folder is not empty"):
+        convert_pseudo_to_real(src, tmp_path / "out")
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+    convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)
+    assert not (tmp_path / "out" / "mine.txt").exists()
+    _assert_same_weights(P2RForCausalLM.from_pretrained(tmp_path / "out"), model.delink())
+    for dst in (src, src / "inside", tmp_path):
+        with pytest.raises(ValueError, match="must not be the source"):
+            convert_pseudo_to_real(src, dst, overwrite=True)
+
+
+# --- failures mid-way: the destination is never partial --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_failure_mid_way_leaves_nothing(tmp_path, monkeypatch, failure):
+    src, _ = _pseudo(tmp_path)
+    real = writer_module.serialize_file
+    written = []
+
+    def fail_after_first_shard(specs, path, metadata=None):
+        if written:
+            raise failure
+        real(specs, path, metadata=metadata)
+        written.append(path)
+
+    monkeypatch.setattr(writer_module, "serialize_file", fail_after_first_shard)
+    with pytest.raises(type(failure)):
+        convert_pseudo_to_real(src, tmp_path / "out", max_shard_size="20KB")
+    assert written, "the failure happened after output had been written"
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_verify_catches_wrong_bytes(tmp_path, monkeypatch):
+    src, _ = _pseudo(tmp_path)
+    real = writer_module.serialize_file
+
+    def swap_gate_and_up(specs, path, metadata=None):  # same shapes, different contents
+        gate, up = "model.layers.5.mlp.gate_proj.weight", "model.layers.5.mlp.up_proj.weight"
+        specs = specs | {gate: specs[up], up: specs[gate]}
+        real(specs, path, metadata=metadata)
+
+    monkeypatch.setattr(writer_module, "serialize_file", swap_gate_and_up)
+    convert_pseudo_to_real(src, tmp_path / "unverified")  # the control: without verify the damage goes unnoticed
+    with pytest.raises(ValueError, match="verify failed: model.layers.5.mlp.(gate|up)_proj.weight differs"):
+        convert_pseudo_to_real(src, tmp_path / "verified", verify=True)
+    assert not (tmp_path / "verified").exists()
+
+
+def test_verify_checks_names_shapes_and_dtypes(tmp_path):
+    src, _ = _pseudo(tmp_path)
+    out = convert_pseudo_to_real(src, tmp_path / "out")
+    with CheckpointReader(out) as reader:
+        expected = {name: (reader.get(name).clone(), reader.get(name).dtype) for name in reader.keys()}
+    verify_checkpoint(out, expected)
+    name = "model.norm.weight"
+    with pytest.raises(ValueError, match="unexpected \\['model.norm.weight'\\]"):
+        verify_checkpoint(out, {k: v for k, v in expected.items() if k != name})
+    with pytest.raises(ValueError, match=f"{name} is torch.float32 \\[32\\], expected torch.float16"):
+        verify_checkpoint(out, expected | {name: (expected[name][0], torch.float16)})
+
+
+def test_progress_bar_counts_output_bytes(tmp_path, monkeypatch):
+    src, _ = _pseudo(tmp_path)
+    bars = []
+    real_tqdm = writer_module.tqdm
+
+    def recording_tqdm(*args, **kwargs):
+        bar = real_tqdm(*args, **kwargs | {"disable": True})
+        bars.append((kwargs["total"], kwargs["unit"], updates := []))
+        bar.update = updates.append
+        return bar
+
+    monkeypatch.setattr(writer_module, "tqdm", recording_tqdm)
+    out = convert_pseudo_to_real(src, tmp_path / "out", max_shard_size="30KB")
+    ((total, unit, updates),) = bars
+    size = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert (total, unit, sum(updates), len(updates)) == (size, "B", size, len(list(out.glob("model-*"))))
+
+
+# --- export_llama from a folder ----------------------------------------------------------------------------------
+
+
+def test_export_llama_streams_a_real_checkpoint_folder(tmp_path, input_ids):
+    real = tiny_model(seed=5, share_layers=True, num_unique_layers=2).delink()
+    real.save_pretrained(tmp_path / "real")
+    out = export_llama(tmp_path / "real", tmp_path / "llama", verify=True)
+    llama = LlamaForCausalLM.from_pretrained(out)
+    assert torch.equal(_logits(llama, input_ids), _logits(P2RForCausalLM.from_pretrained(tmp_path / "real"), input_ids))
+    with pytest.raises(ValueError, match="share_layers is true .* target='llama'"):
+        export_llama(_pseudo(tmp_path)[0], tmp_path / "nope")
+
+
+# --- the command line ------------------------------------------------------------------------------------------------
+
+
+def test_cli_converts_and_reports_errors_in_one_line(tmp_path, capsys):
+    src, model = _pseudo(tmp_path)
+    assert main(["convert", str(src), str(tmp_path / "out"), "--num-unique-layers", "4", "--verify"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    _assert_same_weights(P2RForCausalLM.from_pretrained(tmp_path / "out"), model.delink(4))
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hf-p2r convert: error: ") and "not empty" in err
+
+
+_SLOW_CLI = textwrap.dedent("""
+    import sys, time
+    from hf_p2r.checkpoint import writer
+    real = writer.serialize_file
+    def slow(specs, path, metadata=None):
+        real(specs, path, metadata=metadata)
+        print("WROTE", path, flush=True)
+        time.sleep(3)  # a long write: Ctrl-C waits for the shards being written, then cleans up
+    writer.serialize_file = slow
+    from hf_p2r.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _run_cli(tmp_path, args, script=None, **kwargs):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "hf_p2r.cli"]
+    return subprocess.Popen(
+        [*command, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_conversion_killed_mid_way(tmp_path, sig):
+    src, _ = _pseudo(tmp_path)
+    before = _hashes(src)
+    process = _run_cli(tmp_path, ["convert", src, tmp_path / "out", "--max-shard-size", "20KB"], script=_SLOW_CLI)
+    assert process.stdout.readline().startswith("WROTE"), process.stderr.read()
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=60)
+    assert not (tmp_path / "out").exists()
+    assert _hashes(src) == before, "the source is byte-identical"
+    if sig == signal.SIGINT:  # Ctrl-C: cleaned up, one line, exit 130
+        assert process.returncode == 130 and err == "hf-p2r convert: interrupted\n"
+        assert _leftovers(tmp_path, "out") == []
+    else:  # kill -9 cannot clean up: only the hidden temporary folder remains, DST never appears
+        assert process.returncode == -signal.SIGKILL
+        assert [name.split("-")[0] for name in _leftovers(tmp_path, "out")] == [".out.tmp"]
+
+
+def test_disk_full_through_the_cli(tmp_path):
+    src, _ = _pseudo(tmp_path)
+
+    def small_file_limit():  # a real write failure: files over 40 kB cannot be written (EFBIG, like ENOSPC)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    process = _run_cli(tmp_path, ["convert", src, tmp_path / "out"], preexec_fn=small_file_limit)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert err.startswith("hf-p2r convert: error: [Errno 27] File too large: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_script_wraps_the_cli(tmp_path, monkeypatch):
+    src, model = _pseudo(tmp_path)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "convert_pseudo_to_real.py"
+    monkeypatch.setattr(sys, "argv", [str(script), str(src), str(tmp_path / "out"), "--target", "llama"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"

@@ -1,0 +1,179 @@
+"""push_to_hub and model cards, offline: the Hub is intercepted at the HfApi boundary only."""
+
+import logging
+
+import pytest
+from huggingface_hub import CommitInfo, HfApi, ModelCard
+
+from hf_p2r import convert_pseudo_to_real, export_llama, push_to_hub
+from hf_p2r.cli import main
+from hf_p2r.hub import render_model_card
+
+from .conftest import tiny_model
+
+TOKEN = "hf_NotARealTokenButSecretAnyway0123456789"
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Replace HfApi's network methods; record what each would have sent (and with which token)."""
+    calls = []
+
+    def record(method):
+        def fake(self, *args, **kwargs):
+            calls.append((method, self.token, args, kwargs))
+            if method == "create_commit":
+                return CommitInfo(
+                    commit_url=f"https://huggingface.co/{args[0]}/commit/abc",
+                    commit_message="m",
+                    commit_description="",
+                    oid="abc",
+                )
+
+        return fake
+
+    for method in ("create_repo", "create_branch", "create_commit", "upload_folder"):
+        monkeypatch.setattr(HfApi, method, record(method))
+    return calls
+
+
+@pytest.fixture
+def converted(tmp_path):
+    tiny_model(share_layers=True, num_unique_layers=2).save_pretrained(tmp_path / "pseudo")
+    return convert_pseudo_to_real(tmp_path / "pseudo", tmp_path / "real-8")
+
+
+def _uploaded(calls):
+    """{path in repo: bytes} of the single commit that was sent."""
+    ((_, _, args, kwargs),) = [call for call in calls if call[0] == "create_commit"]
+    operations = kwargs.get("operations", args[1] if len(args) > 1 else None)
+    files = {}
+    for op in operations:
+        source = op.path_or_fileobj
+        files[op.path_in_repo] = source if isinstance(source, bytes) else open(source, "rb").read()
+    return files
+
+
+def test_card_metadata_and_content(tmp_path):
+    tiny_model(seed=1).save_pretrained(tmp_path / "real")
+    card = render_model_card(tmp_path / "real", model_id="me/real")
+    data = card.data.to_dict()
+    assert data == {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["pseudo-to-real", "p2r"],
+    }
+    text = str(card)
+    assert "# me/real" in text and "| Layers | 8 |" in text and "8 (real: one per layer)" in text
+    assert "import hf_p2r" in text and 'AutoModelForCausalLM.from_pretrained("me/real")' in text
+    assert "trust_remote_code" not in text and "## Provenance" not in text
+
+
+def test_card_tags_custom_code_only_for_remote_code_folders(tmp_path):
+    model = tiny_model(share_layers=True, num_unique_layers=2)
+    model.save_pretrained(tmp_path / "remote", remote_code=True)
+    export_llama(tiny_model(), tmp_path / "llama")
+    remote = render_model_card(tmp_path / "remote", model_id="me/remote")
+    assert remote.data.tags == ["pseudo-to-real", "p2r", "custom_code"]
+    assert 'from_pretrained("me/remote", trust_remote_code=True)' in str(remote) and "import hf_p2r" not in str(remote)
+    assert "pass `share_layers=False`" in str(remote), "a pseudo checkpoint says how to load it delinked"
+    llama = render_model_card(tmp_path / "llama")
+    assert llama.data.tags == ["pseudo-to-real", "llama"] and "import hf_p2r" not in str(llama)
+
+
+def test_dry_run_lists_files_and_card_without_network(converted, hub, capsys):
+    (converted / ".cache").mkdir()
+    (converted / ".cache" / "lock").write_text("")
+    assert main(["push", str(converted), "me/real-8", "--private", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert hub == [], "no HfApi call"
+    assert "private model repo me/real-8" in out
+    listing = out[: out.index("\n\n")].splitlines()[1:]
+    listed = [line.split()[0] for line in listing]
+    assert listed == ["config.json", "generation_config.json", "model.safetensors", "README.md"]
+    card = out[out.index("---") :]
+    assert card.strip() == str(render_model_card(converted, model_id="me/real-8", provenance=_provenance(converted)))
+
+
+def _provenance(folder):
+    return ModelCard.load(folder / "README.md").data.to_dict()["hf_p2r"]
+
+
+def test_push_sends_the_folder_and_card_in_one_commit(converted, hub):
+    url = push_to_hub(converted, "me/real-8", private=True, revision="v1", token=TOKEN)
+    assert url == "https://huggingface.co/me/real-8/commit/abc"
+    assert [call[0] for call in hub] == ["create_repo", "create_branch", "create_commit"]
+    (_, _, repo_args, repo_kwargs), (_, _, _, branch_kwargs), (_, _, _, commit_kwargs) = hub
+    assert repo_args == ("me/real-8",) and repo_kwargs["private"] is True and repo_kwargs["exist_ok"] is True
+    assert branch_kwargs["branch"] == "v1" and commit_kwargs["revision"] == "v1"
+    files = _uploaded(hub)
+    on_disk = {p.name: p.read_bytes() for p in converted.iterdir() if p.name != "README.md"}
+    assert {k: v for k, v in files.items() if k != "README.md"} == on_disk, "exactly the folder's files"
+    card = files["README.md"].decode()
+    assert card == str(render_model_card(converted, model_id="me/real-8", provenance=_provenance(converted)))
+    assert "source_num_unique_layers: 2" in card and 'from_pretrained("me/real-8")' in card
+    assert (converted / "README.md").read_text() != card, "the folder itself is not modified"
+
+
+def test_public_push_leaves_visibility_to_the_hub(converted, hub):
+    push_to_hub(converted, "me/real-8")
+    (_, _, _, repo_kwargs), (name, _, _, commit_kwargs) = hub
+    assert repo_kwargs["private"] is None and name == "create_commit" and commit_kwargs["revision"] is None
+
+
+def test_token_is_used_but_never_printed_or_logged(converted, hub, capsys, caplog):
+    caplog.set_level(logging.DEBUG)
+    push_to_hub(converted, "me/real-8", token=TOKEN)
+    print(push_to_hub(converted, "me/real-8", token=TOKEN, dry_run=True))
+    assert {token for _, token, _, _ in hub} == {TOKEN}, "the control: the token did reach the API"
+    captured = capsys.readouterr()
+    assert TOKEN not in captured.out + captured.err + caplog.text
+
+
+def test_edited_or_foreign_cards_are_uploaded_unchanged(converted, hub):
+    readme = converted / "README.md"
+    readme.write_text(readme.read_text() + "\nMy own notes.\n")
+    push_to_hub(converted, "me/real-8")
+    assert _uploaded(hub)["README.md"] == readme.read_bytes()
+    hub.clear()
+    readme.write_text("# Hand-written card\n")
+    push_to_hub(converted, "me/real-8")
+    assert _uploaded(hub)["README.md"] == b"# Hand-written card\n"
+
+
+def test_folder_without_card_gets_one(tmp_path, hub):
+    tiny_model().save_pretrained(tmp_path / "plain")
+    push_to_hub(tmp_path / "plain", "me/plain")
+    card = _uploaded(hub)["README.md"].decode()
+    assert card == str(render_model_card(tmp_path / "plain", model_id="me/plain"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no config"])
+def test_broken_folders_are_not_pushed(converted, hub, damage):
+    if damage == "truncate":
+        weights = converted / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+        message = "model.safetensors: not a valid safetensors file"
+    else:
+        (converted / "config.json").unlink()
+        message = "real-8: no config.json"
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        push_to_hub(converted, "me/real-8")
+    assert hub == []
+
+
+def test_cli_push_errors_are_one_line(tmp_path, hub, capsys):
+    assert main(["push", str(tmp_path / "missing"), "me/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hf-p2r push: error: ") and "no such folder" in err
+
+
+def test_model_card_template_ships_inside_the_package():
+    """hf_p2r/model_cards links to the repository's model_cards/, so wheels carry the templates (package data)."""
+    from pathlib import Path
+
+    from hf_p2r.hub import MODEL_CARD_TEMPLATE
+
+    repo = Path(__file__).resolve().parents[1]
+    assert MODEL_CARD_TEMPLATE.parent == repo / "hf_p2r" / "model_cards"
+    assert MODEL_CARD_TEMPLATE.resolve() == repo / "model_cards" / "model_card.md"
