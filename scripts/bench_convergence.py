@@ -7,8 +7,11 @@ delink and in how the optimizer state is carried. For each P2R run the speed-up 
 
 with the crossing found by linear interpolation between evaluations ("not reached" when it never gets there).
 
-    python scripts/bench_convergence.py --preset cpu     # 8 runs of 300 steps: 10-16 minutes on 2 CPU cores
-    python scripts/bench_convergence.py --preset gpu     # 8 runs of 1,200 steps on one GPU (not run yet)
+    python scripts/bench_convergence.py --preset cpu     # 3 seeds x 8 runs of 300 steps: ~20 min, 2 CPU cores
+    python scripts/bench_convergence.py --preset gpu     # 3 seeds x 8 runs of 1,200 steps on one GPU (not run yet)
+
+Every seed repeats all runs (the seed sets the initial weights, the validation split and the data order) and has its
+own scratch target; P2R runs are compared with scratch seed by seed (paired), then summarized over seeds.
 
 Writes benchmarks/convergence.{json,md,png} (gpu: convergence_gpu.*; machine and date recorded); the runs themselves
 go to --workdir.
@@ -20,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -155,55 +159,93 @@ def machine() -> dict:
     }
 
 
+def report_stem(preset: str) -> str:
+    return "convergence" if preset == "cpu" else f"convergence_{preset}"
+
+
 def write_report(result: dict, out: Path) -> None:
     """convergence.{json,md,png} for the CPU preset, convergence_<preset>.* for the others."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = "convergence" if result["preset_name"] == "cpu" else f"convergence_{result['preset_name']}"
+    stem = report_stem(result["preset_name"])
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out / f"{stem}.md").write_text(markdown(result), encoding="utf-8")
     if not plot(result, out / f"{stem}.png"):
         print(f"matplotlib is not installed: skipped {stem}.png")
 
 
+def aggregate(per_seed: list[dict]) -> list[dict]:
+    """Per run, over seeds: final validation loss, its paired difference to scratch, and the speed-ups."""
+    names = [run["name"] for run in per_seed[0]["runs"]]
+    rows = []
+    for index, name in enumerate(names):
+        runs = [seed["runs"][index] for seed in per_seed]
+        losses = [run["final_val_loss"] for run in runs]
+        deltas = [run["final_val_loss"] - seed["target"] for run, seed in zip(runs, per_seed)]
+        speedups = [run["speedup_steps"] for run in runs]
+        reached = [x for x in speedups if x is not None]
+        times = [run["speedup_time"] for run in runs if run["speedup_time"] is not None]
+        rows.append(
+            {
+                "name": name,
+                "pseudo_steps": runs[0]["pseudo_steps"],
+                "final_val_loss_mean": statistics.fmean(losses),
+                "delta_vs_scratch_mean": statistics.fmean(deltas),
+                "delta_vs_scratch_sd": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
+                "speedup_steps_per_seed": speedups,
+                "speedup_steps_mean": statistics.fmean(reached) if len(reached) == len(speedups) else None,
+                "speedup_time_mean": statistics.fmean(times) if len(times) == len(speedups) else None,
+            }
+        )
+    return rows
+
+
 def markdown(result: dict) -> str:
-    m, p = result["machine"], result["preset"]
-    fmt = lambda value, spec: "not reached" if value is None else format(value, spec)  # noqa: E731
+    m, p, seeds = result["machine"], result["preset"], result["seeds"]
     times = lambda value: "-" if value is None else f"{value:.2f}x"  # noqa: E731
     lines = [
         f"# Convergence: real model from scratch vs P2R ({result['preset_name']} preset)",
         "",
         f"Measured {m['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['torch_threads']} torch threads"
         + (f", {m['gpu']}" if m["gpu"] else "")
-        + f"), torch {m['torch']}, Python {m['python']}. Load average at start {m['load_average_at_start'][0]:.1f}, "
-        f"at end {m['load_average_at_end'][0]:.1f}: the machine was shared, so times are noisy; steps are not.",
+        + f"), torch {m['torch']}, Python {m['python']}; load average {m['load_average_at_start'][0]:.1f} at the "
+        f"start, {m['load_average_at_end'][0]:.1f} at the end (times are noisy when it exceeds the core count; "
+        "steps are not).",
         "",
         f"Model: L={p['fields']['num_hidden_layers']}, hidden {p['fields']['hidden_size']}; a run named kK-CARRY-atD "
         "trains a pseudo model with K shared blocks, delinks it at step D with that optimizer carry and trains the "
         f"real model on. Every run: {p['total_steps']} optimizer steps of {p['fields']['per_device_batch_size']} x "
-        f"{p['fields']['block_size']} tokens, the same data order, seed and cosine schedule. "
-        f"Target = scratch's final validation loss, {result['target']:.4f}. Speed-up = scratch steps (time) / "
-        "steps (time) to reach the target, linear interpolation between evaluations every "
-        f"{p['fields']['eval_steps']} steps.",
+        f"{p['fields']['block_size']} tokens, the same data order and cosine schedule. Seeds {result['seed_list']}: "
+        "each seed repeats every run (initial weights, validation split, data order) and has its own target, "
+        "scratch's final validation loss "
+        f"({', '.join(format(seed['target'], '.4f') for seed in seeds)}). "
+        "Δ = final validation loss minus scratch's, same seed (negative: P2R ends lower). "
+        "Speed-up = scratch steps (time) / steps (time) to reach the target, linear "
+        f"interpolation between evaluations every {p['fields']['eval_steps']} steps; the mean is over seeds, shown "
+        "only when every seed reached the target.",
         "",
-        "| run | delink at | final val loss | steps to target | real steps to target | speed-up (steps) "
-        "| train time (s) | speed-up (time) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | delink at | final val loss (mean) | Δ vs scratch (mean ± sd) | speed-up in steps, per seed "
+        "| speed-up (steps), mean | speed-up (time), mean |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for run in result["runs"]:
+    for row in result["runs"]:
+        per_seed = ", ".join(times(x) if x is not None else "not reached" for x in row["speedup_steps_per_seed"])
         lines.append(
-            f"| {run['name']} | {run['pseudo_steps'] or '-'} | {run['final_val_loss']:.4f} | "
-            f"{fmt(run['steps_to_target'], '.0f')} | {fmt(run['real_steps_to_target'], '.0f')} | "
-            f"{times(run['speedup_steps'])} | {run['train_time_s']:.0f} | {times(run['speedup_time'])} |"
+            f"| {row['name']} | {row['pseudo_steps'] or '-'} | {row['final_val_loss_mean']:.4f} | "
+            f"{row['delta_vs_scratch_mean']:+.4f} ± {row['delta_vs_scratch_sd']:.4f} | {per_seed} | "
+            f"{times(row['speedup_steps_mean'])} | {times(row['speedup_time_mean'])} |"
         )
-    best = max((r for r in result["runs"][1:] if r["speedup_steps"]), key=lambda r: r["speedup_steps"], default=None)
+    ranked = [r for r in result["runs"][1:] if r["speedup_steps_mean"]]
+    best = max(ranked, key=lambda r: r["speedup_steps_mean"], default=None)
     lines += [
         "",
-        "Best P2R run: "
+        "Best P2R run (mean over seeds): "
         + (
-            f"{best['name']}, {best['speedup_steps']:.2f}x in steps (target 1.5x)."
+            f"{best['name']}, {best['speedup_steps_mean']:.2f}x in steps (target 1.5x)."
             if best
-            else "none reached scratch's final validation loss."
+            else "none reached scratch's final validation loss with every seed."
         ),
+        "",
+        f"Curves (`{result['plot']}`): seed {seeds[0]['seed']}.",
         "",
     ]
     return "\n".join(lines)
@@ -217,8 +259,9 @@ def plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    first = result["seeds"][0]
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharey=True)
-    for run in result["runs"]:
+    for run in first["runs"]:
         style = {"linewidth": 2.2, "color": "black"} if run["name"] == "scratch" else {"linewidth": 1.2}
         steps, losses = zip(*run["val_curve"])
         axes[0].plot(steps, losses, label=run["name"], **style)
@@ -226,14 +269,16 @@ def plot(result: dict, path: Path) -> bool:
         axes[1].plot(*zip(*real), **style)
         axes[2].plot(*zip(*run["time_curve"]), **style)
     for ax, label in zip(axes, ("total optimizer steps", "real-model steps (after the delink)", "training time (s)")):
-        ax.axhline(result["target"], color="gray", linestyle=":", linewidth=1)
+        ax.axhline(first["target"], color="gray", linestyle=":", linewidth=1)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss (nats/token)")
     axes[0].legend(fontsize=8)
-    lows = [v for run in result["runs"] for _, v in run["val_curve"]]
-    axes[0].set_ylim(min(lows) - 0.05, result["target"] + 1.0)
-    figure.suptitle(f"P2R vs scratch ({result['preset_name']} preset, dotted line: scratch's final validation loss)")
+    lows = [v for run in first["runs"] for _, v in run["val_curve"]]
+    axes[0].set_ylim(min(lows) - 0.05, first["target"] + 1.0)
+    figure.suptitle(
+        f"P2R vs scratch ({result['preset_name']} preset, seed {first['seed']}; dotted: scratch's final val loss)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -246,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="runs/bench", help="where the runs write (default: runs/bench)")
     parser.add_argument("--out", default="benchmarks", help="where the report goes (default: benchmarks)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on busy hosts)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds to repeat every run with")
     args = parser.parse_args(argv)
     datasets.disable_progress_bars()
     torch.set_num_threads(args.threads)
@@ -253,27 +299,45 @@ def main(argv: list[str] | None = None) -> int:
     runs = runs_of(preset)
 
     info = machine()
-    records = {}
-    for name, schedule in runs.items():
-        output_dir = Path(args.workdir) / args.preset / name
-        fields = {**preset["fields"], **schedule, "output_dir": str(output_dir), "overwrite_output_dir": True}
-        argv_run = [item for key, value in fields.items() for item in (f"--{key}", str(value))]
-        print(f"== {name}", flush=True)
-        started = time.perf_counter()
-        if train(parse_config(argv_run)) != 0:
-            return 1
-        print(f"   {time.perf_counter() - started:.0f} s", flush=True)
-        records[name] = read_metrics(output_dir / "metrics.jsonl")
+    per_seed = []
+    for seed in args.seeds:
+        records = {}
+        for name, schedule in runs.items():
+            output_dir = Path(args.workdir) / args.preset / f"seed{seed}" / name
+            fields = {
+                **preset["fields"],
+                **schedule,
+                "seed": seed,
+                "output_dir": str(output_dir),
+                "overwrite_output_dir": True,
+            }
+            argv_run = [item for key, value in fields.items() for item in (f"--{key}", str(value))]
+            print(f"== seed {seed}: {name}", flush=True)
+            started = time.perf_counter()
+            if train(parse_config(argv_run)) != 0:
+                return 1
+            print(f"   {time.perf_counter() - started:.0f} s", flush=True)
+            records[name] = read_metrics(output_dir / "metrics.jsonl")
+        scratch_evals = [r for r in records["scratch"] if "val_loss" in r]
+        target = scratch_evals[-1]["val_loss"]
+        scratch = {
+            "steps": scratch_evals[-1]["step"],
+            "time": max(r["train_time_s"] for r in records["scratch"] if "train_time_s" in r),
+        }
+        summaries = [summarize(name, records[name], runs[name]["pseudo_steps"], target, scratch) for name in runs]
+        per_seed.append({"seed": seed, "target": target, "runs": summaries})
     info["load_average_at_end"] = os.getloadavg()
 
-    scratch_evals = [r for r in records["scratch"] if "val_loss" in r]
-    target = scratch_evals[-1]["val_loss"]
-    scratch = {
-        "steps": scratch_evals[-1]["step"],
-        "time": max(r["train_time_s"] for r in records["scratch"] if "train_time_s" in r),
+    stem = report_stem(args.preset)
+    result = {
+        "preset_name": args.preset,
+        "preset": preset,
+        "machine": info,
+        "seed_list": args.seeds,
+        "plot": f"{stem}.png",
+        "runs": aggregate(per_seed),
+        "seeds": per_seed,
     }
-    summaries = [summarize(name, records[name], runs[name]["pseudo_steps"], target, scratch) for name in runs]
-    result = {"preset_name": args.preset, "preset": preset, "machine": info, "target": target, "runs": summaries}
     write_report(result, Path(args.out))
     print(markdown(result))
     return 0
