@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hf_p2r import P2RConfig, block_of_depth, delink_sources
+from hf_p2r import P2RConfig, P2RForCausalLM, block_of_depth, delink_sources
 
 from ..conftest import tiny_config
 
@@ -78,3 +78,57 @@ def test_config_round_trips_through_json(tmp_path):
     assert (saved["share_layers"], saved["num_unique_layers"], saved["sharing_pattern"]) == (True, 2, "sequence")
     loaded = P2RConfig.from_pretrained(tmp_path)
     assert loaded.block_of_depth == config.block_of_depth
+
+
+@pytest.mark.parametrize(
+    ("stored", "overrides", "field"),
+    [
+        (dict(share_layers=True, num_unique_layers=2), dict(num_unique_layers=9), "num_unique_layers"),
+        (dict(share_layers=True, num_unique_layers=2), dict(num_unique_layers=0), "num_unique_layers"),
+        (dict(), dict(num_unique_layers=4), "num_unique_layers"),  # a real config cannot hold 4 blocks
+        (dict(share_layers=True), dict(sharing_pattern="random"), "sharing_pattern"),
+        (dict(), dict(num_hidden_layers=0), "num_hidden_layers"),
+    ],
+)
+def test_from_pretrained_overrides_are_validated(tmp_path, stored, overrides, field):
+    tiny_config(**stored).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=field):
+        P2RConfig.from_pretrained(tmp_path, **overrides)
+
+
+def test_inconsistent_config_json_is_rejected_with_or_without_overrides(tmp_path):
+    tiny_config().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_unique_layers"] = 3  # share_layers stays false
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for overrides in ({}, dict(num_hidden_layers=12), dict(sharing_pattern="sequence")):
+        with pytest.raises(ValueError, match="num_unique_layers"):
+            P2RConfig.from_pretrained(tmp_path, **overrides)
+
+
+def test_from_pretrained_overrides_rederive_num_unique_layers(tmp_path):
+    tiny_config(share_layers=True, num_unique_layers=2).save_pretrained(tmp_path / "pseudo")
+    real = P2RConfig.from_pretrained(tmp_path / "pseudo", share_layers=False)
+    assert (real.share_layers, real.num_unique_layers) == (False, 8)
+    wider = P2RConfig.from_pretrained(tmp_path / "pseudo", num_unique_layers=4)
+    assert (wider.share_layers, wider.num_unique_layers) == (True, 4)
+    tiny_config().save_pretrained(tmp_path / "real")
+    deeper = P2RConfig.from_pretrained(tmp_path / "real", num_hidden_layers=12)
+    assert (deeper.num_unique_layers, deeper.num_blocks) == (12, 12)
+
+
+@pytest.mark.parametrize(
+    ("assignments", "field"),
+    [
+        (dict(num_unique_layers=0), "num_unique_layers"),
+        (dict(share_layers=False), "num_unique_layers"),  # k = 2 left behind on a real config
+        (dict(num_unique_layers=8), "num_unique_layers"),
+        (dict(sharing_pattern="random"), "sharing_pattern"),
+    ],
+)
+def test_fields_assigned_after_construction_are_checked_by_the_model(assignments, field):
+    config = tiny_config(share_layers=True, num_unique_layers=2)
+    for name, value in assignments.items():
+        setattr(config, name, value)
+    with pytest.raises(ValueError, match=field):
+        P2RForCausalLM(config)

@@ -97,3 +97,15 @@ def test_base_model_delinks_too(input_ids):
         before = model(input_ids).last_hidden_state
         after = model.delink()(input_ids).last_hidden_state
     assert torch.equal(before, after)
+
+
+def test_delinked_blocks_share_the_model_config(input_ids):
+    """Copies made by delink read the model's config, so `set_attn_implementation` reaches every depth."""
+    model = tiny_model(share_layers=True, num_unique_layers=2).delink()
+    for layer in model.model.layers:
+        assert layer.self_attn.config is model.config and layer.mlp.config is model.config
+    model.set_attn_implementation("eager")
+    assert [layer.self_attn.config._attn_implementation for layer in model.model.layers] == ["eager"] * 8
+    with torch.no_grad():
+        attentions = model(input_ids, output_attentions=True).attentions
+    assert len(attentions) == 8 and all(a.shape == (2, 4, 12, 12) for a in attentions)

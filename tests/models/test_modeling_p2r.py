@@ -98,9 +98,10 @@ def test_left_padded_batch_generation_matches_single_sequences():
     assert torch.equal(out[1, 5:], model.generate(long, max_new_tokens=6, do_sample=False)[0, 5:])
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa", "flex_attention"])
+@pytest.mark.parametrize("impl", ["sdpa", "flex_attention"])
 def test_attention_implementations_agree(impl, input_ids):
     reference = tiny_model(share_layers=True, num_unique_layers=2)
+    reference.set_attn_implementation("eager")  # not the default (sdpa): the comparison must be able to fail
     model = tiny_model(share_layers=True, num_unique_layers=2)
     model.set_attn_implementation(impl)
     assert model.config._attn_implementation == impl
@@ -138,15 +139,15 @@ def test_activation_checkpointing_keeps_loss_and_gradients(input_ids):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
 
 
-def test_residual_output_projections_are_scaled_by_depth():
-    model = tiny_model(
-        seed=0, hidden_size=128, intermediate_size=256, num_attention_heads=4, share_layers=True, num_unique_layers=1
-    )
-    layer = model.model.layers[0]
+@pytest.mark.parametrize("layout", [dict(share_layers=True, num_unique_layers=1), dict()])
+def test_residual_output_projections_are_scaled_by_depth(layout):
+    model = tiny_model(seed=0, hidden_size=128, intermediate_size=256, num_attention_heads=4, **layout)
     expected = model.config.initializer_range / (2 * model.config.num_hidden_layers) ** 0.5
-    assert abs(layer.self_attn.o_proj.weight.std().item() - expected) < 0.15 * expected
-    assert abs(layer.mlp.down_proj.weight.std().item() - expected) < 0.15 * expected
-    assert abs(layer.self_attn.q_proj.weight.std().item() - 0.02) < 0.15 * 0.02
+    for layer in model.model.layers:
+        assert abs(layer.self_attn.o_proj.weight.std().item() - expected) < 0.15 * expected
+        assert abs(layer.mlp.down_proj.weight.std().item() - expected) < 0.15 * expected
+        assert abs(layer.self_attn.q_proj.weight.std().item() - 0.02) < 0.15 * 0.02
+        assert abs(layer.mlp.up_proj.weight.std().item() - 0.02) < 0.15 * 0.02
 
 
 def test_tied_embeddings():
@@ -184,9 +185,40 @@ def test_pipeline_split_guard(pattern, splittable, input_ids):
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
     model = tiny_model(share_layers=True, num_unique_layers=2, sharing_pattern=pattern)
+    block_outputs = []
+    model.model.layers[0].register_forward_hook(lambda module, args, output: block_outputs.append(output))
+    with torch.no_grad():
+        model(input_ids)
     model.model.layers[1] = PipelineIdentityLayer()
     if splittable:
-        model(input_ids)
+        # The first stage keeps block 0 and runs exactly its depths (0-3 of 8), then passes the hidden states on.
+        assert len(block_outputs) == 4
+        block_outputs.clear()
+        with torch.no_grad():
+            logits = model(input_ids).logits
+            expected = model.lm_head(model.model.norm(block_outputs[3]))
+        assert len(block_outputs) == 4
+        assert torch.equal(logits, expected)
     else:
         with pytest.raises(ValueError, match="pipeline stages"):
             model(input_ids)
+
+
+def test_continuous_batching_is_refused_for_pseudo_models():
+    """Paged attention indexes its cache by the block's `layer_idx`: a pseudo model would generate other tokens."""
+    model = tiny_model(share_layers=True, num_unique_layers=2)
+    with pytest.raises(ValueError, match="delink"):
+        model.generate_batch([[5, 6, 7]], max_new_tokens=2, warmup=False)
+    assert model.delink().init_continuous_batching() is not None, "the real model may batch continuously"
+
+
+@pytest.mark.parametrize("impl", ["paged|eager", "sdpa"])
+def test_paged_attention_is_refused_for_pseudo_models(impl, input_ids):
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    model = tiny_model(share_layers=True, num_unique_layers=2)
+    model.set_attn_implementation(impl)
+    # A paged cache is how continuous batching reaches the attention kernels (with sdpa and flash too).
+    paged_cache = PagedAttentionCache.__new__(PagedAttentionCache)
+    with pytest.raises(ValueError, match="delink"):
+        model(input_ids, cache=paged_cache)

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_p2r import P2RConfig, P2RForCausalLM, P2RModel, export_llama
@@ -95,10 +96,58 @@ def test_from_pretrained_rejects_function_changing_layouts(pseudo_dir, overrides
         P2RForCausalLM.from_pretrained(path, **overrides)
 
 
-def test_real_checkpoint_cannot_be_reshared(tmp_path):
+@pytest.mark.parametrize("overrides", [dict(share_layers=True, num_unique_layers=2), dict(share_layers=True)])
+def test_real_checkpoint_cannot_be_reshared(tmp_path, overrides):
     tiny_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="cannot load"):
-        P2RForCausalLM.from_pretrained(tmp_path, share_layers=True, num_unique_layers=2)
+        P2RForCausalLM.from_pretrained(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(share_layers=False, num_unique_layers=4), "num_unique_layers"),  # a real model has L blocks
+        (dict(num_unique_layers=8), "num_unique_layers"),  # k = L is the real model: share_layers=False
+        (dict(num_hidden_layers=16), "num_hidden_layers"),  # the 2 blocks would run at 16 depths
+        (dict(num_hidden_layers=16, share_layers=False), "num_hidden_layers"),
+    ],
+)
+@pytest.mark.parametrize("auto", [False, True])
+def test_conflicting_overrides_raise_naming_the_field(pseudo_dir, overrides, field, auto):
+    path, _ = pseudo_dir
+    loader = AutoModelForCausalLM if auto else P2RForCausalLM
+    with pytest.raises(ValueError, match=field):
+        loader.from_pretrained(path, **overrides)
+
+
+def test_from_pretrained_as_real_shares_the_config(pseudo_dir, input_ids):
+    path, _ = pseudo_dir
+    real = P2RForCausalLM.from_pretrained(path, share_layers=False)
+    assert all(layer.self_attn.config is real.config for layer in real.model.layers)
+    real.set_attn_implementation("eager")
+    assert {layer.self_attn.config._attn_implementation for layer in real.model.layers} == {"eager"}
+    with torch.no_grad():
+        assert len(real(input_ids, output_attentions=True).attentions) == 8
+
+
+@pytest.mark.parametrize("key", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
+def test_missing_weights_are_an_error(pseudo_dir, key):
+    path, _ = pseudo_dir
+    weights = load_file(path / "model.safetensors")
+    del weights[key]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{path}.*missing keys: {key}"):
+        P2RForCausalLM.from_pretrained(path)
+
+
+def test_tied_head_is_not_a_missing_weight(tmp_path, input_ids):
+    model = tiny_model(share_layers=True, num_unique_layers=2, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    loaded = P2RForCausalLM.from_pretrained(tmp_path, share_layers=False)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(_logits(loaded, input_ids), _logits(model, input_ids))
 
 
 @pytest.mark.parametrize(("declared", "problem"), [(4, "missing keys"), (1, "unexpected keys")])

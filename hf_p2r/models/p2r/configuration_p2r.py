@@ -4,6 +4,8 @@ from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 SHARING_PATTERNS = ("cycle", "sequence")
+# The config fields that say how layers share parameters.
+LAYOUT_FIELDS = ("share_layers", "num_unique_layers", "sharing_pattern")
 
 
 def block_of_depth(num_hidden_layers: int, num_unique_layers: int, sharing_pattern: str) -> list[int]:
@@ -46,6 +48,35 @@ def delink_sources(
     return [sources[block] for block in range(new_k)]
 
 
+def validate_layout(config) -> None:
+    """Check the sharing fields of `config` together, filling the default of `num_unique_layers`.
+
+    Raises `ValueError` naming the field. Called by `P2RConfig.__post_init__` and again by `P2RModel.__init__`, because
+    fields assigned after construction (`config.num_unique_layers = 0`) are not re-checked by the config itself.
+    """
+    if config.sharing_pattern not in SHARING_PATTERNS:
+        raise ValueError(f"sharing_pattern must be one of {SHARING_PATTERNS}, got {config.sharing_pattern!r}")
+    depth = config.num_hidden_layers
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"num_hidden_layers must be a positive integer, got {depth!r}")
+    if config.share_layers:
+        if config.num_unique_layers is None:
+            config.num_unique_layers = 1
+        if not isinstance(config.num_unique_layers, int) or not 1 <= config.num_unique_layers < depth:
+            raise ValueError(
+                f"num_unique_layers must be an integer with 1 <= num_unique_layers < num_hidden_layers ({depth}) "
+                f"when share_layers=True, got {config.num_unique_layers!r}; use share_layers=False for a model whose "
+                "every layer has its own parameters"
+            )
+    else:
+        if config.num_unique_layers not in (None, depth):
+            raise ValueError(
+                f"num_unique_layers={config.num_unique_layers!r} needs share_layers=True; a real model "
+                f"(share_layers=False) has num_unique_layers == num_hidden_layers ({depth})"
+            )
+        config.num_unique_layers = depth
+
+
 @strict
 class P2RConfig(LlamaConfig):
     r"""
@@ -80,28 +111,24 @@ class P2RConfig(LlamaConfig):
 
     def __post_init__(self, **kwargs):
         # Checked here rather than in a `validate_*` method so that users get a plain `ValueError`.
-        if self.sharing_pattern not in SHARING_PATTERNS:
-            raise ValueError(f"sharing_pattern must be one of {SHARING_PATTERNS}, got {self.sharing_pattern!r}")
-        depth = self.num_hidden_layers
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"num_hidden_layers must be a positive integer, got {depth!r}")
-        if self.share_layers:
-            if self.num_unique_layers is None:
-                self.num_unique_layers = 1
-            if not isinstance(self.num_unique_layers, int) or not 1 <= self.num_unique_layers < depth:
-                raise ValueError(
-                    f"num_unique_layers must be an integer with 1 <= num_unique_layers < num_hidden_layers "
-                    f"({depth}) when share_layers=True, got {self.num_unique_layers!r}; use share_layers=False for "
-                    "a model whose every layer has its own parameters"
-                )
-        else:
-            if self.num_unique_layers not in (None, depth):
-                raise ValueError(
-                    f"num_unique_layers={self.num_unique_layers!r} needs share_layers=True; a real model "
-                    f"(share_layers=False) has num_unique_layers == num_hidden_layers ({depth})"
-                )
-            self.num_unique_layers = depth
+        validate_layout(self)
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "P2RConfig":
+        """Like [`PreTrainedConfig.from_dict`], but overrides of the sharing fields are applied *before* validation.
+
+        transformers sets keyword overrides as attributes after construction, which would skip the checks of
+        `validate_layout`, and `from_pretrained(pseudo_dir, share_layers=False)` would keep the stored k. Here the
+        stored `num_unique_layers` is derived again when it was derived (a real config) or sharing is turned off.
+        """
+        overrides = {key: kwargs.pop(key) for key in (*LAYOUT_FIELDS, "num_hidden_layers") if key in kwargs}
+        merged = {**config_dict, **overrides}
+        stored_pseudo = config_dict.get("share_layers", False)
+        derived = not stored_pseudo and config_dict.get("num_unique_layers") == config_dict.get("num_hidden_layers")
+        if "num_unique_layers" not in overrides and (derived or (stored_pseudo and not merged.get("share_layers"))):
+            merged.pop("num_unique_layers", None)
+        return super().from_dict(merged, **kwargs)
 
     @property
     def num_blocks(self) -> int:
@@ -114,4 +141,4 @@ class P2RConfig(LlamaConfig):
         return block_of_depth(self.num_hidden_layers, self.num_blocks, self.sharing_pattern)
 
 
-__all__ = ["P2RConfig", "block_of_depth", "delink_sources"]
+__all__ = ["P2RConfig", "block_of_depth", "delink_sources", "validate_layout"]

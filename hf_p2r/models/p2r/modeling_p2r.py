@@ -19,6 +19,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.integrations import use_kernelized_func
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -35,13 +37,20 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_p2r import P2RConfig, delink_sources
+from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, delink_sources, validate_layout
 
 logger = logging.get_logger(__name__)
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<block>\d+)\.(?P<rest>.+)$")
+# transformers' paged attention kernels index their cache by the module's `layer_idx`, i.e. by block, not by depth.
+_PAGED_PSEUDO_ERROR = (
+    "paged attention (continuous batching: `generate_batch`, `init_continuous_batching`; `paged|` attention "
+    "implementations) indexes its KV cache by block, not by depth, so a pseudo model (share_layers=True) would compute "
+    "another function; delink() the model first, or use `generate()`"
+)
 
 
+@use_kernelized_func(apply_rotary_pos_emb)
 class P2RAttention(nn.Module):
     """Llama's attention, except that the KV-cache slot is the depth of the call, not the module's own index.
 
@@ -125,6 +134,9 @@ class P2RDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Outputs added to the residual stream: `_init_weights` scales their init by depth.
+        self.self_attn.o_proj.is_residual_projection = True
+        self.mlp.down_proj.is_residual_projection = True
 
     def forward(
         self,
@@ -183,9 +195,7 @@ class P2RPreTrainedModel(PreTrainedModel):
         # Residual-branch outputs get std / sqrt(2 L) (GPT-2, Megatron): a pseudo model adds its shared block's output
         # to the residual stream L times, so the unscaled init grows the stream with depth however few blocks there are.
         # (Checked on the Linear itself: for custom code, transformers skips modules that hold no parameters directly.)
-        if isinstance(module, nn.Linear) and any(
-            module is layer.self_attn.o_proj or module is layer.mlp.down_proj for layer in self.base_model.layers
-        ):
+        if isinstance(module, nn.Linear) and getattr(module, "is_residual_projection", False):
             std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
             init.normal_(module.weight, mean=0.0, std=std)
 
@@ -201,31 +211,28 @@ class P2RPreTrainedModel(PreTrainedModel):
         ```
 
         The checkpoint is loaded as stored (only its k blocks are materialised) and then delinked in place. Weights load
-        from safetensors only. Layer weights that are missing from, or extra in, the checkpoint raise `ValueError`
-        instead of being initialised at random.
+        from safetensors only. The sharing overrides are checked like `P2RConfig` arguments; asking for fewer blocks
+        (re-sharing) or another `num_hidden_layers` raises `ValueError`, and so do weights missing from the checkpoint
+        and layer weights it has in excess, instead of being initialised at random or ignored.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("P2R models load weights from safetensors only (use_safetensors=False was given)")
         kwargs["use_safetensors"] = True
         output_loading_info = kwargs.pop("output_loading_info", False)
-        requested = {
-            key: kwargs.pop(key) for key in ("share_layers", "num_unique_layers", "sharing_pattern") if key in kwargs
-        }
-        stored = _stored_layout(pretrained_model_name_or_path, kwargs)
+        requested = {key: kwargs.pop(key) for key in LAYOUT_FIELDS if key in kwargs}
+        stored_dict = _stored_config_dict(pretrained_model_name_or_path, kwargs)
         config = kwargs.get("config")
         target = None
         distributed = [key for key in _DISTRIBUTED_KWARGS if kwargs.get(key) is not None]
-        if stored is not None:
+        if stored_dict is not None:
             # The Auto classes pass a config with the user's overrides already applied; a direct call passes kwargs.
             # (Compared by model_type: under trust_remote_code, AutoConfig's P2RConfig is another class object.)
             passed_config = getattr(config, "model_type", None) == P2RConfig.model_type
             if passed_config:
-                requested = {
-                    "share_layers": config.share_layers,
-                    "num_unique_layers": config.num_blocks,
-                    "sharing_pattern": config.sharing_pattern,
-                }
-            target = _target_blocks(pretrained_model_name_or_path, stored, requested)
+                requested = {key: getattr(config, key) for key in (*LAYOUT_FIELDS, "num_hidden_layers")}
+            elif "num_hidden_layers" in kwargs:
+                requested["num_hidden_layers"] = kwargs["num_hidden_layers"]
+            stored, target = _target_blocks(pretrained_model_name_or_path, stored_dict, requested)
             if distributed and target != stored.num_blocks:
                 # delink() copies blocks, which cannot be done on blocks already sharded across processes.
                 raise ValueError(
@@ -241,7 +248,7 @@ class P2RPreTrainedModel(PreTrainedModel):
         model, loading_info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
-        _check_layer_keys(pretrained_model_name_or_path, model.config, loading_info)
+        _check_loaded_keys(pretrained_model_name_or_path, model.config, loading_info)
         if target is not None and target != model.config.num_blocks:
             model.delink(target)
         return (model, loading_info) if output_loading_info else model
@@ -299,7 +306,8 @@ class P2RPreTrainedModel(PreTrainedModel):
         for new_block, old_block in enumerate(sources):
             block = base.layers[old_block]
             if old_block in taken:
-                block = copy.deepcopy(block)
+                # The memo keeps `config` shared: a private copy would not see `set_attn_implementation` and the like.
+                block = copy.deepcopy(block, {id(config): config})
             taken.add(old_block)
             block.self_attn.layer_idx = new_block
             blocks.append(block)
@@ -322,8 +330,8 @@ _DISTRIBUTED_KWARGS = ("distributed_config", "tp_plan", "tp_size", "device_mesh"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
-def _stored_layout(pretrained_model_name_or_path, kwargs) -> P2RConfig | None:
-    """The config the checkpoint itself declares (no overrides), or None if it has no P2R config.json."""
+def _stored_config_dict(pretrained_model_name_or_path, kwargs) -> dict | None:
+    """The config.json the checkpoint itself declares (no overrides), or None if it has no P2R config.json."""
     if pretrained_model_name_or_path is None:
         return None
     hub_kwargs = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
@@ -333,43 +341,64 @@ def _stored_layout(pretrained_model_name_or_path, kwargs) -> P2RConfig | None:
         return None
     if config_dict.get("model_type") != P2RConfig.model_type:
         return None
-    return P2RConfig.from_dict(config_dict)
+    return config_dict
 
 
-def _check_layer_keys(source, config: P2RConfig, loading_info: dict) -> None:
-    """Raise if the checkpoint's blocks disagree with its config: never leave a block randomly initialised."""
+def _check_loaded_keys(source, config: P2RConfig, loading_info: dict) -> None:
+    """Raise if the checkpoint lacks any weight (tied ones aside) or its blocks disagree with its config: never leave a
+    weight randomly initialised."""
     problems = []
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         # mismatched_keys holds (name, checkpoint shape, model shape) tuples; the others hold names
         names = sorted(key[0] if isinstance(key, tuple) else key for key in loading_info.get(kind, ()))
-        names = [name for name in names if _LAYER_KEY.match(name)]
+        if kind != "missing_keys":
+            names = [name for name in names if _LAYER_KEY.match(name)]
         if names:
             more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
             problems.append(f"{kind.replace('_', ' ')}: {', '.join(names[:3])}{more}")
     if problems:
         raise ValueError(
-            f"{source}: the layer weights do not match config.json (share_layers={config.share_layers}, "
-            f"num_unique_layers={config.num_blocks}, num_hidden_layers={config.num_hidden_layers}): "
-            + "; ".join(problems)
+            f"{source}: the weights do not match config.json (share_layers={config.share_layers}, "
+            f"num_unique_layers={config.num_blocks}, num_hidden_layers={config.num_hidden_layers}), and none is "
+            "initialised at random: " + "; ".join(problems)
         )
 
 
-def _target_blocks(source, stored: P2RConfig, requested: dict) -> int:
-    """How many blocks the caller asks for; only delinking (more blocks, same pattern) keeps the function."""
-    pattern = requested.get("sharing_pattern", stored.sharing_pattern)
-    share = requested.get("share_layers", stored.share_layers if "num_unique_layers" not in requested else True)
-    target = requested.get("num_unique_layers", stored.num_blocks) if share else stored.num_hidden_layers
-    if target < stored.num_blocks or (pattern != stored.sharing_pattern and target < stored.num_hidden_layers):
+def _target_blocks(source, stored_dict: dict, requested: dict) -> tuple[P2RConfig, int]:
+    """The stored config and how many blocks the caller asks for.
+
+    The request is checked like `P2RConfig` arguments; only delinking (more blocks, same pattern, same depth) keeps the
+    function.
+    """
+    stored = P2RConfig.from_dict(stored_dict)
+    depth = requested.get("num_hidden_layers", stored.num_hidden_layers)
+    if depth != stored.num_hidden_layers:
+        raise ValueError(
+            f"{source}: num_hidden_layers={depth!r} differs from the checkpoint's {stored.num_hidden_layers}; a P2R "
+            "checkpoint loads at its own depth (a pseudo model would silently run its blocks at another depth)"
+        )
+    try:
+        wanted = P2RConfig.from_dict(stored_dict, **requested)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    target, pattern = wanted.num_blocks, wanted.sharing_pattern
+    if target < stored.num_blocks or (pattern != stored.sharing_pattern and target < depth):
         raise ValueError(
             f"{source}: the checkpoint stores {stored.num_blocks} blocks (sharing_pattern={stored.sharing_pattern!r}) "
             f"and cannot load as a model with {target} blocks (sharing_pattern={pattern!r}): only delinking to more "
             "blocks with the same pattern keeps the function"
         )
-    return target
+    if stored.num_blocks < target < depth:
+        try:
+            delink_sources(depth, stored.num_blocks, target, stored.sharing_pattern)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
+    return stored, target
 
 
 class P2RModel(P2RPreTrainedModel):
     def __init__(self, config: P2RConfig):
+        validate_layout(config)  # again: fields may have been assigned since the config was built
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
@@ -398,6 +427,12 @@ class P2RModel(P2RPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if self.config.share_layers and (
+            str(self.config._attn_implementation).startswith("paged")
+            or isinstance(kwargs.get("cache"), PagedAttentionCache)
+        ):
+            raise ValueError(_PAGED_PSEUDO_ERROR)
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
@@ -465,6 +500,12 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
 
         # Initialize weights and apply final processing
         self.post_init()
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """`GenerationMixin.init_continuous_batching` (behind `generate_batch`), refused up front for pseudo models."""
+        if self.config.share_layers:
+            raise ValueError(_PAGED_PSEUDO_ERROR)
+        return super().init_continuous_batching(*args, **kwargs)
 
     @can_return_tuple
     def forward(
