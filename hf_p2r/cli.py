@@ -3,15 +3,32 @@
 Each subcommand lives in `hf_p2r/commands/<name>.py` and exposes `register(subparsers)`, which adds its parser and
 sets `func` (called with the parsed arguments; returns an exit code or None). Heavy imports happen inside `func`, so
 `hf-p2r --help` is instant. Expected user errors print one line on stderr and exit 1, without a traceback.
+
+SIGTERM and SIGHUP (`kill`, `timeout`, a SLURM job ending, a closed terminal) stop a command like Ctrl-C does: the
+partial output is removed, one line is printed and the exit status is 128 + the signal number.
 """
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from .commands import convert, plan, push
 
 # Errors that mean "bad input or environment", not a bug: shown as one line.
 USER_ERRORS = (ValueError, OSError, KeyError)
+# Signals that end a command the way Ctrl-C (SIGINT) does.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by a SIGTERM/SIGHUP: a KeyboardInterrupt, so every cleanup Ctrl-C runs runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,14 +38,43 @@ def main(argv: list[str] | None = None) -> int:
         command.register(subparsers)
     args = parser.parse_args(argv)
     try:
-        return args.func(args) or 0
-    except KeyboardInterrupt:
-        print(f"hf-p2r {args.command}: interrupted", file=sys.stderr)
-        return 130
+        with _stop_on_signals():
+            return args.func(args) or 0
+    except KeyboardInterrupt as error:
+        signum = getattr(error, "signum", signal.SIGINT)
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"hf-p2r {args.command}: {what}", file=sys.stderr)
+        return 128 + signum
     except USER_ERRORS as error:
         message = str(error) if not isinstance(error, KeyError) else f"missing {error}"
-        print(f"hf-p2r {args.command}: error: {message}", file=sys.stderr)
+        print(f"hf-p2r {args.command}: error: {one_line(message)}", file=sys.stderr)
         return 1
+
+
+def one_line(message: str) -> str:
+    """`message` on one line (some libraries' messages span several)."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into `Stopped` while the command runs (Python only handles signals in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    # Only where the default (termination) applies: `nohup` sets SIGHUP to be ignored, and that must stay so.
+    previous = {
+        signum: signal.signal(signum, stop) for signum in STOP_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

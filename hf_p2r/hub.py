@@ -36,12 +36,17 @@ def render_model_card(
     """The model card of the checkpoint in `folder`, rendered from `model_cards/model_card.md`.
 
     `model_id` (a Hub repo id, or a name; default: the folder's name) appears in the title and the code snippet.
-    `provenance` (written by `convert_pseudo_to_real`) is stored in the card's metadata under `hf_p2r` and shown as a
-    section. Metadata: `library_name: transformers`, `pipeline_tag: text-generation`, tags `pseudo-to-real`, the
-    model type, and `custom_code` only when the folder needs `trust_remote_code` (its config.json has `auto_map`).
-    The weights are opened (headers only) to count parameters, so a corrupt checkpoint is an error here.
+    `provenance` (written by `convert_pseudo_to_real`) is stored in the card's metadata under `hf_p2r`, with
+    `rendered_for: model_id` (so that `push_to_hub` can tell an unedited card, and render it again for the repo, even
+    after the folder was renamed), and shown as a section. Metadata: `library_name: transformers`, `pipeline_tag:
+    text-generation`, tags `pseudo-to-real`, the model type, and `custom_code` only when the folder needs
+    `trust_remote_code` (its config.json has `auto_map`). The weights are opened (headers only: no tensor data is
+    read) to count parameters, so a corrupt checkpoint is an error here.
     """
     folder = Path(folder)
+    model_id = model_id or folder.name
+    if provenance is not None:
+        provenance = {**provenance, "rendered_for": model_id}
     config = read_config_dict(folder)
     model_type = config.get("model_type", "unknown")
     remote_code = "auto_map" in config
@@ -49,9 +54,9 @@ def render_model_card(
     share = bool(config.get("share_layers"))
     blocks = config.get("num_unique_layers") if share else depth
     with CheckpointReader(folder) as reader:
-        tensors = [reader.get(name) for name in reader.keys()]
-        num_parameters = sum(t.numel() for t in tensors)
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+        headers = [reader.info(name) for name in reader.keys()]
+    num_parameters = sum(shape.numel() for shape, _ in headers)
+    dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype in headers})
 
     if model_type == "p2r":
         summary = (
@@ -74,7 +79,6 @@ def render_model_card(
         tags=["pseudo-to-real", model_type] + (["custom_code"] if remote_code else []),
         hf_p2r=provenance,
     )
-    model_id = model_id or folder.name
     return ModelCard.from_template(
         card_data,
         template_path=MODEL_CARD_TEMPLATE,
@@ -145,9 +149,12 @@ def _card_for_upload(folder: Path, repo_id: str) -> tuple[ModelCard | None, str]
         return render_model_card(folder, model_id=repo_id), "rendered from model_cards/"
     existing = readme.read_text(encoding="utf-8")
     provenance = ModelCard(existing).data.to_dict().get("hf_p2r")
-    if provenance is not None and existing == str(render_model_card(folder, provenance=provenance)):
-        card = render_model_card(folder, model_id=repo_id, provenance=provenance)
-        return card, "the card hf-p2r convert wrote, re-rendered for this repo"
+    if isinstance(provenance, dict):
+        # The id it was rendered for (cards written before `rendered_for` existed: the folder's name then).
+        rendered_for = provenance.get("rendered_for") or folder.name
+        if existing == str(render_model_card(folder, model_id=rendered_for, provenance=provenance)):
+            card = render_model_card(folder, model_id=repo_id, provenance=provenance)
+            return card, "the card hf-p2r convert wrote, re-rendered for this repo"
     # Not written by hf-p2r, or edited since: it is the author's card. The weights are still checked.
     CheckpointReader(folder).close()
     return None, "the folder's own README.md, unchanged"

@@ -1,9 +1,15 @@
 """push_to_hub and model cards, offline: the Hub is intercepted at the HfApi boundary only."""
 
 import logging
+import os
+import socket
+import subprocess
+import sys
 
+import httpx2
 import pytest
-from huggingface_hub import CommitInfo, HfApi, ModelCard
+from huggingface_hub import CommitInfo, HfApi, ModelCard, constants
+from huggingface_hub.errors import HfHubHTTPError
 
 from hf_p2r import convert_pseudo_to_real, export_llama, push_to_hub
 from hf_p2r.cli import main
@@ -177,3 +183,74 @@ def test_model_card_template_ships_inside_the_package():
     repo = Path(__file__).resolve().parents[1]
     assert MODEL_CARD_TEMPLATE.parent == repo / "hf_p2r" / "model_cards"
     assert MODEL_CARD_TEMPLATE.resolve() == repo / "model_cards" / "model_card.md"
+
+
+def test_renamed_folder_gets_its_card_rendered_for_the_repo(converted, hub, tmp_path):
+    """`mv real-8 final`: the card still says `# real-8`, but it is hf-p2r's unedited card, so the push renders it
+    for the repo (title, snippet) instead of uploading the stale one."""
+    final = converted.rename(tmp_path / "final")
+    stale = (final / "README.md").read_text()
+    assert "# real-8" in stale and _provenance(final)["rendered_for"] == "real-8"
+    push_to_hub(final, "me/final")
+    card = _uploaded(hub)["README.md"].decode()
+    assert "# me/final" in card and 'from_pretrained("me/final")' in card and "real-8" not in card
+    assert card == str(render_model_card(final, model_id="me/final", provenance=_provenance(final)))
+    assert (final / "README.md").read_text() == stale, "the folder itself is not modified"
+    # an edited card in a renamed folder is still the author's
+    hub.clear()
+    (final / "README.md").write_text(stale.replace("# real-8", "# My model"))
+    push_to_hub(final, "me/final")
+    assert _uploaded(hub)["README.md"].decode() == stale.replace("# real-8", "# My model")
+
+
+def _free_port() -> int:
+    """A loopback port that nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_hub_is_one_line_without_the_token(converted):
+    """A real connection to a closed local port: huggingface_hub raises httpx's ConnectError (not an OSError)."""
+    endpoint = f"http://127.0.0.1:{_free_port()}"
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN)
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "push", str(converted), "me/real-8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith(f"hf-p2r push: error: cannot reach {endpoint}: "), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr and TOKEN not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (
+            httpx2.ConnectError("[Errno -3] Temporary failure in name resolution"),
+            "cannot reach {endpoint}: [Errno -3] Temporary failure in name resolution",
+        ),
+        (httpx2.ReadTimeout("The read operation timed out"), "cannot reach {endpoint}: The read operation timed out"),
+        (
+            HfHubHTTPError(
+                f"401 Client Error: Unauthorized for url: x\n\nInvalid credentials in {TOKEN}",
+                response=httpx2.Response(401, request=httpx2.Request("POST", "https://hub.example/api/repos/create")),
+            ),
+            "{endpoint}: 401 Client Error: Unauthorized for url: x Invalid credentials in ***",
+        ),
+    ],
+    ids=["dns", "timeout", "401"],
+)
+def test_hub_errors_are_one_line_without_the_token(converted, monkeypatch, capsys, error, expected):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+    def fail(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(HfApi, "create_repo", fail)
+    assert main(["push", str(converted), "me/real-8"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"hf-p2r push: error: {expected.format(endpoint=constants.ENDPOINT)}\n"

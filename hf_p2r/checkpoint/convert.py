@@ -13,14 +13,14 @@ from typing import Literal
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
+from transformers.utils import CHAT_TEMPLATE_DIR, CONFIG_NAME, GENERATION_CONFIG_NAME
 
 from ..models.p2r import P2RConfig, P2RForCausalLM
 from ..models.p2r.modeling_p2r import _LAYER_KEY
 from .io import atomic_directory, read_config_dict
 from .llama import llama_config
 from .reader import CheckpointReader
-from .writer import output_dtype, write_checkpoint
+from .writer import output_dtype, parse_size, write_checkpoint
 
 # Files other than weights and config.json that travel with a checkpoint (tokenizer and generation settings).
 CARRIED_FILES = (
@@ -33,6 +33,10 @@ CARRIED_FILES = (
     "*.model",
     "chat_template.*",
 )
+# Folders that travel with it: transformers' named chat templates (additional_chat_templates/<name>.jinja).
+CARRIED_FOLDERS = (CHAT_TEMPLATE_DIR,)
+# dtypes an output can be cast to: those transformers loads without a quantization config.
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def convert_pseudo_to_real(
@@ -52,10 +56,11 @@ def convert_pseudo_to_real(
 
     The output loads with `from_pretrained` and equals the delinked model tensor for tensor: as `P2RForCausalLM`
     (`target="p2r"`, config with `share_layers=False`), or as a vanilla `LlamaForCausalLM` (`target="llama"`, real
-    only). Weights are streamed: the source is memory-mapped, each shard (at most `max_shard_size`) is written by
-    safetensors, and anonymous memory stays constant whatever the model size. `dtype` (e.g. `"bfloat16"`) casts
-    floating-point tensors. generation_config.json, tokenizer files (and, for `target="p2r"`, remote code) are carried
-    over, and README.md is a model card recording where the checkpoint came from.
+    only). Weights are streamed: the source is memory-mapped, each shard (at most `max_shard_size`, e.g. "5GB" or
+    a number of bytes) is written by safetensors, and anonymous memory stays constant whatever the model size. `dtype`
+    (float32, float16, bfloat16 or float64) casts the weights. generation_config.json, tokenizer files and named chat
+    templates (and, for `target="p2r"` from a source with remote code, the model code) are carried over, and README.md
+    is a model card recording where the checkpoint came from.
 
     `src` is only read. The output is built in a temporary folder beside `dst` and renamed into place at the end: on
     any error (bad input, disk full, Ctrl-C) `dst` is left as it was. A non-empty `dst` is refused unless `overwrite`.
@@ -67,6 +72,7 @@ def convert_pseudo_to_real(
     >>> convert_pseudo_to_real("pseudo_1x24", "pseudo_4x24", num_unique_layers=4)   # partial: 1 -> 4 blocks
     ```
     """
+    max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
     src = Path(src)
     config = read_p2r_config(src)
     if not config.share_layers:
@@ -106,7 +112,8 @@ def read_p2r_config(folder: str | os.PathLike) -> P2RConfig:
     try:
         return P2RConfig.from_dict(config_dict)
     except (ValueError, TypeError, StrictDataclassError) as error:
-        raise ValueError(f"{path}: {error}") from None
+        # huggingface_hub's validation errors span two lines ("Validation error for field ...:\n    TypeError: ...")
+        raise ValueError(f"{path}: {' '.join(line.strip() for line in str(error).splitlines())}") from None
 
 
 def rewrite_checkpoint(
@@ -116,21 +123,20 @@ def rewrite_checkpoint(
     *,
     num_blocks: int,
     target: Literal["p2r", "llama"],
-    max_shard_size: int | str,
-    dtype: str | torch.dtype | None,
+    max_shard_size: int,
+    dtype: torch.dtype | None,
     overwrite: bool,
     verify: bool,
     progress: bool,
 ) -> Path:
     """Stream the checkpoint in `src` (described by `config`) into `dst` with `num_blocks` blocks (the shared engine of
-    `convert_pseudo_to_real` and `export_llama`)."""
+    `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype` already parsed)."""
     # Imported here: hf_p2r/__init__.py imports this module before it defines __version__.
     from .. import __version__
     from ..hub import render_model_card
 
     dst = Path(dst)
     _check_not_nested(src, dst)
-    dtype = _parse_dtype(dtype)
 
     with torch.device("meta"):  # names and shapes only: no memory, no init
         stored = P2RForCausalLM(config)
@@ -152,19 +158,24 @@ def rewrite_checkpoint(
         order = list(P2RForCausalLM(out_config).state_dict())  # the order transformers itself saves in
 
     with CheckpointReader(src) as reader:
-        _check_weights(reader, config, expected)  # before any output exists
+        source_dtype = _check_weights(reader, config, expected)  # before any output exists
         tensors = {new: reader.get(new_to_old[new]) for new in order if new in new_to_old}
         with atomic_directory(dst, overwrite=overwrite) as tmp:
             write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=dtype, progress=progress)
             (llama_config(out_config) if target == "llama" else out_config).save_pretrained(tmp)
             _carry_files(src, tmp, remote_code=target == "p2r" and hasattr(out_config, "auto_map"))
+            source_dtype = str(source_dtype).removeprefix("torch.")
+            out_dtype = str(dtype).removeprefix("torch.") if dtype is not None else source_dtype
             provenance = {
                 "source": src.resolve().name,
+                "source_kind": "pseudo" if config.share_layers else "real",
                 "source_num_unique_layers": config.num_blocks,
                 "num_hidden_layers": config.num_hidden_layers,
                 "num_unique_layers": num_blocks,
                 "sharing_pattern": config.sharing_pattern,
-                "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "unchanged",
+                "dtype": f"{out_dtype} (unchanged)"
+                if out_dtype == source_dtype
+                else f"{out_dtype} (cast from {source_dtype})",
                 "target": target,
                 "converted_with": f"hf-p2r {__version__}",
             }
@@ -199,8 +210,10 @@ def verify_checkpoint(folder: str | os.PathLike, expected: dict[str, tuple[torch
                     raise ValueError(f"{out.file_of(name)}: verify failed: {name} differs from its source")
 
 
-def _check_weights(reader: CheckpointReader, config: P2RConfig, expected: dict[str, torch.Size]) -> None:
-    """The stored tensors must be exactly those of the model `config` describes."""
+def _check_weights(reader: CheckpointReader, config: P2RConfig, expected: dict[str, torch.Size]) -> torch.dtype:
+    """The stored tensors must be exactly those of the model `config` describes, all of one floating-point dtype
+    (returned). A header that relabels a tensor's dtype with one of the same size (F32 as I32, BF16 as F16) is not
+    caught by safetensors: the dtype checks are what catch it."""
     config_path = reader.folder / CONFIG_NAME
     blocks = sorted({int(match["block"]) for name in reader.keys() if (match := _LAYER_KEY.match(name))})
     if blocks != list(range(config.num_blocks)):
@@ -218,12 +231,32 @@ def _check_weights(reader: CheckpointReader, config: P2RConfig, expected: dict[s
             f"{reader.file_of(extra[0])}: holds tensors that the model of {config_path} does not have: "
             + ", ".join(extra[:3])
         )
+    by_dtype: dict[torch.dtype, list[str]] = {}
     for name, shape in expected.items():
-        found = reader.get(name).shape
+        found, dtype = reader.info(name)
         if found != shape:
             raise ValueError(
                 f"{reader.file_of(name)}: {name} has shape {list(found)} but {config_path} implies {list(shape)}"
             )
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"{reader.file_of(name)}: {name} is stored as {_dtype_name(dtype)}, but model weights are floating "
+                "point (a header with the wrong dtype?)"
+            )
+        by_dtype.setdefault(dtype, []).append(name)
+    if len(by_dtype) > 1:
+        (common, names), *others = sorted(by_dtype.items(), key=lambda item: -len(item[1]))
+        odd_dtype, odd_names = others[0]
+        raise ValueError(
+            f"{reader.file_of(odd_names[0])}: {odd_names[0]} is stored as {_dtype_name(odd_dtype)}, but "
+            f"{len(names)} other tensors (e.g. {names[0]}) are {_dtype_name(common)}: a checkpoint's weights share one "
+            "dtype (a header with the wrong dtype?)"
+        )
+    return next(iter(by_dtype))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
@@ -232,6 +265,9 @@ def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
         for path in src.glob(pattern):
             if path.is_file() and path.name != CONFIG_NAME:
                 shutil.copy2(path, dst / path.name)
+    for name in CARRIED_FOLDERS:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
 
 
 def _check_not_nested(src: Path, dst: Path) -> None:
@@ -240,10 +276,12 @@ def _check_not_nested(src: Path, dst: Path) -> None:
         raise ValueError(f"{dst}: the output must not be the source {src}, inside it, or contain it")
 
 
-def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    parsed = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch dtype such as 'bfloat16' or 'float16', got {dtype!r}")
-    return parsed
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The output dtype: None (keep the source's), or one of `DTYPES` as a name ("bfloat16", "torch.bfloat16") or a
+    `torch.dtype`. Others (float8, integers) would write a checkpoint transformers cannot load as it is."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)

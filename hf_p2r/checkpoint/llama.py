@@ -6,7 +6,7 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from ..models.p2r import P2RConfig, P2RForCausalLM
-from .io import atomic_directory
+from .save import save_model
 
 # Fields of a P2R config.json that Llama does not have (or must not inherit).
 _NOT_LLAMA = ("share_layers", "num_unique_layers", "sharing_pattern", "auto_map", "model_type", "transformers_version")
@@ -34,9 +34,11 @@ def export_llama(
     """Save a real P2R model, or copy a real P2R checkpoint folder, as a vanilla `LlamaForCausalLM` checkpoint (written
     atomically); returns the folder.
 
-    Given a folder, the weights are streamed as they are (memory-mapped in, written shard by shard) and only
-    config.json is rewritten; `save_kwargs` then go to `convert_pseudo_to_real`'s writer options (`max_shard_size`,
-    `dtype`, `verify`, `progress`).
+    Given a model, it is saved by `hf_p2r.checkpoint.save_model` with the Llama config (no model code); `save_kwargs`
+    are its options (`max_shard_size`, `tokenizer`, `state_dict`, `progress`). Given a folder, the weights are streamed
+    as they are (memory-mapped in, written shard by shard) and only config.json is rewritten; `save_kwargs` are then
+    `convert_pseudo_to_real`'s writer options (`max_shard_size`, `dtype`, `verify`, `progress`), and README.md is a
+    model card recording the source.
 
     ```python
     >>> export_llama(pseudo.delink(), "llama_out")
@@ -46,11 +48,7 @@ def export_llama(
     """
     if isinstance(model, (str, os.PathLike)):
         return _export_llama_folder(Path(model), save_directory, overwrite=overwrite, **save_kwargs)
-    config = llama_config(model.config)
-    with atomic_directory(save_directory, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp, **save_kwargs)
-        config.save_pretrained(tmp)  # replaces the P2R config.json
-    return Path(save_directory)
+    return save_model(model, save_directory, config=llama_config(model.config), overwrite=overwrite, **save_kwargs)
 
 
 def _export_llama_folder(
@@ -64,8 +62,10 @@ def _export_llama_folder(
     progress: bool = True,
 ) -> Path:
     # Imported here: convert.py builds on this module (llama_config).
-    from .convert import read_p2r_config, rewrite_checkpoint
+    from .convert import parse_dtype, read_p2r_config, rewrite_checkpoint
+    from .writer import parse_size
 
+    max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
     config = read_p2r_config(src)
     if config.share_layers:
         raise ValueError(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import _getdtype
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 # Bytes per element of safetensors' dtype codes, to explain a header that safetensors rejects.
@@ -94,6 +95,12 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name`, memory-mapped on CPU (read-only in practice: never write to it)."""
         return self._handles[self._file_of[name]].get_tensor(name)
+
+    def info(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of tensor `name`, from its file's header: unlike `get`, touches none of its data (getting a
+        tensor maps part of its pages, which for a whole checkpoint adds up)."""
+        view = self._handles[self._file_of[name]].get_slice(name)
+        return torch.Size(view.get_shape()), _getdtype(view.get_dtype())
 
     def close(self) -> None:
         """Close the files; tensors already returned stay valid."""

@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors import SafetensorError, TensorSpec, serialize_file
 from tqdm.auto import tqdm
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from .io import file_mode
 
 _FILENAME_PATTERN = SAFE_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 _ALIGN = 64  # byte alignment of staged tensors in the scratch mapping (any dtype can view it)
@@ -51,6 +54,7 @@ def write_checkpoint(
     2.5 times faster than one. Anonymous memory does not grow with them: each thread only holds pointers.
     """
     folder = Path(folder)
+    max_shard_size = parse_size(max_shard_size)
     out_dtypes = {name: output_dtype(tensor, dtype) for name, tensor in tensors.items()}
     meta = {name: torch.empty(t.shape, dtype=out_dtypes[name], device="meta") for name, t in tensors.items()}
     plan = split_torch_state_dict_into_shards(meta, filename_pattern=_FILENAME_PATTERN, max_shard_size=max_shard_size)
@@ -61,6 +65,7 @@ def write_checkpoint(
     def write_shard(filename: str, names: list[str]) -> Path:
         with _Staging(folder, {name: tensors[name] for name in names}, out_dtypes) as staged:
             _serialize({name: _spec(staged[name]) for name in names}, folder / filename, header)
+        os.chmod(folder / filename, file_mode())  # safetensors writes through a 0600 temporary file
         bar.update(sum(meta[name].nbytes for name in names))
         return folder / filename
 
@@ -82,6 +87,24 @@ def write_checkpoint(
         (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         written.append(folder / SAFE_WEIGHTS_INDEX_NAME)
     return written
+
+
+def parse_size(size: int | str, name: str = "max_shard_size") -> int:
+    """`size` in bytes: an int, a string of digits (bytes), or a size like "5GB", "500MB", "1.5GB" (huggingface_hub's
+    units: KB, MB, GB, TB, powers of 1000). Anything else, and sizes below one byte, raise a `ValueError` naming
+    `name`."""
+    try:
+        if isinstance(size, int) and not isinstance(size, bool):
+            value = size
+        elif isinstance(size, str) and size.strip().isdigit():
+            value = int(size.strip())
+        else:
+            value = parse_size_to_int(size)
+    except (ValueError, TypeError, AttributeError, OverflowError):
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name}: '{size}' is not a size like 5GB or 500MB")
+    return value
 
 
 def _serialize(specs: dict[str, TensorSpec], path: Path, header: dict[str, str]) -> None:

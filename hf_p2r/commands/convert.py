@@ -24,9 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="partial delink to K blocks (default: the real model, one block per layer)",
     )
     parser.add_argument(
-        "--max-shard-size", default="5GB", metavar="SIZE", help="largest output shard, e.g. 5GB, 500MB (default 5GB)"
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest output shard: a size like 5GB or 500MB, or a number of bytes (default 5GB)",
     )
-    parser.add_argument("--dtype", metavar="DTYPE", help="cast floating-point tensors, e.g. bfloat16, float16, float32")
+    parser.add_argument("--dtype", metavar="DTYPE", help="cast the weights to float32, float16, bfloat16 or float64")
     parser.add_argument(
         "--target",
         choices=("p2r", "llama"),

@@ -22,15 +22,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx2  # huggingface_hub's HTTP client: its errors are not OSError
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
     from ..hub import push_to_hub
 
-    result = push_to_hub(
-        args.folder,
-        args.repo_id,
-        private=args.private,
-        revision=args.revision,
-        commit_message=args.commit_message,
-        dry_run=args.dry_run,
-    )
+    try:
+        result = push_to_hub(
+            args.folder,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            dry_run=args.dry_run,
+        )
+    except HfHubHTTPError as error:  # the Hub answered with an error (401, 403, 404...): an OSError, one line
+        raise OSError(_without_token(f"{constants.ENDPOINT}: {error}", get_token())) from None
+    except httpx2.HTTPError as error:  # no answer: refused, unreachable, timed out, TLS...
+        raise ConnectionError(_without_token(f"cannot reach {constants.ENDPOINT}: {error}", get_token())) from None
     print(result)
     return 0
+
+
+def _without_token(message: str, token: str | None) -> str:
+    """Messages never carry the token; this makes sure of it."""
+    return message.replace(token, "***") if token else message

@@ -1,10 +1,14 @@
+import copy
 import errno
 import hashlib
 import json
 import os
+import re
 import resource
 import runpy
+import shlex
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -115,8 +119,25 @@ def test_dtype_cast(tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = P2RForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     _assert_same_weights(loaded, model.delink().to(torch.bfloat16))
-    with pytest.raises(ValueError, match="floating-point torch dtype"):
-        convert_pseudo_to_real(src, tmp_path / "bad", dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", torch.float8_e5m2, "int8", "torch.int32", "float128", "half"])
+def test_only_loadable_dtypes(tmp_path, dtype):
+    """float8 (or any dtype but these four) would write weights that from_pretrained cannot load as they are."""
+    message = f"dtype: '{dtype}' is not one of float32, float16, bfloat16, float64"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        convert_pseudo_to_real(tmp_path / "missing", tmp_path / "out", dtype=dtype)  # before SRC is read
+    assert not (tmp_path / "out").exists()
+
+
+def test_float16_and_float64_casts_load(tmp_path, input_ids):
+    src, model = _pseudo(tmp_path)
+    real = model.delink()
+    for dtype in (torch.float16, "torch.float64"):
+        out = convert_pseudo_to_real(src, tmp_path / str(dtype), dtype=dtype, verify=True)
+        loaded = P2RForCausalLM.from_pretrained(out, dtype="auto")
+        assert str(loaded.dtype) == f"torch.{str(dtype).removeprefix('torch.')}"
+        _assert_same_weights(loaded, copy.deepcopy(real).to(loaded.dtype))
 
 
 def test_tokenizer_generation_config_and_remote_code_are_carried(tmp_path):
@@ -124,10 +145,14 @@ def test_tokenizer_generation_config_and_remote_code_are_carried(tmp_path):
     model.save_pretrained(src, remote_code=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         (src / name).write_text(f"{name} contents")
+    (src / "additional_chat_templates").mkdir()  # transformers' named templates: {name}.jinja
+    for name in ("tool_use", "rag"):
+        (src / "additional_chat_templates" / f"{name}.jinja").write_text(f"{{{{ {name} }}}}")
     (src / "optimizer.pt").write_bytes(b"training state")
     out = convert_pseudo_to_real(src, tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == [
         "README.md",
+        "additional_chat_templates",
         "chat_template.jinja",
         "config.json",
         "configuration_p2r.py",
@@ -140,6 +165,8 @@ def test_tokenizer_generation_config_and_remote_code_are_carried(tmp_path):
     ]
     assert (out / "tokenizer.json").read_text() == "tokenizer.json contents"
     assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+    assert _hashes(out / "additional_chat_templates") == _hashes(src / "additional_chat_templates")
+    assert sorted(p.name for p in (out / "additional_chat_templates").iterdir()) == ["rag.jinja", "tool_use.jinja"]
     assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_p2r.P2RForCausalLM"
     )
@@ -151,10 +178,35 @@ def test_model_card_records_provenance(tmp_path):
     card = (out / "README.md").read_text()
     for text in ("source: pseudo", "source_num_unique_layers: 2", "num_unique_layers: 8", "sharing_pattern: sequence"):
         assert text in card
-    assert "dtype: float16" in card and "# real-8" in card and 'from_pretrained("real-8")' in card
+    assert "source_kind: pseudo" in card and "from the pseudo checkpoint `pseudo`" in card
+    assert "dtype: float16 (cast from float32)" in card and "| dtype | float16 (cast from float32) |" in card
+    assert "# real-8" in card and 'from_pretrained("real-8")' in card
+
+
+def test_model_card_names_the_dtype_kept_and_a_real_source(tmp_path):
+    src, model = _pseudo(tmp_path)
+    model.to(torch.bfloat16).save_pretrained(src)
+    card = (convert_pseudo_to_real(src, tmp_path / "real") / "README.md").read_text()
+    assert "dtype: bfloat16 (unchanged)" in card and "unchanged" not in card.replace("bfloat16 (unchanged)", "")
+    model.delink().save_pretrained(tmp_path / "real-src")  # bfloat16 too
+    card = (export_llama(tmp_path / "real-src", tmp_path / "llama", dtype="float32") / "README.md").read_text()
+    assert "source_kind: real" in card and "dtype: float32 (cast from bfloat16)" in card
+    assert "Exported with `hf_p2r.export_llama`" in card and "from the real P2R checkpoint `real-src`" in card
+    assert "pseudo checkpoint" not in card and "shared block" not in card
 
 
 # --- bad input: one error naming the file and the problem, nothing written -------------------------------------------
+
+
+def _relabel(path, name, dtype):
+    """Rewrite the safetensors header of `path` so that tensor `name` claims `dtype` (same bytes: a lying header)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header[name]["dtype"] = dtype
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
 
 
 def _break(src, how):
@@ -177,6 +229,13 @@ def _break(src, how):
         config_path.write_text(json.dumps(config | {"share_layers": False, "num_unique_layers": 8}))
     elif how == "bad json":
         config_path.write_text("{")
+    elif how == "bad field":
+        config_path.write_text(json.dumps(config | {"hidden_size": "big"}))
+    elif how == "int dtype":  # F32 relabelled I32: same size, so safetensors accepts it
+        _relabel(src / "model.safetensors", "lm_head.weight", "I32")
+    elif how == "mixed dtype":  # a float16 file with one tensor relabelled bfloat16
+        tiny_model(share_layers=True, num_unique_layers=2).to(torch.float16).save_pretrained(src)
+        _relabel(src / "model.safetensors", "model.layers.1.self_attn.o_proj.weight", "BF16")
 
 
 BAD_INPUTS = {
@@ -188,6 +247,19 @@ BAD_INPUTS = {
     "blocks": (ValueError, r"pseudo: the weights hold 2 layer blocks \(blocks 0..1\) but .*config.json describes a "),
     "real": (ValueError, r"pseudo/config.json: share_layers is false: .* already a real checkpoint"),
     "bad json": (ValueError, r"pseudo/config.json: not valid JSON"),
+    "bad field": (
+        ValueError,
+        r"pseudo/config.json: Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int",
+    ),
+    "int dtype": (
+        ValueError,
+        r"pseudo/model.safetensors: lm_head.weight is stored as int32, but model weights are floating point",
+    ),
+    "mixed dtype": (
+        ValueError,
+        r"pseudo/model.safetensors: model.layers.1.self_attn.o_proj.weight is stored as bfloat16, but \d+ other "
+        r"tensors \(e.g. [\w.]+\) are float16",
+    ),
 }
 
 
@@ -339,44 +411,149 @@ def test_cli_converts_and_reports_errors_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("hf-p2r convert: error: ") and "not empty" in err
 
 
+def _cli_error(capsys, *args) -> str:
+    """Run `hf-p2r ARGS`, expecting exit 1 and exactly one line on stderr (no traceback); returns that line."""
+    code = main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in out + err, (code, err)
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize("size", ["lots", "0", "-5MB", "5XB", "1e3"])
+def test_cli_rejects_bad_shard_sizes_before_reading_src(tmp_path, capsys, size):
+    line = _cli_error(capsys, "convert", tmp_path / "missing", tmp_path / "out", f"--max-shard-size={size}")
+    assert line == f"hf-p2r convert: error: max_shard_size: '{size}' is not a size like 5GB or 500MB"
+
+
+def test_cli_shard_sizes_in_bytes_or_units(tmp_path, capsys):
+    src, model = _pseudo(tmp_path)
+    real, layouts = model.delink(), {}
+    for size, limit in (("20000", 20_000), ("20KB", 20_000), ("0.1MB", 100_000)):
+        out = tmp_path / size
+        assert main(["convert", str(src), str(out), "--max-shard-size", size]) == 0
+        layouts[size] = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        with CheckpointReader(out) as reader:
+            for shard in set(layouts[size].values()):
+                names = [name for name, file in layouts[size].items() if file == shard]
+                assert len(names) == 1 or sum(reader.get(n).nbytes for n in names) <= limit, (size, shard)
+        _assert_same_weights(P2RForCausalLM.from_pretrained(out), real)
+    assert layouts["20000"] == layouts["20KB"], "a plain number is bytes"
+    assert len(set(layouts["0.1MB"].values())) < len(set(layouts["20KB"].values()))
+
+
+def test_cli_rejects_a_dtype_that_would_not_load(tmp_path, capsys):
+    src, _ = _pseudo(tmp_path)
+    line = _cli_error(capsys, "convert", src, tmp_path / "out", "--dtype", "float8_e4m3fn")
+    assert line == "hf-p2r convert: error: dtype: 'float8_e4m3fn' is not one of float32, float16, bfloat16, float64"
+    assert not (tmp_path / "out").exists()
+
+
+def _corrupt_header(src):
+    data = bytearray((src / "model.safetensors").read_bytes())
+    data[8:12] = b"{{{{"
+    (src / "model.safetensors").write_bytes(bytes(data))
+
+
+def _index_names_missing_tensor(src):
+    (src / "model.safetensors").unlink()
+    tiny_model(share_layers=True, num_unique_layers=2).save_pretrained(src, max_shard_size="20KB")
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.0.mlp.ghost.weight"] = index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (_corrupt_header, "pseudo/model.safetensors: not a valid safetensors file: its header is not valid JSON"),
+        (
+            _index_names_missing_tensor,
+            "pseudo/model.safetensors.index.json: lists model.layers.0.mlp.ghost.weight in model-0000",
+        ),
+        (lambda src: _break(src, "int dtype"), "pseudo/model.safetensors: lm_head.weight is stored as int32"),
+        (lambda src: _break(src, "bad field"), "pseudo/config.json: Validation error for field 'hidden_size': "),
+    ],
+    ids=["corrupt header", "index names a missing tensor", "lying dtype", "invalid config field"],
+)
+def test_cli_reader_errors_are_one_line_naming_the_file(tmp_path, capsys, damage, expected):
+    src, _ = _pseudo(tmp_path)
+    damage(src)
+    line = _cli_error(capsys, "convert", src, tmp_path / "out")
+    assert line.startswith(f"hf-p2r convert: error: {src.parent}/{expected}"), line
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
 _SLOW_CLI = textwrap.dedent("""
-    import sys, time
+    import itertools, os, sys, time
     from hf_p2r.checkpoint import writer
     real = writer.serialize_file
+    slow_writes = itertools.count(int(os.environ.get("SLOW_WRITES", 1000)), -1)
     def slow(specs, path, metadata=None):
         real(specs, path, metadata=metadata)
         print("WROTE", path, flush=True)
-        time.sleep(3)  # a long write: Ctrl-C waits for the shards being written, then cleans up
+        if next(slow_writes) > 0:
+            time.sleep(3)  # a long write: Ctrl-C waits for the shards being written, then cleans up
     writer.serialize_file = slow
     from hf_p2r.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
 
 
-def _run_cli(tmp_path, args, script=None, **kwargs):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def _run_cli(tmp_path, args, script=None, env=None, **kwargs):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "hf_p2r.cli"]
     return subprocess.Popen(
         [*command, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs
     )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_conversion_killed_mid_way(tmp_path, sig):
-    src, _ = _pseudo(tmp_path)
+@pytest.mark.parametrize(
+    ("sig", "message"),
+    [
+        (signal.SIGKILL, None),
+        (signal.SIGINT, "interrupted"),  # Ctrl-C
+        (signal.SIGTERM, "stopped by SIGTERM"),  # kill, timeout, a SLURM job's end
+        (signal.SIGHUP, "stopped by SIGHUP"),  # the terminal closed
+    ],
+)
+def test_conversion_killed_mid_way(tmp_path, sig, message):
+    src, model = _pseudo(tmp_path)
     before = _hashes(src)
     process = _run_cli(tmp_path, ["convert", src, tmp_path / "out", "--max-shard-size", "20KB"], script=_SLOW_CLI)
     assert process.stdout.readline().startswith("WROTE"), process.stderr.read()
+    assert _leftovers(tmp_path, "out") != [], "the control: the output was being written when the signal came"
     process.send_signal(sig)
     _, err = process.communicate(timeout=60)
     assert not (tmp_path / "out").exists()
     assert _hashes(src) == before, "the source is byte-identical"
-    if sig == signal.SIGINT:  # Ctrl-C: cleaned up, one line, exit 130
-        assert process.returncode == 130 and err == "hf-p2r convert: interrupted\n"
+    if message is not None:  # cleaned up, one line, exit 128 + the signal number
+        assert process.returncode == 128 + sig and err == f"hf-p2r convert: {message}\n"
         assert _leftovers(tmp_path, "out") == []
-    else:  # kill -9 cannot clean up: only the hidden temporary folder remains, DST never appears
+    else:  # kill -9 cannot clean up: only the hidden temporary folder remains, DST never appears...
         assert process.returncode == -signal.SIGKILL
-        assert [name.split("-")[0] for name in _leftovers(tmp_path, "out")] == [".out.tmp"]
+        (leftover,) = _leftovers(tmp_path, "out")
+        assert leftover.startswith(f".out.tmp-{process.pid}-")
+        # ... until the next conversion to the same DST removes it (its process is gone)
+        convert_pseudo_to_real(src, tmp_path / "out")
+        assert _leftovers(tmp_path, "out") == []
+        _assert_same_weights(P2RForCausalLM.from_pretrained(tmp_path / "out"), model.delink())
+
+
+def test_nohup_keeps_sighup_ignored(tmp_path):
+    src, _ = _pseudo(tmp_path)
+    process = _run_cli(
+        tmp_path,
+        ["convert", src, tmp_path / "out", "--max-shard-size", "20KB"],
+        script=_SLOW_CLI,
+        env={"SLOW_WRITES": "1"},  # the SIGHUP comes during the first, slow, write; the others are quick
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # what nohup does
+    )
+    assert process.stdout.readline().startswith("WROTE"), process.stderr.read()
+    process.send_signal(signal.SIGHUP)
+    _, err = process.communicate(timeout=120)
+    assert (process.returncode, err) == (0, ""), "the conversion went on to the end"
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
 
 
 def test_disk_full_through_the_cli(tmp_path):
@@ -401,3 +578,47 @@ def test_script_wraps_the_cli(tmp_path, monkeypatch):
         runpy.run_path(str(script), run_name="__main__")
     assert exit_info.value.code == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+
+
+# --- the README's section runs as written --------------------------------------------------------------------------
+
+
+def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, capsys):
+    """`make demo` (configs/demo.yaml) writes OUTPUT_DIR/pseudo just before the delink; the README's commands and code
+    run on that folder as written, without two of them writing the same DST."""
+    from accelerate import Accelerator
+
+    from hf_p2r.training import checkpointing
+    from hf_p2r.training.config import parse_config
+    from hf_p2r.training.data import load_tokenizer
+    from hf_p2r.training.train import build_model
+
+    repo = Path(__file__).resolve().parents[2]
+    section = (repo / "README.md").read_text().split("## Converting, exporting and publishing checkpoints")[1]
+    section = section.split("\n## ")[0]
+    config = parse_config(["--config", str(repo / "configs" / "demo.yaml")])
+    pseudo = Path(config.train.output_dir) / "pseudo"
+    assert f"`{pseudo}`" in section and f"{config.model.num_unique_layers} blocks" in section
+    monkeypatch.chdir(tmp_path)
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    model = build_model(config, tokenizer, config.blocks_at(config.train.pseudo_steps - 1))
+    checkpointing.save_model(Accelerator(cpu=True), model, tokenizer, pseudo, config.train.remote_code)
+
+    bash, python, library = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.S)[:3]
+    destinations = []
+    for line in bash.splitlines():
+        args = shlex.split(line.split("#")[0])
+        assert args[:2] == ["hf-p2r", "convert"]
+        destinations.append(args[3])
+        assert main(args[1:]) == 0, capsys.readouterr().err
+    exec(compile(python, "README.md", "exec"), {})
+    destinations += re.findall(r'\("[^"]+", "(runs/[^"]+)"', python)  # (SRC, DST, ...)
+    assert len(destinations) == len(set(destinations)) == 5, destinations
+    for folder in map(Path, destinations):
+        files = {p.name for p in folder.iterdir()}
+        assert "model.safetensors" in files and "model.safetensors.index.json" not in files, "small: one file"
+        assert {"tokenizer.json", "generation_config.json", "README.md"} <= files
+        assert ("modeling_p2r.py" in files) == ("llama" not in folder.name), "model code for P2R targets only"
+    assert json.loads(Path("runs/pseudo-4/config.json").read_text())["num_unique_layers"] == 4
+    exec(compile(library, "README.md", "exec"), {"model": model, "tokenizer": tokenizer})
+    assert P2RForCausalLM.from_pretrained("runs/saved").config.num_unique_layers == model.config.num_unique_layers

@@ -1,0 +1,115 @@
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_p2r.checkpoint import atomic_directory, write_checkpoint
+from hf_p2r.checkpoint import io as io_module
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    process.wait()
+    return process.pid
+
+
+def _names(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture
+def umask():
+    """Set the umask for one test (and restore it)."""
+    previous = os.umask(0o022)
+    yield os.umask
+    os.umask(previous)
+
+
+def test_temporary_folder_is_named_for_destination_process_and_host(tmp_path):
+    with atomic_directory(tmp_path / "out") as tmp:
+        assert tmp.parent == tmp_path
+        assert tmp.name.startswith(f".out.tmp-{os.getpid()}-{io_module._host()}-")
+        (tmp / "file").write_text("x")
+    assert _names(tmp_path) == ["out"] and _names(tmp_path / "out") == ["file"]
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    dead, host = _dead_pid(), io_module._host()
+    stale = {
+        f".out.tmp-{dead}-{host}-0123abcd": "a killed conversion: removed",
+        f".out.tmp-{os.getpid()}-{host}-89abcdef": "a live process (this one): kept",
+        f".out.tmp-{dead}-other-host.example-0123abcd": "another host (shared filesystem): kept",
+        f".other.tmp-{dead}-{host}-0123abcd": "another destination: kept",
+        f".out.tmp-{dead}-{host}": "not our name pattern: kept",
+        ".out.tmp-abc": "the old, PID-less names: kept",
+        f".out.old-{dead}-{host}-0123abcd": "a moved-aside old copy, but DST is absent: kept",
+    }
+    for name in stale:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    with atomic_directory(tmp_path / "out"):
+        pass
+    kept = sorted(name for name, why in stale.items() if why.endswith("kept"))
+    assert _names(tmp_path) == sorted([*kept, "out"])
+    # once DST exists again, the old copy of a dead process is removed too
+    with atomic_directory(tmp_path / "out", overwrite=True):
+        pass
+    assert _names(tmp_path) == sorted([*(name for name in kept if ".old-" not in name), "out"])
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two renames"])
+def test_overwrite_replaces_destination(tmp_path, monkeypatch, exchange):
+    if exchange and io_module._renameat2() is None:
+        pytest.skip("no renameat2 in this C library")
+    if not exchange:
+        monkeypatch.setattr(io_module, "_renameat2", lambda: None)
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(io_module.os, "replace", lambda a, b: renames.append((a, b)) or real_replace(a, b))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with atomic_directory(tmp_path / "out", overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert _names(tmp_path) == ["out"] and _names(tmp_path / "out") == ["new.txt"]
+    # RENAME_EXCHANGE swaps the two folders in one system call: DST is never absent. The fallback moves DST aside first.
+    assert len(renames) == (0 if exchange else 2)
+
+
+def test_exchange_is_atomic_swap(tmp_path):
+    if io_module._renameat2() is None:
+        pytest.skip("no renameat2 in this C library")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "in_a").touch()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "in_b").touch()
+    assert io_module._exchange(tmp_path / "a", tmp_path / "b")
+    assert _names(tmp_path / "a") == ["in_b"] and _names(tmp_path / "b") == ["in_a"]
+    with pytest.raises(FileNotFoundError):
+        io_module._exchange(tmp_path / "a", tmp_path / "missing")
+
+
+def test_failure_leaves_old_destination(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "out", overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        raise RuntimeError("mid-way")
+    assert _names(tmp_path) == ["out"] and (tmp_path / "out" / "old.txt").read_text() == "old"
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_output_modes_follow_the_umask(tmp_path, umask, mask):
+    """Like mkdir and open: a folder others can read (mkdtemp would make it 0700), files too (safetensors writes
+    0600)."""
+    umask(mask)
+    with atomic_directory(tmp_path / "out") as tmp:
+        write_checkpoint(tmp, {"w": torch.zeros(3)}, progress=False)
+        write_checkpoint(tmp, {f"w{i}": torch.zeros(100) for i in range(3)}, max_shard_size=500, progress=False)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~mask
+    for path in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path.name
+    assert io_module.file_mode() == 0o666 & ~mask
