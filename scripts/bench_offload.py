@@ -39,6 +39,7 @@ from hf_p2r.training.offload import (  # noqa: E402
     GranularOffload,
     decoder_layers,
     estimate_device_bytes,
+    estimate_host_bytes,
     measure_activation_bytes,
     select_layers,
 )
@@ -296,7 +297,6 @@ def largest_trainable(preset: dict, device: str) -> dict:
     fixed = measured[0] - 2 * per_layer
     budget = torch.cuda.get_device_properties().total_memory if device == "cuda" else 2 * GIB
     host = host_available_bytes()
-    block_params = sum(p.numel() for p in meta_model(dims, 1).model.layers[0].parameters())
     results = {}
     for ratio in RATIOS:
 
@@ -309,10 +309,11 @@ def largest_trainable(preset: dict, device: str) -> dict:
             return need <= budget
 
         def host_fits(layers: int, ratio=ratio) -> bool:
-            # fp32 master, gradient and two AdamW moments per offloaded parameter; 1.3 for the pinned allocator's
-            # rounding and the staging copies.
-            offloaded = len(select_layers(shapes(dims, layers), ratio))
-            return 1.3 * 16 * block_params * offloaded <= 0.9 * host
+            # Per offloaded block: its pinned allocation (fp32 masters, the bf16 copies sent to the GPU, the buffers
+            # gradients land in; rounded up to a power of two), fp32 gradients and two AdamW moments.
+            model = shapes(dims, layers)
+            need = estimate_host_bytes(model, select_layers(model, ratio), compute_dtype=dtype, pinned=device == "cuda")
+            return need <= 0.9 * host
 
         predicted = largest_count(device_fits, preset["max_layers"])
         host_limit = largest_count(host_fits, preset["max_layers"])

@@ -299,5 +299,24 @@ __all__ = [
     "parameter_tensors",
     "pipeline_stages",
     "saved_activation_bytes",
+    "offload_working_set_bytes",
     "stage_tensors",
 ]
+
+
+def offload_working_set_bytes(
+    weight_bytes: int, grad_bytes: int, *, offloaded: int, shared: int = 0, prefetch: int = 1
+) -> int:
+    """Device bytes the `offloaded` blocks of a `GranularOffload` need at once, for blocks of at most `weight_bytes`
+    of device weights and `grad_bytes` of gradients (`estimate_device_bytes` and the planner use it).
+
+    Weights: the block running and the `prefetch` blocks copied ahead of it; a released block's memory is reused by
+    the next copy (see `hf_p2r.training.offload.GranularOffload._fetch`). Gradients: a block's stay on the device
+    until their copy to the host is done, and the backward waits for the copies of the block before last
+    (`GranularOffload._limit_gradients`), so two blocks at most; but autograd sums the gradient of a block run at
+    several depths (`shared`) in a buffer that lives from its last depth's backward to its first, so each shared
+    block holds one more.
+    """
+    if offloaded <= 0:
+        return 0
+    return min(prefetch + 1, offloaded) * weight_bytes + min(offloaded, shared + 2) * grad_bytes

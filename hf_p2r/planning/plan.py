@@ -38,6 +38,7 @@ from .memory import (
     layer_activation_bytes,
     logits_bytes,
     model_state_bytes,
+    offload_working_set_bytes,
     parameter_tensors,
     pipeline_stages,
     stage_tensors,
@@ -151,7 +152,8 @@ def candidate_layouts(config: P2RConfig, gpus: int, hardware: Hardware, max_tp: 
 
     TP degrees divide a node and the attention heads; PP degrees divide the depth. TP composes with FSDP2 (Accelerate's
     `ParallelismConfig(dp_shard_size, tp_size)`); ZeRO-1/2 are DeepSpeed's; granular offload of some blocks is
-    hf-p2r's (one GPU or DDP); full offload is FSDP2's `CPUOffloadPolicy` or DeepSpeed's ZeRO-3 offload.
+    hf-p2r's `GranularOffload`, which runs in one process (one GPU: the trainer refuses it otherwise); full offload
+    is FSDP2's `CPUOffloadPolicy` or DeepSpeed's ZeRO-3 offload.
     """
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layouts = []
@@ -164,7 +166,7 @@ def candidate_layouts(config: P2RConfig, gpus: int, hardware: Hardware, max_tp: 
             dp = gpus // (tp * pp)
             zeros = (0,) if dp == 1 else (3,) if tp > 1 else (0, 1, 2, 3)
             for zero in zeros:
-                if zero == 0 and tp == pp == 1:  # granular: whole blocks, so k blocks give at most k + 1 choices
+                if zero == 0 and dp == tp == pp == 1:  # granular: whole blocks, so k blocks give at most k + 1 choices
                     blocks = config.num_blocks
                     ratios = sorted({round(ratio * blocks) / blocks for ratio in OFFLOAD_RATIOS})
                 else:
@@ -284,14 +286,17 @@ def _unit_numels(held: list[ParameterTensor], tp: int) -> dict:
 
 def _buffer_bytes(units: dict, layout: Layout, p: Precision, uses: Counter, offloaded: set) -> int:
     """Transient full copies: FSDP2 gathers a unit (and prefetches the next) and holds its full gradient until the
-    reduce-scatter; shared blocks stay gathered all step (`gather_shared_once`). Offload stages the same way."""
+    reduce-scatter; shared blocks stay gathered all step (`gather_shared_once`). Granular offload: its working set
+    (`offload_working_set_bytes`, with the trainer's default prefetch of one block)."""
     if layout.zero >= 3:
         shared = [key for key in units if isinstance(key, int) and uses[key] > 1]
         rest = [numel for key, numel in units.items() if key not in shared]
         kept = sum(units[key] for key in shared) * (p.weight + p.grad)
         return kept + (max(rest, default=0) * (2 * p.weight + p.grad))
     if offloaded:
-        return max(units[b] for b in offloaded) * (2 * p.weight + p.grad)
+        numel = max(units[b] for b in offloaded)
+        shared = sum(uses[b] > 1 for b in offloaded)
+        return offload_working_set_bytes(numel * p.weight, numel * p.grad, offloaded=len(offloaded), shared=shared)
     return 0
 
 
@@ -363,7 +368,9 @@ def _engine(layout: Layout) -> str:
             return f"Accelerate ParallelismConfig(dp_shard_size={layout.dp}, tp_size={layout.tp})"
         return f"transformers DistributedConfig(tp_size={layout.tp})"
     if layout.zero == 0:
-        return "ddp.yaml + hf-p2r GranularOffload" if layout.offload else "ddp.yaml"
+        if layout.offload:
+            return f"one process, offload: {layout.offload:g} (hf-p2r GranularOffload)"
+        return "ddp.yaml" if layout.dp > 1 else "one process"
     if layout.zero in (1, 2):
         return f"deepspeed_zero2.yaml (zero_stage: {layout.zero})"
     return "fsdp2_offload.yaml or deepspeed_zero3_offload.yaml" if layout.offload else "fsdp2.yaml"

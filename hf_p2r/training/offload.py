@@ -2,8 +2,9 @@
 
 `GranularOffload(model, layers)` is applied to a model from outside; the model code knows nothing about it. The
 parameters of the chosen blocks (`model.model.layers[i]`), their gradients and their optimizer state live in CPU
-memory (parameters and gradients pinned when the compute device is CUDA, so their copies are asynchronous; the
-optimizer state is never copied); every other parameter stays on the compute device. While the model
+memory (each block's parameters, the copies sent to the device and the buffers gradients land in share one pinned
+allocation when the compute device is CUDA, so their copies are asynchronous; the optimizer state is never copied);
+every other parameter stays on the compute device. While the model
 runs, each offloaded block is copied to the compute device just before it is needed (on a side stream, `prefetch`
 positions ahead in execution order, so the copy overlaps compute) and its device copy is released after use;
 gradients go back to CPU on another side stream as soon as autograd has accumulated them. The optimizer step of the
@@ -28,10 +29,17 @@ pseudo model gets one gradient per backward, after its last use (with gradient a
 gradient is added to the CPU `.grad`). With no CUDA device, storage and compute device are both the CPU: the copies
 are CPU to CPU and every other step runs unchanged.
 
+Under autocast pass `compute_dtype` (the autocast dtype): otherwise autocast caches a low-precision cast of every
+offloaded weight, and autograd saves it, from forward to backward, and offload frees no weight memory (a warning
+says so).
+
 Limits: one process (no DDP/FSDP/tensor parallelism: they raise `ValueError`); weights written through `p.data`
 between steps are not seen by the `compute_dtype` copies (use `p.copy_` or an optimizer step, which are).
 """
 
+import math
+import warnings
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,12 +49,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..planning.memory import offload_working_set_bytes
+
 __all__ = [
     "GranularOffload",
     "decoder_layers",
     "estimate_device_bytes",
+    "estimate_host_bytes",
     "execution_order",
     "measure_activation_bytes",
+    "offload_working_set_bytes",
     "select_layers",
     "spread_layers",
 ]
@@ -110,8 +122,7 @@ def estimate_device_bytes(
     """Device bytes of training `model` with the blocks `offloaded` in CPU memory.
 
     Resident parameters cost parameter + gradient + `optimizer_states` tensors each (16 bytes per fp32 parameter with
-    AdamW). Offloaded blocks cost only their working set: up to `prefetch + 2` blocks' weights in flight (the block
-    running, the ones prefetched, one being released) plus one block's gradients before they reach the CPU.
+    AdamW). Offloaded blocks cost only their working set (`offload_working_set_bytes`, in `compute_dtype`).
     `activation_bytes` (see `measure_activation_bytes`) is added as given; it does not depend on offload.
     """
     blocks = [_unique(layer.parameters()) for layer in decoder_layers(model)]
@@ -122,7 +133,36 @@ def estimate_device_bytes(
     total += sum(_state_bytes(params, optimizer_states) for i, params in enumerate(blocks) if i not in offloaded)
     if offloaded:
         block_bytes = max(sum(p.numel() * (compute_dtype or p.dtype).itemsize for p in blocks[i]) for i in offloaded)
-        total += (min(prefetch + 2, len(offloaded)) + 1) * block_bytes
+        uses = Counter(execution_order(model))
+        shared = sum(uses[i] > 1 for i in offloaded)
+        total += offload_working_set_bytes(
+            block_bytes, block_bytes, offloaded=len(offloaded), shared=shared, prefetch=prefetch
+        )
+    return total
+
+
+def estimate_host_bytes(
+    model: nn.Module,
+    offloaded: Iterable[int],
+    *,
+    compute_dtype: torch.dtype | None = None,
+    pinned: bool = True,
+    optimizer_states: int = 2,
+) -> int:
+    """CPU bytes of the blocks `offloaded`: what `GranularOffload` allocates for them, plus their gradients and their
+    optimizer state (`optimizer_states` tensors per parameter, AdamW: 2, in the parameter's dtype).
+
+    Each block has one allocation (`_slab_specs`): its parameters, their `compute_dtype` copies to send (when that
+    dtype differs) and the buffers their gradients land in. `pinned` (the compute device is CUDA): torch's caching
+    host allocator rounds every pinned allocation up to a power of two, so that is what it costs.
+    """
+    blocks = decoder_layers(model)
+    total = 0
+    for i in sorted(set(offloaded)):
+        params = _unique(blocks[i].parameters())
+        slab = _slab_bytes(_slab_specs(params, compute_dtype))
+        total += 1 << (slab - 1).bit_length() if pinned and slab > 1 else slab
+        total += (1 + optimizer_states) * sum(p.numel() * p.element_size() for p in params)
     return total
 
 
@@ -243,6 +283,41 @@ def _free(tensor: torch.Tensor) -> None:
         storage.resize_(0)
 
 
+# Offsets of the tensors in a block's host allocation: cache-line aligned (CPU AdamW kernels, DMA engines).
+_ALIGN = 64
+
+
+def _slab_specs(params: Sequence[torch.Tensor], compute_dtype: torch.dtype | None) -> list[tuple]:
+    """(shape, dtype) of a block's host tensors, in order: the masters; the copies sent to the device, for the
+    parameters whose dtype differs from `compute_dtype`; the buffers gradients land in (in the device dtype)."""
+    works = [compute_dtype or p.dtype for p in params]
+    return (
+        [(p.shape, p.dtype) for p in params]
+        + [(p.shape, dtype) for p, dtype in zip(params, works) if dtype != p.dtype]
+        + [(p.shape, dtype) for p, dtype in zip(params, works)]
+    )
+
+
+def _slab_bytes(specs: list[tuple]) -> int:
+    return sum(-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for shape, dtype in specs)
+
+
+def _slab(specs: list[tuple], pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One host allocation (pinned if `pin`) and a tensor per (shape, dtype) of `specs` laid out in it.
+
+    Pinning it whole costs one power-of-two rounding per block instead of one per tensor. Each tensor gets a storage
+    of its own (a slice of the allocation's storage, which keeps the allocation alive): `state_dict()` consumers that
+    drop or clone tensors sharing a storage (safetensors, Accelerate's `save_state`) see distinct tensors.
+    """
+    slab = torch.empty(_slab_bytes(specs), dtype=torch.uint8, pin_memory=pin)
+    storage, offset, tensors = slab.untyped_storage(), 0, []
+    for shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors.append(torch.empty(0, dtype=dtype).set_(storage[offset : offset + nbytes]).view(shape))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return slab, tensors
+
+
 def _grad_tensor(output) -> torch.Tensor | None:
     """The first tensor in a block's output that autograd will send a gradient to."""
     if isinstance(output, torch.Tensor):
@@ -257,12 +332,14 @@ class _Block:
 
     index: int
     params: list[nn.Parameter]
+    slab: torch.Tensor  # the block's one host allocation: masters, sources and staging are laid out in it
     masters: list[torch.Tensor]
     works: list[torch.Tensor]  # storage allocated only while the block is fetched
     # What is copied to the device: the master, or with `compute_dtype` a CPU copy in that dtype (half the transfer),
     # refreshed after any optimizer step (torch's fused AdamW does not bump version counters) and when the
     # parameter's version counter shows another in-place update (load_state_dict, ...).
     sources: list[torch.Tensor] = field(default_factory=list)
+    staging: list[torch.Tensor] = field(default_factory=list)  # where each gradient lands on the host
     versions: list[int] = field(default_factory=list)
     fetched: bool = False
     ready: bool = False  # the compute stream has waited for the copy
@@ -342,8 +419,14 @@ class GranularOffload:
         self._finish_queued = False
         self._pos = 0
         self._schedule: list[int] = []
+        self._bpos: int | None = None  # schedule position of the backward running now
+        self._recomputed = False  # a recomputation at `_bpos` has run (see `_recompute_position`)
+        self._freed: torch.Event | None = None  # CUDA: compute stream point after the last released block's use
+        self._sent: torch.Event | None = None  # CUDA: gradient copies issued before the previous backward position
+        self._warned_autocast = False
         self._grads: dict[nn.Parameter, torch.Tensor] = {}  # CPU gradients accumulated before this backward
-        self._pending: list[tuple[nn.Parameter, torch.Tensor, torch.Event | None]] = []  # gradients on their way
+        # Gradients waiting in their staging buffer, with (CUDA) the event that ends their copy there.
+        self._pending: dict[nn.Parameter, torch.Event | None] = {}
         # Bytes copied so far, for benchmarks and tests: weights to the device, gradients to the host.
         self.copied_bytes = {"to_device": 0, "to_host": 0}
 
@@ -354,20 +437,22 @@ class GranularOffload:
         offloaded = {id(p) for i in self.layers for p in blocks[i].parameters()}
         for i in self.layers:
             params = _unique(blocks[i].parameters())
-            block = _Block(i, params, [], [], origins=[p.device for p in params])
-            for p in params:
-                master = p.detach().to("cpu")
-                if pin:
-                    master = master.pin_memory()
+            slab, tensors = _slab(_slab_specs(params, self.compute_dtype), pin)
+            n = len(params)
+            masters, converted, staging = tensors[:n], iter(tensors[n:-n]), tensors[-n:]
+            block = _Block(i, params, slab, masters, [], staging=staging, origins=[p.device for p in params])
+            for p, master in zip(params, masters):
+                master.copy_(p.detach())
                 work = torch.empty(p.shape, dtype=self.compute_dtype or p.dtype, device=self.device)
                 _free(work)
                 self._set_data(p, master)
-                source = master if work.dtype == master.dtype else master.to(work.dtype)
-                block.masters.append(master)
+                source = master if work.dtype == master.dtype else next(converted).copy_(master)
                 block.works.append(work)
-                block.sources.append(source.pin_memory() if pin and source is not master else source)
+                block.sources.append(source)
                 block.versions.append(p._version)
             self._blocks[i] = block
+        # {parameter: (master, staging buffer)} for the gradient path.
+        self._host = {p: (m, s) for b in self._blocks.values() for p, m, s in zip(b.params, b.masters, b.staging)}
         for p in _unique(self.model.parameters()):
             if id(p) not in offloaded and p.device != self.device:
                 self._moved.append((p, p.device))
@@ -408,15 +493,18 @@ class GranularOffload:
         self._end()
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        for block in self._blocks.values():
+        self._handles, self._host = [], {}
+        while self._blocks:  # block by block: each slab is freed before the next block is copied out
+            _, block = self._blocks.popitem()
             for p, master, origin in zip(block.params, block.masters, block.origins):
-                self._set_data(p, master.to(origin))
+                # A copy even on the CPU: out of the (pinned) slab, which also holds the block's buffers.
+                self._set_data(p, master.to(origin, copy=True))
+            del block
         for p, origin in self._moved:
             self._set_data(p, p.data.to(origin))
         for module, name, buffer in self._moved_buffers:
             module._buffers[name] = buffer
-        self._blocks, self._moved, self._moved_buffers = {}, [], []
+        self._moved, self._moved_buffers = [], []
 
     @property
     def offloaded_parameters(self) -> list[nn.Parameter]:
@@ -468,8 +556,18 @@ class GranularOffload:
                 work.copy_(source)
             return
         with torch.cuda.stream(self._h2d):
+            # Device memory stays bounded by `prefetch + 1` blocks however far the CPU runs ahead of the GPU. The copies
+            # are allocated on this side stream and `_release` frees them without `record_stream`, so the caching
+            # allocator hands a released block's memory straight to the next allocation on this stream. That is safe
+            # because this stream first waits for the compute stream's last use of every released block (the event
+            # `_release` recorded): a copy into reused memory starts only after the kernels reading it are done.
+            # (With `record_stream` the allocator reuses memory only once the GPU has passed the recorded point, as
+            # seen from the CPU at allocation time; a CPU running ahead then gets fresh memory for every fetch and the
+            # cache grows until an out-of-memory retry stalls it. FSDP2 orders its all-gather buffers the same way.)
+            if self._freed is not None:
+                self._h2d.wait_event(self._freed)
             for work, source in zip(block.works, block.sources):
-                _alloc(work)  # allocated on the side stream; `_ready` records the compute stream's use
+                _alloc(work)
                 work.copy_(source, non_blocking=True)  # same dtype, pinned: an asynchronous memcpy
             block.event = self._h2d.record_event()
 
@@ -480,16 +578,26 @@ class GranularOffload:
             return
         block.ready = True
         if block.event is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(block.event)
-            for work in block.works:
-                work.record_stream(stream)  # the allocator reuses the memory only after the compute stream is done
+            torch.cuda.current_stream(self.device).wait_event(block.event)
 
     def _release(self, block: _Block) -> None:
         for work in block.works:
             _free(work)
         block.fetched = block.ready = False
         block.event = None
+        if self._h2d is not None:  # the next fetch waits for this point of the compute stream (see `_fetch`)
+            self._freed = torch.cuda.current_stream(self.device).record_event()
+
+    def _limit_gradients(self) -> None:
+        """CUDA, at each new backward position: wait (on the CPU) for the gradient copies issued before the previous
+        position. Gradients are freed with `record_stream` (autograd allocates them on the compute stream), so their
+        memory is reused only after their copy; without this wait a CPU running ahead of the GPU would keep every
+        block's gradients allocated. The GPU still has the previous position's backward queued: it does not idle."""
+        if self._d2h is None:
+            return
+        if self._sent is not None:
+            self._sent.synchronize()
+        self._sent = self._d2h.record_event()
 
     def _advance(self, pos: int | None, current: int) -> None:
         """Block `current` is about to run at schedule position `pos`: keep/fetch the offloaded blocks of positions
@@ -510,8 +618,10 @@ class GranularOffload:
     def _begin(self, module: nn.Module, args) -> None:
         self._end()  # a forward whose backward never ran (evaluation with grad enabled, an exception)
         self._window, self._backward, self._finish_queued, self._pos = True, False, False, 0
+        self._bpos, self._recomputed, self._sent = None, False, None
         self._training = torch.is_grad_enabled()
         self._schedule = self._order + self._order[::-1] if self._training else list(self._order)
+        self._check_autocast()
         for block in self._blocks.values():
             for i, (p, master, work, source) in enumerate(zip(block.params, block.masters, block.works, block.sources)):
                 if p.data_ptr() != master.data_ptr():
@@ -532,6 +642,23 @@ class GranularOffload:
             if index in self._blocks:
                 self._fetch(self._blocks[index])
 
+    def _check_autocast(self) -> None:
+        """Warn once when autocast would cast offloaded weights: it caches each cast (and autograd saves it) until
+        the autocast region ends, so the weights' memory would not be freed between their uses."""
+        device_type = self.device.type
+        if self._warned_autocast or not self._blocks or not torch.is_autocast_enabled(device_type):
+            return
+        dtype = torch.get_autocast_dtype(device_type)
+        if any(work.dtype != dtype for block in self._blocks.values() for work in block.works):
+            self._warned_autocast = True
+            runs_in = self.compute_dtype or "their parameters' dtype"
+            warnings.warn(
+                f"offload: {device_type} autocast to {dtype} is on, but the offloaded blocks run in {runs_in}: "
+                f"autocast keeps a {dtype} copy of every offloaded weight from forward to backward, so offload frees "
+                f"no weight memory; pass compute_dtype={dtype}",
+                stacklevel=2,
+            )
+
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if output is None or not self._training:  # an exception, or no backward will follow
             self._end()
@@ -542,10 +669,22 @@ class GranularOffload:
                 raise RuntimeError("offload: an offloaded block was called outside the model's forward")
             return
         if torch._C._current_graph_task_id() != -1:  # recomputation in backward (checkpoint around the block)
-            self._pre_backward(index, None, None)
+            self._enter_backward(index, self._recompute_position(index))
+            self._recomputed = True
             return
         self._pos += 1
         self._advance(self._pos - 1, index)
+
+    def _recompute_position(self, index: int) -> int | None:
+        """Backward position of a recomputation of block `index` that runs the block's hooks (a checkpoint applied
+        around the block after offload). Non-reentrant: the block's output gradient hook has just announced the
+        position (`_pre_backward`), and this is its recomputation. Reentrant: the forward ran without grad and left no
+        hook, and depths are recomputed in backward order, so it is the next position. None if the schedule says
+        otherwise (then only this block is fetched)."""
+        pos = self._bpos if self._bpos is not None else len(self._order) - 1
+        if self._bpos is None or self._recomputed:
+            pos += 1
+        return pos if pos < len(self._schedule) and self._schedule[pos] == index else None
 
     def _post_forward(self, index: int, module: nn.Module, args, output) -> None:
         if not self._window or not self._training or torch._C._current_graph_task_id() != -1:
@@ -554,7 +693,11 @@ class GranularOffload:
             # Fires when the gradient of this depth's output is complete, i.e. right before its backward.
             tensor.register_hook(partial(self._pre_backward, index, 2 * len(self._order) - self._pos))
 
-    def _pre_backward(self, index: int, pos: int | None, grad: torch.Tensor | None) -> None:
+    def _pre_backward(self, index: int, pos: int, grad: torch.Tensor) -> None:
+        self._enter_backward(index, pos)
+        self._recomputed = False
+
+    def _enter_backward(self, index: int, pos: int | None) -> None:
         if not self._window:
             raise RuntimeError(
                 "offload: a backward ran after its forward's window closed: run each training forward's backward "
@@ -562,22 +705,39 @@ class GranularOffload:
             )
         self._queue_finish()  # from the outermost backward: a reentrant checkpoint's inner backward ends earlier
         self._backward = True
+        if pos is not None and pos != self._bpos:
+            self._limit_gradients()
+            self._bpos = pos
         self._advance(pos, index)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
-        """Autograd has accumulated `p`'s gradient for this backward (once per backward, after its last use)."""
+        """Autograd has accumulated `p`'s gradient: once per backward after its last use, or with reentrant
+        checkpointing once per inner backward that uses it."""
         self._queue_finish()
         grad, p.grad = p.grad, None
+        if p in self._pending:  # an earlier part of this backward's gradient still occupies the staging buffer
+            self._collect(p)
+        host = self._host[p][1]
         self.copied_bytes["to_host"] += grad.numel() * grad.element_size()
         if self._d2h is None:
-            self._pending.append((p, grad, None))
+            host.copy_(grad)
+            self._pending[p] = None
             return
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
-            host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
             host.copy_(grad, non_blocking=True)
             grad.record_stream(self._d2h)  # freed on the compute stream now, reused only after the copy
-            self._pending.append((p, host, self._d2h.record_event()))
+            self._pending[p] = self._d2h.record_event()
+
+    def _collect(self, p: nn.Parameter) -> None:
+        """Add the gradient in `p`'s staging buffer to its CPU gradient, in one pass: the first is copied out in the
+        master's dtype, later ones are added with type promotion (the same float32 sums as adding a converted copy,
+        bit for bit)."""
+        event = self._pending.pop(p)
+        if event is not None:
+            event.synchronize()
+        (master, host), total = self._host[p], self._grads.get(p)
+        self._grads[p] = host.to(master.dtype, copy=True) if total is None else total.add_(host)
 
     def _queue_finish(self) -> None:
         if not self._finish_queued:
@@ -592,14 +752,8 @@ class GranularOffload:
         self._window = False
         if self._h2d is not None:
             self._h2d.synchronize()  # a prefetch still reading a master must finish before the optimizer writes it
-        masters = {id(p): master for block in self._blocks.values() for p, master in zip(block.params, block.masters)}
-        for p, grad, event in self._pending:
-            if event is not None:
-                event.synchronize()
-            grad = grad.to(masters[id(p)].dtype)
-            total = self._grads.get(p)
-            self._grads[p] = grad if total is None else total.add_(grad)
-        self._pending.clear()
+        for p in list(self._pending):
+            self._collect(p)
         for block in self._blocks.values():
             self._release(block)
             for p, master in zip(block.params, block.masters):

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from hf_p2r.parallel import delink_fully_sharded, fully_shard_p2r, gather_shared_once
 from hf_p2r.planning import PRECISIONS, Layout, model_state_bytes, parameter_tensors
+from hf_p2r.training.delink import _Before, carry_optimizer_state
 
 from ..conftest import tiny_model
 from . import spawn
@@ -63,13 +65,39 @@ def train_step(model, optimizer, input_ids) -> None:
     optimizer.zero_grad()
 
 
-def carry_copy(old_optimizer, old_model_parameters: dict, new_model, parameter_map: dict, lr: float):
-    """A new AdamW over `new_model` whose state is the old state of each parameter's source (carry "copy")."""
-    optimizer = torch.optim.AdamW(new_model.parameters(), lr=lr)
+def delink_and_carry(model, optimizer, delink):
+    """The trainer's delink step (`delink_in_training`): `delink(model)` -> (new model, {new name: old name}), then a
+    new AdamW whose state `carry_optimizer_state` fills with carry "scale" (DTensor shards under FSDP2)."""
+    before = _Before.of(model)
+    new_model, parameter_map = delink(model)
+    new_optimizer = torch.optim.AdamW(new_model.parameters(), lr=LR)
+    carry_optimizer_state(optimizer, new_optimizer, new_model, parameter_map, before, "scale")
+    return new_model, new_optimizer, parameter_map
+
+
+def delink_plain(model):
+    parameter_map = model.delink_parameter_map()
+    return model.delink(), parameter_map
+
+
+def carried_exactly(old_optimizer, old_parameters: dict, new_optimizer, new_model, parameter_map: dict) -> bool:
+    """Whether each new parameter's state is its source's, with the moments of a block that ran at 4 depths and now
+    runs at 1 scaled by 1/4 and 1/16 (exact in binary), and the rest (embeddings, norm, head) unchanged."""
     for name, parameter in new_model.named_parameters():
-        state = old_optimizer.state[old_model_parameters[parameter_map[name]]]
-        optimizer.state[parameter] = {key: value.clone() for key, value in state.items()}
-    return optimizer
+        old = old_optimizer.state[old_parameters[parameter_map[name]]]
+        new = new_optimizer.state[parameter]
+        ratio = 0.25 if ".layers." in name else 1.0
+        for key, factor in (("exp_avg", ratio), ("exp_avg_sq", ratio**2)):
+            sharded_like_parameter = isinstance(new[key], DTensor) == isinstance(parameter, DTensor)
+            if not sharded_like_parameter or not torch.equal(full(new[key]), full(old[key]) * factor):
+                return False
+        if not torch.equal(new["step"], old["step"]):
+            return False
+    return True
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def pseudo_through_delink(rank: int, world_size: int) -> dict:
@@ -90,14 +118,15 @@ def pseudo_through_delink(rank: int, world_size: int) -> dict:
     for step, input_ids in enumerate(data):
         if step == STEPS_BEFORE:
             before = counter.snapshot()
-            old_parameters = dict(model.named_parameters())
-            model, parameter_map = delink_fully_sharded(model, shard=shard)
+            old_optimizer, old_parameters = optimizer, dict(model.named_parameters())
+            model, optimizer, parameter_map = delink_and_carry(
+                model, optimizer, lambda m: delink_fully_sharded(m, shard=shard)
+            )
             collectives["delink"] = [a - b for a, b in zip(counter.snapshot(), before)]
-            optimizer = carry_copy(optimizer, old_parameters, model, parameter_map, LR)
-            reference_parameters = dict(reference.named_parameters())
-            reference_map = reference.delink_parameter_map()
-            reference.delink()
-            reference_optimizer = carry_copy(reference_optimizer, reference_parameters, reference, reference_map, LR)
+            carried = carried_exactly(old_optimizer, old_parameters, optimizer, model, parameter_map)
+            reference, reference_optimizer, reference_map = delink_and_carry(
+                reference, reference_optimizer, delink_plain
+            )
         before = counter.snapshot()
         train_step(model, optimizer, input_ids[local])
         collectives["pseudo" if step < STEPS_BEFORE else "real"] = [a - b for a, b in zip(counter.snapshot(), before)]
@@ -108,6 +137,7 @@ def pseudo_through_delink(rank: int, world_size: int) -> dict:
         "names": sorted(final) == sorted(name for name, _ in reference.named_parameters()),
         "max_diff": max((final[name] - p).abs().max().item() for name, p in reference.named_parameters()),
         "moved": min((p - initial[reference_map[name]]).abs().max().item() for name, p in reference.named_parameters()),
+        "carried": carried,
         "collectives": collectives,
         "shard_bytes": shard_bytes,
     }
@@ -135,12 +165,8 @@ def accelerate_wrapping(rank: int, world_size: int) -> dict:
     collectives = {}
     for step, input_ids in enumerate(data):
         if step == STEPS_BEFORE:
-            old_parameters = dict(model.named_parameters())
-            model, parameter_map = delink_fully_sharded(model, shard=shard)
-            optimizer = carry_copy(optimizer, old_parameters, model, parameter_map, LR)
-            reference_parameters, reference_map = dict(reference.named_parameters()), reference.delink_parameter_map()
-            reference.delink()
-            reference_optimizer = carry_copy(reference_optimizer, reference_parameters, reference, reference_map, LR)
+            model, optimizer, _ = delink_and_carry(model, optimizer, lambda m: delink_fully_sharded(m, shard=shard))
+            reference, reference_optimizer, _ = delink_and_carry(reference, reference_optimizer, delink_plain)
         before = counter.snapshot()
         train_step(model, optimizer, input_ids[rank * 2 : rank * 2 + 2])
         collectives["pseudo" if step < STEPS_BEFORE else "real"] = [a - b for a, b in zip(counter.snapshot(), before)]
@@ -169,6 +195,7 @@ def runs(tmp_path_factory) -> dict:
 def test_pseudo_fsdp2_through_delink_matches_one_process(runs):
     result = runs["delink"]
     assert result["names"]
+    assert result["carried"]  # the trainer's carry ("scale") on DTensor shards, state_dict round trip included
     assert result["moved"] > 100 * ATOL  # control: every tensor trained far beyond the tolerance
     assert result["max_diff"] < ATOL
     # k=2 blocks at L=8 depths, gathered once: the root and each block one all-gather and one reduce-scatter per

@@ -17,6 +17,7 @@ from hf_p2r.planning import (
     plan,
 )
 from hf_p2r.planning.plan import pseudo_and_real, read_config
+from hf_p2r.training.offload import offload_working_set_bytes
 
 from ..conftest import tiny_config
 
@@ -90,6 +91,40 @@ def test_offload_moves_block_states_to_cpu():
     assert half.offload_seconds > 0 == base.offload_seconds
     tight = estimate(config, Layout(dp=1, offload=0.5), workload(), Hardware(cpu_memory=half.cpu_per_node - 1))
     assert not tight.fits
+
+
+def test_granular_offload_is_offered_only_where_the_trainer_runs_it():
+    """`GranularOffload` runs in one process (the trainer and the class refuse several): its ratios are layouts on one
+    GPU only; on several GPUs offload is FSDP2's or DeepSpeed's (ZeRO-3, all of the model)."""
+    config, hardware = tiny_config(), Hardware(gpus_per_node=4)
+
+    def granular(gpus):
+        return [
+            e for e in plan(config, gpus, workload(), hardware, max_pp=gpus) if e.layout.zero < 3 and e.layout.offload
+        ]
+
+    one = granular(1)
+    assert sorted({e.layout.offload for e in one}) == [0.25, 0.5, 0.75, 1.0]
+    assert all(e.layout.gpus == 1 and e.engine.startswith("one process, offload: ") for e in one)
+    assert granular(2) == granular(4) == []
+    several = plan(config, 4, workload(), hardware, max_pp=4)
+    assert not any("GranularOffload" in e.engine for e in several)
+    offloading = {e.engine for e in several if e.layout.offload and e.layout.tp == e.layout.pp == 1}
+    assert offloading == {"fsdp2_offload.yaml or deepspeed_zero3_offload.yaml"}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["real", "pseudo"])
+def test_offload_buffers_are_granular_offloads_working_set(shared):
+    """The planner and `estimate_device_bytes` size the offloaded blocks' device working set with one function."""
+    config = tiny_config(share_layers=True, num_unique_layers=2) if shared else tiny_config()
+    p = PRECISIONS["mixed"]
+    block = sum(t.numel for t in parameter_tensors(config) if t.block == 0)
+    offloaded = config.num_blocks // 2
+    expected = offload_working_set_bytes(
+        block * p.weight, block * p.grad, offloaded=offloaded, shared=offloaded if shared else 0
+    )
+    assert estimate(config, Layout(dp=1, offload=0.5), workload(), Hardware()).memory.buffers == expected
+    assert expected == (1 if shared else 2) * block * p.weight + (1 if shared else 2) * block * p.grad
 
 
 def test_read_config_accepts_folders_json_and_trainer_yaml(tmp_path):

@@ -6,6 +6,7 @@ recomputation), the gradient hooks and the CPU optimizer all run as on a GPU. GP
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from hf_p2r.training.offload import (
     GranularOffload,
     decoder_layers,
     estimate_device_bytes,
+    estimate_host_bytes,
     measure_activation_bytes,
+    offload_working_set_bytes,
     select_layers,
     spread_layers,
 )
@@ -60,6 +63,11 @@ def _train(model, offload=None, *, steps=3, accumulation=1, checkpointing=None, 
             optimizer.zero_grad()
     params = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     return params, offload
+
+
+def _output_tensor(output) -> torch.Tensor:
+    """A block's hidden states output (a tensor, or the first element of a tuple)."""
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def _block_bytes(model, index=0):
@@ -149,7 +157,8 @@ def test_remove_restores_the_model():
     before = {name: (p, p.data_ptr(), p.device, p.detach().clone()) for name, p in model.named_parameters()}
     assert _hooks(model) == 0
     offload = GranularOffload(model, [1])
-    assert _hooks(model) > 0
+    offloaded = {id(p) for p in offload.offloaded_parameters}
+    assert offloaded and _hooks(model) > 0
     model.train()
     batch = _batches(1)[0]
     model(input_ids=batch, labels=batch).loss.backward()
@@ -157,11 +166,54 @@ def test_remove_restores_the_model():
     assert _hooks(model) == 0
     for name, p in model.named_parameters():
         original, data_ptr, device, value = before[name]
-        assert p is original and p.data_ptr() == data_ptr and p.device == device
+        assert p is original and p.device == device and p.dtype == value.dtype and p.stride() == value.stride()
+        if id(p) in offloaded:  # copied out of the block's host allocation into memory of its own
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        else:
+            assert p.data_ptr() == data_ptr
         assert torch.equal(p, value)  # no optimizer step ran
         assert p.grad is not None and p.grad.device == device
     # And it trains on as a plain model.
     model(input_ids=batch, labels=batch).loss.backward()
+
+
+def test_each_block_lives_in_one_host_allocation_and_saves_like_a_plain_model(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(**PSEUDO).train()
+    reference = copy.deepcopy(model)
+    offload = GranularOffload(model, [0, 1], compute_dtype=torch.bfloat16)
+    for block in offload._blocks.values():
+        slab = block.slab.untyped_storage()
+        start, end = slab.data_ptr(), slab.data_ptr() + slab.nbytes()
+        tensors = block.masters + [s for s in block.sources if s.dtype == torch.bfloat16] + block.staging
+        assert len(tensors) == 3 * len(block.params)  # masters, bf16 copies to send, gradient landing buffers
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        assert all(start <= a and b <= end for a, b in spans)
+        assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))  # disjoint
+    # Each parameter has a storage of its own: safetensors (and Accelerate's save_state, which drops tensors that
+    # share a storage) save every tensor.
+    state = model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert loaded.keys() == state.keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+    # The host estimate is what was allocated (unpinned here: no rounding), plus the gradients and AdamW state.
+    optimizer = offload.build_optimizer(lr=1e-2)
+    batch = _batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    params = offload.offloaded_parameters
+    state_bytes = sum(t.numel() * t.element_size() for p in params for t in (optimizer.state[p]["exp_avg"], p.grad))
+    state_bytes += sum(optimizer.state[p]["exp_avg_sq"].numel() * p.element_size() for p in params)
+    allocated = sum(b.slab.numel() for b in offload._blocks.values())
+    assert estimate_host_bytes(model, [0, 1], compute_dtype=torch.bfloat16, pinned=False) == allocated + state_bytes
+    # Pinned, each block's allocation is rounded up to a power of two.
+    pinned = estimate_host_bytes(model, [0, 1], compute_dtype=torch.bfloat16)
+    rounded = sum(1 << (b.slab.numel() - 1).bit_length() for b in offload._blocks.values())
+    assert pinned == rounded + state_bytes > allocated + state_bytes
 
 
 def test_weights_are_on_the_device_only_while_their_block_runs():
@@ -195,6 +247,102 @@ def test_weights_are_on_the_device_only_while_their_block_runs():
             assert p.data_ptr() == master.data_ptr() and p.grad is not None and p.grad.device.type == "cpu"
     # 8 blocks copied in forward, 7 again in backward (block 7 stays); every gradient copied out once.
     assert offload.copied_bytes == {"to_device": 15 * _block_bytes(model), "to_host": 8 * _block_bytes(model)}
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 9])
+@pytest.mark.parametrize("checkpointing", [None, True], ids=["plain", "reentrant"])
+def test_weights_in_flight_match_the_shared_working_set_estimate(prefetch, checkpointing):
+    """The most device weight bytes allocated at once over a training step, measured on the working tensors, is the
+    weight part of `offload_working_set_bytes`, which `estimate_device_bytes` and the planner use."""
+    model = tiny_model().train()
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
+    offload = GranularOffload(model, 1.0, prefetch=prefetch)
+    works = [w for b in offload._blocks.values() for w in b.works]
+    peak = 0
+
+    def measure(*args):
+        nonlocal peak
+        peak = max(peak, sum(w.untyped_storage().nbytes() for w in works))
+
+    def backward_starts(module, args, output):
+        _output_tensor(output).register_hook(measure)
+
+    for layer in decoder_layers(model):
+        layer.register_forward_pre_hook(measure)
+        layer.register_forward_hook(backward_starts)
+    batch = _batches(1)[0]
+    model(input_ids=batch, labels=batch).loss.backward()
+    block = _block_bytes(model)
+    assert peak == offload_working_set_bytes(block, 0, offloaded=8, prefetch=prefetch) == min(prefetch + 1, 8) * block
+    # Gradients: two blocks at most, and one more per offloaded block run at several depths (autograd sums it).
+    assert offload_working_set_bytes(0, block, offloaded=8) == 2 * block
+    assert offload_working_set_bytes(0, block, offloaded=3, shared=2) == 3 * block
+    assert offload_working_set_bytes(block, block, offloaded=0) == 0
+    n = len(decoder_layers(model))
+    others = estimate_device_bytes(model, [])
+    assert estimate_device_bytes(model, range(n), prefetch=prefetch) == others - 4 * n * block + (
+        offload_working_set_bytes(block, block, offloaded=n, prefetch=prefetch)
+    )
+
+
+CHECKPOINTING = {
+    "plain": None,
+    "checkpoint": ("model", False),  # transformers' checkpointing: the block's hooks run outside the checkpoint
+    "reentrant": ("model", True),
+    "wrapper": ("wrapper", False),  # checkpoint_wrapper applied after offload: recomputation calls the block
+    "wrapper-reentrant": ("wrapper", True),
+}
+
+
+@pytest.mark.parametrize("mode", CHECKPOINTING)
+def test_backward_prefetch_has_the_next_block_ready(mode, monkeypatch):
+    """When block k's backward (or its recomputation) starts, block k-1, the next in backward order, has been
+    fetched already, and each step copies every block once in forward and once in backward (the last block stays)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model = tiny_model().train()  # 8 blocks, all offloaded, prefetch 1
+    how = CHECKPOINTING[mode]
+    if how is not None and how[0] == "model":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": how[1]})
+    offload = GranularOffload(model, 1.0, prefetch=1)
+    layers = list(decoder_layers(model))
+    if how is not None and how[0] == "wrapper":
+        impl = CheckpointImpl.REENTRANT if how[1] else CheckpointImpl.NO_REENTRANT
+        model.model.layers = nn.ModuleList(checkpoint_wrapper(layer, checkpoint_impl=impl) for layer in layers)
+    blocks = offload._blocks
+    copies, starts = [], []
+    fetch = offload._fetch
+
+    def spy(block):
+        if not block.fetched:
+            copies.append(block.index)
+        fetch(block)
+
+    monkeypatch.setattr(offload, "_fetch", spy)
+
+    def started(index, *args):  # registered after the offload's hooks: sees what they did
+        if torch._C._current_graph_task_id() != -1:
+            starts.append((index, {i for i, b in blocks.items() if b.fetched}))
+
+    def output_hook(index, module, args, output):
+        if _output_tensor(output).requires_grad:  # not in a reentrant checkpoint's forward
+            _output_tensor(output).register_hook(lambda grad: started(index))
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, i=i: started(i))  # recomputation through the block
+        layer.register_forward_hook(lambda module, args, output, i=i: output_hook(i, module, args, output))
+    optimizer = offload.build_optimizer(lr=1e-2)
+    for batch in _batches(2):
+        copies.clear()
+        starts.clear()
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert copies == list(range(8)) + list(range(6, -1, -1))
+        assert {index for index, _ in starts} == set(range(8))
+        for index, fetched in starts:
+            assert index in fetched and (index == 0 or index - 1 in fetched), (index, fetched)
 
 
 @pytest.mark.parametrize("checkpointing", [None, False, True])
@@ -410,11 +558,58 @@ def test_compute_dtype_runs_blocks_in_bf16_and_keeps_fp32_masters():
     assert seen == [True, True, True]
 
 
+def test_autocast_without_compute_dtype_warns_once():
+    """Autocast would cache a bf16 cast of every offloaded weight from forward to backward: offload would free no
+    weight memory. Running the blocks in the autocast dtype (`compute_dtype`) avoids it, and then nothing warns."""
+    batch = _batches(1)[0]
+    model = tiny_model().train()
+    GranularOffload(model, 0.5)
+    with pytest.warns(UserWarning, match=r"offload: cpu autocast to torch.bfloat16 .* compute_dtype=torch.bfloat16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=batch, labels=batch).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=batch, labels=batch).loss.backward()  # once per offload
+        model(input_ids=batch, labels=batch).loss.backward()  # no autocast: nothing to say
+        matched = tiny_model().train()
+        GranularOffload(matched, 0.5, compute_dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            matched(input_ids=batch, labels=batch).loss.backward()
+
+
+def test_low_precision_gradients_accumulate_into_the_masters_dtype_exactly(monkeypatch):
+    """Each bf16 gradient is added to the fp32 `.grad` in one pass (type promotion), equal bit for bit to adding its
+    fp32 conversion."""
+    model = tiny_model().train()
+    offload = GranularOffload(model, [2], compute_dtype=torch.bfloat16)
+    parts = {}
+    collect = offload._collect
+
+    def spy(p):
+        parts.setdefault(p, []).append(offload._host[p][1].clone())
+        collect(p)
+
+    monkeypatch.setattr(offload, "_collect", spy)
+    for batch in _batches(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=batch, labels=batch).loss.backward()
+    for p in offload.offloaded_parameters:
+        assert [g.dtype for g in parts[p]] == [torch.bfloat16] * 3 and p.grad.dtype == torch.float32
+        expected = parts[p][0].float()
+        for g in parts[p][1:]:
+            expected = expected + g.float()
+        assert torch.equal(p.grad, expected)
+
+
 # --------------------------------------------------------------------------------------------------------- GPU
 
 
 def _cuda_model(num_hidden_layers=8, **overrides):
+    # Eager attention: fp32 SDPA backward on CUDA may pick a nondeterministic kernel, and the equality test compares
+    # two runs.
     return tiny_model(
+        attn_implementation="eager",
         hidden_size=256,
         intermediate_size=768,
         num_attention_heads=8,
@@ -462,3 +657,38 @@ def test_cuda_training_with_offload_matches_training_without(overrides, checkpoi
     # The forward/backward kernels are the same; the offloaded half is stepped by the CPU AdamW kernel.
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@requires_cuda
+def test_cuda_device_memory_stays_bounded_when_the_cpu_runs_ahead():
+    """A spin kernel before every block's forward and backward slows the GPU down, so the CPU queues the step far ahead
+    of it. The offloaded blocks' memory must still be reused (the copies wait for the release events), not grow by a
+    block per fetch: the peak stays within one block (of gradients) of the unhurried run's."""
+    peaks = []
+    for slow in (False, True):
+        model = _cuda_model(num_hidden_layers=16)
+        offload = GranularOffload(model, 1.0, device="cuda")
+        if slow:
+
+            def stall(*args):
+                torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time
+
+            def stall_backward(module, args, output):
+                output = output if isinstance(output, torch.Tensor) else output[0]
+                output.register_hook(stall)
+
+            for layer in decoder_layers(model):
+                layer.register_forward_pre_hook(stall)
+                layer.register_forward_hook(stall_backward)
+        batch = torch.randint(3, 512, (2, 64), device="cuda")
+        model(input_ids=batch, labels=batch).loss.backward()  # warm-up: allocator caches, kernels
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        offload.remove()
+        del model, offload
+        torch.cuda.empty_cache()
+    block = _block_bytes(_cuda_model(num_hidden_layers=1))
+    assert peaks[1] - peaks[0] <= block, (peaks, block)

@@ -71,6 +71,20 @@ def test_offload_auto_switches_on_at_delink(plain_run, tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("mixed_precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("no", None)]
+)
+def test_offloaded_blocks_run_in_the_autocast_dtype(tmp_path, mixed_precision, dtype):
+    """Under bf16 and fp16 mixed precision the offloaded blocks' device copies are in the autocast dtype: otherwise
+    autocast would keep a cast of every offloaded weight from forward to backward."""
+    config = parse_config(tiny_argv(tmp_path, offload="1.0"))
+    accelerator = SimpleNamespace(mixed_precision=mixed_precision, device=torch.device("cpu"))
+    offload = apply_offload(build_model(config, load_tokenizer(None), 4), config.train, accelerator)
+    assert offload.compute_dtype == dtype
+    works = {work.dtype for block in offload._blocks.values() for work in block.works}
+    assert works == {dtype or torch.float32}
+
+
+@pytest.mark.parametrize(
     ("value", "spec"), [("auto", "auto"), ("0.5", 0.5), ("[1, 3]", [1, 3]), ("none", None), (None, None)]
 )
 def test_offload_values_from_the_command_line(tmp_path, value, spec):
