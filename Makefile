@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/accelerate launch --num_processes 1 scripts/train.py --config configs/demo.yaml
+	$(VENV)/bin/accelerate launch -q --num_processes 1 scripts/train.py --config configs/demo.yaml
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest

@@ -1,9 +1,13 @@
 """Checkpoints and model saves, all written atomically (a temporary folder beside the target, renamed at the end).
 
 A checkpoint is `output_dir/checkpoints/checkpoint-{step}/`: Accelerate's `save_state` (model, optimizer, RNG
-states, gradient scaler) plus `trainer_state.json` (step, blocks, data position, the run's configuration). The model
-stored there has the blocks it had at that step, so resuming after a delink builds a model with that many blocks
-before `load_state`.
+states, gradient scaler) plus `trainer_state.json` (stage, step, blocks, data position, the run's configuration). The
+model stored there has the blocks it had at that step, so resuming after a delink builds a model with that many blocks
+before `load_state`. Those resume checkpoints are Accelerate's format and written by Accelerate (`save_state`, which
+handles every engine's sharded states); hf-p2r only makes them atomic.
+
+The models a run publishes (`pseudo/`, `real/`) are written by `save_model`, through `hf_p2r.checkpoint.save_model`,
+the same writer as the converter and the exporter.
 """
 
 import dataclasses
@@ -14,19 +18,21 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import atomic_directory
+from ..checkpoint import save_model as write_model_folder
 from ..models.p2r import P2RForCausalLM
 from .config import DataArguments, ModelArguments, TrainConfig
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
-# Fields that decide what a checkpoint's weights mean: a resumed run must agree on them.
+# Fields that decide what a checkpoint's weights mean, or its optimizer's parameter groups: a resumed run must agree.
 _COMPATIBLE_FIELDS = (
     [f.name for f in dataclasses.fields(ModelArguments)]
     + [f.name for f in dataclasses.fields(DataArguments) if f.name not in ("cache_dir", "preprocessing_num_workers")]
-    + ["seed"]
+    + ["seed", "shared_lr_scale"]
 )
 
 
@@ -41,6 +47,10 @@ class TrainState:
     log_loss_sum: float = 0.0  # training loss summed over the steps since the last metrics record
     log_steps: int = 0
     metrics_records: int = 0  # records in metrics.jsonl (a resumed run drops those written after the checkpoint)
+
+    def stage(self, depth: int) -> str:
+        """ "pseudo" while the model has fewer blocks than its `depth` layers, then "real"."""
+        return "pseudo" if self.num_blocks < depth else "real"
 
 
 def checkpoint_path(output_dir: str | Path, step: int) -> Path:
@@ -66,7 +76,11 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: Tra
     it is renamed into place once every process has finished writing.
     """
     destination = checkpoint_path(output_dir, state.step)
-    payload = {"state": dataclasses.asdict(state), "config": config.to_dict()}
+    payload = {
+        "stage": state.stage(config.model.num_hidden_layers),
+        "state": dataclasses.asdict(state),
+        "config": config.to_dict(),
+    }
     if accelerator.is_main_process:
         with atomic_directory(destination, overwrite=True) as tmp:
             broadcast_object_list([str(tmp)])
@@ -122,12 +136,31 @@ def save_model(
     directory: str | Path,
     remote_code: bool,
 ) -> None:
-    """`save_pretrained` of the unwrapped model and its tokenizer into `directory`, atomically, on the main process."""
+    """Save the unwrapped `model` and its tokenizer into `directory` (replaced atomically) as a checkpoint that
+    `from_pretrained` loads (`hf_p2r.checkpoint.save_model`); with `remote_code`, with the model's code. Call on every
+    process: the full state dict is gathered by `accelerator.get_state_dict` on all of them (a collective when the
+    model is sharded: FSDP2, ZeRO-3), then the main process writes it."""
+    state_dict = accelerator.get_state_dict(_prepared(accelerator, model))
     if accelerator.is_main_process:
-        with atomic_directory(directory, overwrite=True) as tmp:
-            model.save_pretrained(tmp, remote_code=remote_code)
-            tokenizer.save_pretrained(tmp)
+        write_model_folder(
+            model,
+            directory,
+            state_dict=state_dict,
+            remote_code=remote_code,
+            tokenizer=tokenizer,
+            overwrite=True,
+            progress=False,
+        )
     accelerator.wait_for_everyone()
+
+
+def _prepared(accelerator: Accelerator, model: nn.Module) -> nn.Module:
+    """What `accelerator.prepare` returned for the unwrapped `model` (a DeepSpeed engine, DDP...), which
+    `get_state_dict` needs under ZeRO-3; the model itself when it was prepared in place (one device, FSDP2)."""
+    for prepared in accelerator._models:
+        if prepared is model or accelerator.unwrap_model(prepared) is model:
+            return prepared
+    return model
 
 
 def discard_after(output_dir: str | Path, step: int) -> None:

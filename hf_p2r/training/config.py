@@ -134,6 +134,14 @@ class TrainArguments:
             "times n'/n, squared moments times (n'/n)^2, n = depths a block served before, n' after)."
         },
     )
+    shared_lr_scale: Literal["none", "depth"] = field(
+        default="depth",
+        metadata={
+            "help": "Learning rate of a shared block: depth (divided by the number of depths the block runs at, so its "
+            "update moves the function as much as an unshared block's; logged as lr_shared, the most shared block's; "
+            "see benchmarks/convergence.md) or none (the same as every parameter)."
+        },
+    )
     lr_after_delink: Literal["continue", "rewarm"] = field(
         default="continue", metadata={"help": "continue the schedule, or rewarm it over rewarm_steps after delinking."}
     )

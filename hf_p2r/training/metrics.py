@@ -43,7 +43,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "") -> bool:
-    """Training and validation loss against steps, a dashed line at each delink; False if matplotlib is missing."""
+    """Write the loss-curve PNG of `draw_losses` to `path`; False if matplotlib is missing."""
     try:
         import matplotlib
 
@@ -52,6 +52,15 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = ""
     except ImportError:
         return False
     figure, axes = plt.subplots(figsize=(8, 4.5))
+    draw_losses(axes, records, title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def draw_losses(axes, records: list[dict[str, Any]], title: str = "") -> None:
+    """Training and validation loss against steps on matplotlib `axes`, a dashed line at each delink."""
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     validation = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if train:
@@ -72,10 +81,6 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = ""
         )
     axes.set(xlabel="optimizer step", ylabel="loss (nats/token)", title=title)
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
 
 
 def delink_points(records: list[dict[str, Any]]) -> list[tuple[int, int]]:

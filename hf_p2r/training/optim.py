@@ -5,6 +5,7 @@ update: nothing to save or rebuild when the optimizer is replaced at a delink, a
 """
 
 import math
+from collections import Counter
 
 import torch
 from torch import nn
@@ -22,18 +23,31 @@ def build_optimizer(
     The single place where the optimizer is made: at the start, at every delink and when resuming. With granular
     `offload`, the offloaded blocks' part of each group steps on the CPU (`GranularOffload.build_optimizer`).
     torch's fused AdamW is used wherever it applies (not on FSDP2's DTensor shards), with or without offload, so
-    the two give the same updates.
+    the two give the same updates. Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared
+    block's by the depths it runs at): the training loop sets each group's rate to the schedule's times it.
     """
-    decay, no_decay = [], []
+    scale_of = _lr_scales(model, args)
+    buckets: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            buckets.setdefault((param.ndim >= 2, scale_of.get(id(param), 1.0)), []).append(param)
+    groups = [
+        {"params": params, "weight_decay": args.weight_decay if decay else 0.0, "lr_scale": scale}
+        for (decay, scale), params in sorted(buckets.items(), key=lambda item: (not item[0][0], -item[0][1]))
+    ]
     options = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     if offload is not None:
         return offload.build_optimizer(groups, **options, fused=True)
-    fused = not any(isinstance(p, DTensor) for p in decay + no_decay)
+    fused = not any(isinstance(p, DTensor) for group in groups for p in group["params"])
     return torch.optim.AdamW(groups, **options, fused=fused or None)
+
+
+def _lr_scales(model: nn.Module, args: TrainArguments) -> dict[int, float]:
+    """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths."""
+    if args.shared_lr_scale == "none":
+        return {}
+    uses = Counter(model.config.block_of_depth)
+    return {id(p): 1.0 / uses[block] for block, layer in enumerate(model.base_model.layers) for p in layer.parameters()}
 
 
 def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activation_bytes: int = 0):
@@ -49,7 +63,8 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         args.offload_spec,
         device=accelerator.device,
         prefetch=args.offload_prefetch,
-        compute_dtype=torch.bfloat16 if accelerator.mixed_precision == "bf16" else None,
+        # The autocast dtype: otherwise autocast caches a cast of every offloaded weight until backward.
+        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision),
         budget_bytes=budget,
         activation_bytes=activation_bytes,
     )

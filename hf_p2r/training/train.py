@@ -139,7 +139,7 @@ def train(config: TrainConfig) -> int:
     progress = tqdm(
         total=args.total_steps,
         initial=state.step,
-        desc=_stage(state, depth),
+        desc=state.stage(depth),
         dynamic_ncols=True,
         disable=not accelerator.is_local_main_process,
     )
@@ -170,14 +170,15 @@ def train(config: TrainConfig) -> int:
                     f"(optimizer_carry={args.optimizer_carry}, lr_after_delink={args.lr_after_delink})"
                     + (f"; offload: blocks {offload.layers} in CPU memory" if offload is not None else ""),
                 )
-                progress.set_description(_stage(state, depth))
+                progress.set_description(state.stage(depth))
             if state.step == args.total_steps:
                 break
 
             started = time.perf_counter()
             lr = learning_rate_at(state.step, args, delink_steps)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            shared_lr = lr * min(group.get("lr_scale", 1.0) for group in optimizer.param_groups)
             losses = []
             for _ in range(args.gradient_accumulation_steps):
                 batch = _next_batch(accelerator, train_blocks, order, state, args.per_device_batch_size)
@@ -192,7 +193,7 @@ def train(config: TrainConfig) -> int:
             if not math.isfinite(loss_value):
                 last = list_checkpoints(output_dir)
                 raise NonFiniteLossError(
-                    f"non-finite training loss ({loss_value}) at step {state.step + 1} ({_stage(state, depth)} "
+                    f"non-finite training loss ({loss_value}) at step {state.step + 1} ({state.stage(depth)} "
                     f"stage): stopped without saving; last good checkpoint: {last[-1] if last else 'none'}; "
                     "try a lower learning_rate, more warmup_steps or max_grad_norm"
                 )
@@ -217,6 +218,7 @@ def train(config: TrainConfig) -> int:
                 measure.update(
                     loss=state.log_loss_sum / state.log_steps,
                     lr=lr,
+                    **({"lr_shared": shared_lr} if shared_lr < lr else {}),  # shared_lr_scale: depth
                     grad_norm=None if grad_norm is None else float(grad_norm),
                     tokens_per_s=tokens_per_step * interval_steps / interval_time,
                     train_time_s=state.train_time_s,
@@ -267,34 +269,40 @@ def _next_batch(accelerator, blocks, order: BlockOrder, state: TrainState, batch
 
 @torch.no_grad()
 def _evaluate(accelerator: Accelerator, model, blocks, args) -> float:
-    """Mean loss over `eval_blocks` validation blocks spread evenly over the split, each process taking every n-th."""
-    # The unwrapped model (mixed-precision wrapper kept): DDP's forward could start collectives that a process with
-    # fewer validation blocks would never join.
+    """Mean loss over `eval_blocks` validation blocks spread evenly over the split, each process taking every n-th.
+
+    Every process runs the same number of forward passes: under FSDP2 and ZeRO-3 each forward gathers the parameters
+    with all processes, so one that stopped early would leave the others waiting. A process with fewer blocks repeats
+    its last batch and drops that loss.
+    """
+    # The unwrapped model (mixed-precision wrapper kept): DDP's forward would add collectives of its own.
     model = accelerator.unwrap_model(model).eval()
     count = min(len(blocks), args.eval_blocks)
     # Evenly spaced rather than the first ones: consecutive blocks come from the same few documents.
     chosen = [index * len(blocks) // count for index in range(count)]
     mine = chosen[accelerator.process_index :: accelerator.num_processes]
+    size = args.per_device_batch_size
+    batches = [mine[start : start + size] for start in range(0, len(mine), size)]
+    most = math.ceil(len(chosen[:: accelerator.num_processes]) / size)  # the first process has the most blocks
+    padding = [batches[-1] if batches else chosen[:1]] * (most - len(batches))
     total = torch.zeros((), device=accelerator.device)
-    for start in range(0, len(mine), args.per_device_batch_size):
-        ids = blocks[mine[start : start + args.per_device_batch_size]]["input_ids"].to(accelerator.device)
-        total += model(input_ids=ids, labels=ids).loss.float() * len(ids)
+    for index, indices in enumerate(batches + padding):
+        ids = blocks[indices]["input_ids"].to(accelerator.device)
+        loss = model(input_ids=ids, labels=ids).loss.float()
+        if index < len(batches):
+            total += loss * len(ids)
     model.train()
     return accelerator.reduce(total, reduction="sum").item() / count
 
 
 def _record(accelerator: Accelerator, path: Path, state: TrainState, depth: int, **values) -> None:
-    record = {"step": state.step, "stage": _stage(state, depth), "num_blocks": state.num_blocks, **values}
+    record = {"step": state.step, "stage": state.stage(depth), "num_blocks": state.num_blocks, **values}
     state.metrics_records += 1
     if accelerator.is_main_process:
         append_metrics(path, record)
     numbers = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     if numbers and accelerator.trackers:
         accelerator.log(numbers, step=state.step)
-
-
-def _stage(state: TrainState, depth: int) -> str:
-    return "pseudo" if state.num_blocks < depth else "real"
 
 
 def _say(accelerator: Accelerator, message: str) -> None:
@@ -327,9 +335,12 @@ def _prepare_output_dir(accelerator: Accelerator, output_dir: Path, config: Trai
 
 
 class _StopOnSignal:
-    """SIGTERM / SIGINT ask the loop to stop after the current step (it then saves a checkpoint and returns).
+    """SIGTERM / SIGINT ask the loop to stop after the current step (it then saves a checkpoint and returns 128 + the
+    first signal's number).
 
-    The first signal only sets a flag; the previous handler is put back, so a second signal acts at once.
+    A second Ctrl-C acts at once (SIGINT's previous handler is put back). SIGTERM stays a request however often it
+    comes: sent to a one-process launcher's process group, it reaches the trainer twice, from the sender and as the
+    launcher's death signal (scripts/train.py), and the second must not cut the checkpoint short.
     """
 
     def __init__(self):
@@ -340,8 +351,9 @@ class _StopOnSignal:
         return torch.tensor(float(self.signum), device=device)
 
     def _handle(self, signum, frame):
-        self.signum = signum
-        signal.signal(signum, self._previous[signum])
+        self.signum = self.signum or signum
+        if signum == signal.SIGINT:
+            signal.signal(signum, self._previous[signum])
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,6 +1,7 @@
 """Configuration: YAML + command-line overrides, and one clear error naming the field for every bad value."""
 
 import importlib.util
+import subprocess
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from hf_p2r import P2RForCausalLM
 from hf_p2r.training import parse_config
 
-from .helpers import REPO
+from .helpers import PYTHON, REPO, subprocess_env
 
 
 def _yaml(tmp_path, text: str) -> str:
@@ -28,9 +29,28 @@ def test_command_line_overrides_yaml(tmp_path):
     assert [config.blocks_at(step) for step in (0, 1, 2, 6, 7, 12)] == [1, 1, 2, 2, 8, 8]
 
 
-def test_demo_config_parses():
+def test_demo_config_is_what_the_readme_describes():
+    """configs/demo.yaml through the real parser (which validates it), against the README's description of the demo
+    (the demo test in test_launch.py runs it shrunk to a tiny model)."""
     config = parse_config(["--config", str(REPO / "configs/demo.yaml")])
-    assert config.train.pseudo_steps > 0 and config.train.real_steps > 0
+    model, train = config.model, config.train
+    assert (model.num_hidden_layers, model.num_unique_layers, model.sharing_pattern) == (8, 2, "cycle")
+    assert (train.pseudo_steps, train.real_steps, train.total_steps) == (120, 120, 240)
+    assert config.delink_schedule() == [(120, 8)]
+    assert [config.blocks_at(step) for step in (0, 119, 120, 239)] == [2, 2, 8, 8]
+    # Nothing to download: the standard library's sources and the built-in byte-level tokenizer.
+    assert (config.data.dataset_name, config.data.train_files, config.data.tokenizer_name) == (None, [], None)
+
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    depth, blocks = model.num_hidden_layers, model.num_unique_layers
+    assert f"trains a pseudo model ({depth} layers sharing {blocks} blocks) for {train.pseudo_steps} steps" in readme
+    assert (
+        f"into the real model ({depth} blocks, same function) and trains that for {train.real_steps} more steps"
+        in readme
+    )
+    command = "accelerate launch -q --num_processes 1 scripts/train.py --config configs/demo.yaml"
+    assert f"make demo # = {command}" in readme
+    assert command in (REPO / "Makefile").read_text(encoding="utf-8")
 
 
 def test_gpu_1b_config_is_a_one_billion_parameter_model():
@@ -85,6 +105,24 @@ def test_script_prints_one_line_and_exits_2(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.err == "train.py: error: optimizer_carry: expected one of 'reset', 'copy', 'scale', got 'cpy'\n"
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "argv", "message"),
+    [
+        ("pseudo_step: 3\n", [], "config: {config}: unknown key 'pseudo_step' (did you mean 'pseudo_steps'?)"),
+        ("", ["--pseudo_steps", "many"], "argument --pseudo_steps/--pseudo-steps: invalid int value: 'many'"),
+        ("num_unique_layers: 8\n", [], "num_unique_layers: the pseudo model needs fewer blocks than layers (8), got 8"),
+    ],
+)
+def test_cli_prints_one_line_without_a_traceback_and_exits_2(tmp_path, yaml_text, argv, message):
+    """The real command in a subprocess, for a bad value from each source: the YAML file, the command line, and the
+    checks that compare fields."""
+    config = _yaml(tmp_path, yaml_text)
+    command = [PYTHON, str(REPO / "scripts/train.py"), "--config", config, *argv]
+    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [f"train.py: error: {message.format(config=config)}"], result.stderr
 
 
 def test_help_lists_every_field(capsys):

@@ -1,10 +1,19 @@
-"""Data: the byte-level tokenizer, the built-in corpus, packing, the validation split and the block order."""
+"""Data: the byte-level tokenizer, the built-in corpus, JSON files with a tokenizer of one's own, packing, the
+validation split and the block order."""
 
+import json
+
+import pytest
 import torch
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from hf_p2r.training import DataArguments
-from hf_p2r.training.data import BlockOrder, build_blocks, byte_level_tokenizer, stdlib_corpus
+from hf_p2r.training import DataArguments, parse_config, train
+from hf_p2r.training.data import BlockOrder, build_blocks, byte_level_tokenizer, load_tokenizer, stdlib_corpus
+
+from .helpers import tiny_argv
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
 def test_byte_level_tokenizer_round_trips_and_loads_with_auto_tokenizer(tmp_path):
@@ -53,3 +62,58 @@ def test_block_order_is_a_pure_function_of_the_position():
     assert run[:10] != run[10:20], "each epoch has its own permutation"
     assert BlockOrder(10, 3).indices(13, 7) == run[13:20]  # resuming at position 13 needs no replay
     assert BlockOrder(10, 4).indices(0, 10) != run[:10]
+
+
+def _word_tokenizer_folder(path) -> str:
+    """A word-level tokenizer built here (no download), saved as a folder: one id per word of WORDS, `</s>` = 1."""
+    vocab = {word: index for index, word in enumerate(["[UNK]", "</s>", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+def _json_files(folder, documents: list[str]) -> list[str]:
+    """The documents split over a JSON file (an array of records) and a JSON Lines file, in column "content"."""
+    half = len(documents) // 2
+    records = [{"content": text, "source": "web"} for text in documents]
+    (folder / "part1.json").write_text(json.dumps(records[:half]))
+    (folder / "part2.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records[half:]))
+    return [str(folder / "part1.json"), str(folder / "part2.jsonl")]
+
+
+def test_json_and_jsonl_files_with_a_local_tokenizer(tmp_path):
+    tokenizer = load_tokenizer(_word_tokenizer_folder(tmp_path / "tokenizer"))
+    assert (len(tokenizer), tokenizer.eos_token_id) == (len(WORDS) + 2, 1)
+    # Eight documents of three words: with the end-of-text token each fills one block of 4 tokens exactly.
+    documents = [" ".join(WORDS[i : i + 3]) for i in range(0, 12, 3)]
+    documents += ["mu alpha beta", "gamma mu mu", "kappa kappa iota", "zeta eta alpha"]
+    args = DataArguments(
+        train_files=_json_files(tmp_path, documents),
+        text_column="content",
+        block_size=4,
+        validation_fraction=0.25,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    train_blocks, validation = build_blocks(args, tokenizer, seed=0)
+    assert (len(train_blocks), len(validation)) == (6, 2)
+    blocks = sorted(tuple(block.tolist()) for block in [*train_blocks["input_ids"], *validation["input_ids"]])
+    expected = sorted((*(WORDS.index(word) + 2 for word in text.split()), 1) for text in documents)
+    assert blocks == expected  # every document once, in the tokenizer's ids (not bytes), each closed by </s>
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_on_json_files_saves_the_given_tokenizer_with_the_models(tmp_path):
+    folder = _word_tokenizer_folder(tmp_path / "tokenizer")
+    documents = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(5 + i % 7)) for i in range(120)]
+    output_dir = tmp_path / "run"
+    argv = tiny_argv(output_dir, pseudo_steps=1, real_steps=1, eval_steps=0, corpus_max_bytes=1000)
+    argv += ["--train_files", *_json_files(tmp_path, documents), "--text_column", "content", "--tokenizer_name", folder]
+    assert train(parse_config(argv)) == 0
+    given = load_tokenizer(folder)
+    for stage in ("pseudo", "real"):
+        saved = AutoTokenizer.from_pretrained(output_dir / stage)
+        assert saved("kappa mu alpha")["input_ids"] == given("kappa mu alpha")["input_ids"] == [11, 13, 2]
+        assert saved.eos_token == "</s>"
+    config = AutoModelForCausalLM.from_pretrained(output_dir / "real").config
+    assert (config.vocab_size, config.eos_token_id) == (64, 1)  # the tokenizer's 14 ids, rounded up to 64

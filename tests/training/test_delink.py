@@ -103,6 +103,42 @@ def test_carried_state_changes_the_next_update():
     assert not torch.allclose(updates["copy"], updates["scale"])
 
 
+@pytest.mark.parametrize("blocks", [4, None])  # cycle, L=8, k=2 -> 4 blocks (r = 2 / 4) or -> 8 (r = 1 / 4)
+@pytest.mark.parametrize("carry", ["reset", "copy", "scale"])
+def test_delink_in_training_carries_state_per_mode(carry, blocks):
+    """The trainer's path: a model and optimizer prepared by Accelerate, delinked between two optimizer steps."""
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, before = _trained(num_hidden_layers=8, num_unique_layers=2)
+    non_layer = {name: param for name, param in model.named_parameters() if name in NON_LAYER}
+    model, optimizer = accelerator.prepare(model, optimizer)
+    args = TrainArguments(optimizer_carry=carry)
+    model, optimizer, _ = delink_in_training(accelerator, model, optimizer, blocks, args)
+
+    after = blocks or 8
+    ratio = (8 / after) / 4  # depths each new block runs at / depths the old block ran at (4 of 8)
+    state = optimizer.optimizer.state
+    params = dict(accelerator.unwrap_model(model).named_parameters())
+    assert len([name for name in params if name.endswith("mlp.up_proj.weight")]) == after
+    for name, param in params.items():
+        old = before[_source(name, {j: j % 2 for j in range(after)})]  # cycle: new block j copies old block j % 2
+        if name in NON_LAYER:
+            assert param is non_layer[name]  # the same parameter, with the same state values
+            expected = old
+        elif carry == "reset":
+            expected = {}
+        elif carry == "copy":
+            expected = old
+        else:
+            expected = {
+                "step": old["step"],
+                "exp_avg": old["exp_avg"] * ratio,
+                "exp_avg_sq": old["exp_avg_sq"] * ratio**2,
+            }
+        assert state.get(param, {}).keys() == expected.keys(), name
+        for key, value in expected.items():
+            assert torch.equal(state[param][key], value), (name, key)
+
+
 def test_delink_in_training_leaves_accelerate_with_only_the_new_pair():
     accelerator = Accelerator(cpu=True)
     model, optimizer, _ = _trained(num_hidden_layers=8, num_unique_layers=2)

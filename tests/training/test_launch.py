@@ -1,10 +1,14 @@
 """The training script as users run it: through `accelerate launch`, on one and on two CPU processes, and stopped
-by SIGTERM."""
+by SIGTERM / SIGINT, sent to the trainer or to its launcher."""
 
+import json
+import os
+import shlex
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,24 +97,150 @@ def test_two_processes_match_one_process_at_equal_global_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_step_saves_a_checkpoint_and_exits_143(tmp_path):
+def test_evaluation_runs_the_same_forward_passes_on_every_process(tmp_path):
+    """9 validation blocks over 2 processes with batches of 4: process 0 has 2 batches, process 1 one. Under FSDP2 /
+    ZeRO-3 each forward is a collective, so process 1 runs its last batch again (the worker puts a collective in every
+    forward, as they do) and drops its loss: the validation loss is still the mean over the 9 blocks."""
+    worker = str(Path(__file__).with_name("uneven_eval_worker.py"))
+    launch = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    _run([*launch, worker, str(tmp_path)], timeout=480)  # the worker's collectives time out after 300 s
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["forwards"] for r in results] == [2, 2]
+    assert results[0]["val_loss"] == results[1]["val_loss"]
+    assert results[0]["val_loss"] == pytest.approx(results[0]["expected"], rel=1e-6)
+
+
+def _wait_for_step(process: subprocess.Popen, output_dir: Path, step: int) -> None:
+    """Until the run has logged the training loss of `step` (then it is in the loop, its signal handlers set)."""
+    deadline = time.monotonic() + 120
+    while not any(r.get("step", 0) >= step and "loss" in r for r in read_metrics(output_dir / "metrics.jsonl")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its new parent to reap it has exited)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] != "Z"
+
+
+def _check_stopped_with_a_checkpoint(output_dir: Path, signum: int, output: str) -> None:
+    assert f"stopped by signal {signum} after step" in output, output[-3000:]
+    last_record = read_metrics(output_dir / "metrics.jsonl")[-1]
+    assert [p.name for p in list_checkpoints(output_dir)] == [f"checkpoint-{last_record['step']}"]
+    assert not (output_dir / "real").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_the_step_saves_a_checkpoint_and_exits_128_plus_its_number(tmp_path, signum):
     output_dir = tmp_path / "run"
     command = [PYTHON, TRAIN_SCRIPT, *tiny_argv(output_dir, pseudo_steps=2, real_steps=10_000, eval_steps=0)]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO
     )
     try:
-        deadline = time.monotonic() + 120
-        while not any(r.get("step", 0) >= 3 and "loss" in r for r in read_metrics(output_dir / "metrics.jsonl")):
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
+        _wait_for_step(process, output_dir, 3)
+        process.send_signal(signum)
         stdout, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    assert "stopped by signal 15" in stderr + stdout
-    last_record = read_metrics(output_dir / "metrics.jsonl")[-1]
-    checkpoints = list_checkpoints(output_dir)
-    assert [p.name for p in checkpoints] == [f"checkpoint-{last_record['step']}"]
-    assert not (output_dir / "real").exists()
+    assert process.returncode == 128 + signum, stderr[-2000:]
+    _check_stopped_with_a_checkpoint(output_dir, signum, stderr + stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [False, True], ids=["launcher", "process-group"])
+def test_sigterm_to_the_launcher_stops_the_trainer_after_a_checkpoint(tmp_path, to_group):
+    """`accelerate launch` with one process runs the script with Popen + wait and forwards no signal: SIGTERM ends the
+    launcher alone. The trainer asked the kernel for SIGTERM when its parent dies (scripts/train.py), so it finishes
+    its step, saves a checkpoint and exits instead of training on as an orphan that never saves.
+
+    Sent to the process group (`timeout`, `kill -- -PGID`, systemd, SLURM), SIGTERM reaches the trainer twice: from
+    the sender and as the launcher's death signal; the second must not cut the checkpoint short."""
+    output_dir = tmp_path / "run"
+    overrides = tiny_argv(output_dir, pseudo_steps=2, real_steps=10_000, eval_steps=0)
+    command = [ACCELERATE, "launch", "-q", "--num_processes", "1", TRAIN_SCRIPT, *overrides]
+    launcher = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        start_new_session=True,  # its own process group, as under a shell's job control
+    )
+    trainers = []
+    try:
+        _wait_for_step(launcher, output_dir, 3)
+        trainers = _children(launcher.pid)
+        assert len(trainers) == 1, trainers
+        if to_group:
+            os.killpg(launcher.pid, signal.SIGTERM)
+        else:
+            launcher.send_signal(signal.SIGTERM)
+        # The trainer holds the launcher's pipes too: they close when it has exited.
+        stdout, stderr = launcher.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while _running(trainers[0]):
+            assert time.monotonic() < deadline, "the trainer outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        for pid in trainers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == -signal.SIGTERM  # the launcher died of the signal (it has no handler)
+    _check_stopped_with_a_checkpoint(output_dir, signal.SIGTERM, stderr + stdout)
+
+
+@pytest.mark.slow
+def test_a_run_started_from_a_shell_outlives_the_shell(tmp_path):
+    """Without a launcher the trainer asks for no death signal: `nohup` / `setsid` runs survive their shell."""
+    output_dir = tmp_path / "run"
+    trainer = shlex.join([PYTHON, TRAIN_SCRIPT, *tiny_argv(output_dir, pseudo_steps=2, real_steps=8, eval_steps=0)])
+    # The shell starts the trainer, waits for its first training step, and exits.
+    script = f"{trainer} >/dev/null 2>&1 & echo $!; until [ -s {output_dir}/metrics.jsonl ]; do sleep 0.1; done"
+    shell = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    pid = int(shell.stdout)
+    try:
+        deadline = time.monotonic() + 120
+        while _running(pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-10"]  # the whole run
+    assert (output_dir / "real" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_launcher_quiet_flag_leaves_the_one_line_error_without_a_traceback(tmp_path):
+    """`accelerate launch -q` (Makefile, README) turns the trainer's exit code 2 into 1 without the launcher's
+    CalledProcessError traceback; the trainer's one-line message is the only error line."""
+    config = tmp_path / "bad.yaml"
+    config.write_text("optimizer_carry: cpy\n")
+    command = [ACCELERATE, "launch", "-q", "--num_processes", "1", TRAIN_SCRIPT, "--config", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if "error" in line.lower()] == [
+        "train.py: error: optimizer_carry: expected one of 'reset', 'copy', 'scale', got 'cpy'"
+    ], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout

@@ -1,13 +1,17 @@
-"""The learning-rate schedule over the whole run, with and without a re-warm after delinking."""
+"""The learning-rate schedule over the whole run, with and without a re-warm after delinking; parameter groups."""
 
+import json
 import math
 
 import pytest
 
-from hf_p2r.training import TrainArguments
+from hf_p2r.training import TrainArguments, parse_config, train
+from hf_p2r.training.checkpointing import STATE_FILE, TrainState, read_state
+from hf_p2r.training.metrics import read_metrics
 from hf_p2r.training.optim import build_optimizer, learning_rate_at
 
 from ..conftest import tiny_model
+from .helpers import tiny_argv
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -46,3 +50,60 @@ def test_no_weight_decay_on_norms():
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert all(p.ndim == 1 for p in no_decay["params"]) and all(p.ndim == 2 for p in decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def _scales(optimizer) -> dict[int, float]:
+    """{id(parameter): its group's lr_scale}."""
+    return {id(p): group["lr_scale"] for group in optimizer.param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "uses"),
+    [
+        (dict(num_hidden_layers=8, num_unique_layers=2), [4, 4]),
+        (dict(num_hidden_layers=8, num_unique_layers=1), [8]),
+        (dict(num_hidden_layers=5, num_unique_layers=2, sharing_pattern="sequence"), [3, 2]),  # uneven
+    ],
+)
+def test_shared_lr_scale_depth_divides_each_block_by_its_depths(overrides, uses):
+    model = tiny_model(share_layers=True, **overrides)
+    optimizer = build_optimizer(model, TrainArguments(weight_decay=0.1, shared_lr_scale="depth"))
+    scales = _scales(optimizer)
+    for block, n in enumerate(uses):
+        assert {scales[id(p)] for p in model.model.layers[block].parameters()} == {1.0 / n}
+    in_layers = {id(p) for p in model.model.layers.parameters()}
+    assert {scales[id(p)] for p in model.parameters() if id(p) not in in_layers} == {1.0}  # embeddings, norm, head
+    # Weight decay is still by shape, within every factor.
+    for group in optimizer.param_groups:
+        assert {p.ndim >= 2 for p in group["params"]} == {group["weight_decay"] == 0.1}
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == len(list(model.parameters()))
+    assert set(_scales(build_optimizer(model, TrainArguments(shared_lr_scale="none"))).values()) == {1.0}
+    assert _scales(build_optimizer(model, TrainArguments())) == scales  # depth: the default
+
+
+def test_shared_lr_scale_follows_partial_and_full_delinks():
+    args = TrainArguments(shared_lr_scale="depth")
+    model = tiny_model(share_layers=True, num_hidden_layers=8, num_unique_layers=1)
+    assert set(_scales(build_optimizer(model, args)).values()) == {1.0, 1 / 8}
+    model.delink(2)
+    assert set(_scales(build_optimizer(model, args)).values()) == {1.0, 1 / 4}
+    model.delink()
+    decay, no_decay = build_optimizer(model, args).param_groups  # the real model: back to the two plain groups
+    assert (decay["lr_scale"], no_decay["lr_scale"]) == (1.0, 1.0)
+
+
+def test_training_steps_shared_blocks_at_the_scaled_rate_and_logs_it(tmp_path, one_thread):
+    argv = tiny_argv(tmp_path, num_unique_layers=2, pseudo_steps=2, real_steps=2, shared_lr_scale="depth")
+    assert train(parse_config(argv)) == 0
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "lr" in r]
+    # 4 layers, 2 blocks: each runs at 2 depths, at half the rate until the delink; the real model has no shared block.
+    assert [r["lr_shared"] for r in steps if r["stage"] == "pseudo"] == [r["lr"] / 2 for r in steps[:2]]
+    assert not any("lr_shared" in r for r in steps if r["step"] > 2)
+
+
+def test_resume_refuses_another_shared_lr_scale(tmp_path):
+    saved = parse_config(["--shared_lr_scale", "none"])
+    (tmp_path / STATE_FILE).write_text(json.dumps({"state": vars(TrainState()), "config": saved.to_dict()}))
+    assert read_state(tmp_path, saved) == TrainState()
+    with pytest.raises(ValueError, match=r"different run \(shared_lr_scale='none' there, 'depth' now\)$"):
+        read_state(tmp_path, parse_config([]))

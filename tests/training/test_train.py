@@ -1,7 +1,8 @@
-"""The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss."""
+"""The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss, trackers."""
 
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_p2r import P2RForCausalLM
 from hf_p2r.training import NonFiniteLossError, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
+from hf_p2r.training.metrics import delink_points, read_metrics
 
-from .helpers import tiny_argv, trajectory
+from .helpers import PYTHON, REPO, subprocess_env, tiny_argv, trajectory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,6 +33,7 @@ def test_run_writes_both_models_metrics_and_checkpoints(full_run):
     records = json.loads("[" + ",".join((full_run / "metrics.jsonl").read_text().splitlines()) + "]")
     delinks = [(r["step"], r["num_blocks_before"], r["num_blocks"]) for r in records if r.get("event") == "delink"]
     assert delinks == [(2, 1, 2), (4, 2, 4)]
+    assert delink_points(read_metrics(full_run / "metrics.jsonl")) == [(2, 2), (4, 4)]  # what loss.png marks
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 8))
     assert {r["stage"] for r in records if "loss" in r and r["step"] <= 4} == {"pseudo"}
     assert {r["stage"] for r in records if "loss" in r and r["step"] > 4} == {"real"}
@@ -49,6 +52,14 @@ def test_run_writes_both_models_metrics_and_checkpoints(full_run):
     started = P2RForCausalLM.from_pretrained(full_run / "pseudo", share_layers=False).eval()
     ids = torch.arange(3, 35).unsqueeze(0)
     assert torch.equal(started(ids).logits, pseudo.eval()(ids).logits)
+
+
+def test_checkpoints_record_their_stage(full_run):
+    def stage(step: int) -> str:
+        return json.loads((full_run / f"checkpoints/checkpoint-{step}/trainer_state.json").read_text())["stage"]
+
+    # checkpoint-4 is saved before the delink to the real model at step 4
+    assert {step: stage(step) for step in (1, 4, 5, 7)} == {1: "pseudo", 4: "pseudo", 5: "real", 7: "real"}
 
 
 @pytest.mark.parametrize("resume_step", [1, 2, 4, 5])  # pseudo (k=1), at the partial delink, at the real delink, real
@@ -110,3 +121,40 @@ def test_non_finite_loss_stops_without_touching_the_last_checkpoint(tmp_path, mo
     assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-1", "checkpoint-2"]
     assert json.loads((output_dir / "checkpoints/checkpoint-2/trainer_state.json").read_text())["state"]["step"] == 2
     assert not (output_dir / "real").exists()
+
+
+def test_report_to_tensorboard_writes_events_under_logs(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    output_dir = tmp_path / "run"
+    argv = tiny_argv(output_dir, pseudo_steps=2, real_steps=1, eval_steps=2, report_to="tensorboard")
+    assert train(parse_config(argv)) == 0
+    # Accelerate's TensorBoard tracker writes the scalars into logs/ (and the run's configuration, as hyperparameters,
+    # into a subfolder of it).
+    events = EventAccumulator(str(output_dir / "logs")).Reload()
+    assert {"loss", "lr", "val_loss", "num_blocks_before"} <= set(events.Tags()["scalars"])
+    assert [event.step for event in events.Scalars("loss")] == [1, 2, 3]
+    assert [event.step for event in events.Scalars("val_loss")] == [0, 2, 3]
+
+
+def test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once():
+    """In a subprocess (a signal that the handler let through would end the process)."""
+    code = """
+import os, signal
+from hf_p2r.training.train import _StopOnSignal
+
+with _StopOnSignal() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # e.g. a SIGTERM to the launcher's group, then the launcher's death signal
+    os.kill(os.getpid(), signal.SIGINT)
+    print(stop.signum, flush=True)  # the first signal's
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        print("second Ctrl-C: KeyboardInterrupt", flush=True)
+"""
+    result = subprocess.run(
+        [PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120
+    )
+    assert (result.returncode, result.stdout) == (0, "15\nsecond Ctrl-C: KeyboardInterrupt\n"), result.stderr
