@@ -7,6 +7,7 @@ reported are medians over rounds of per-round ratios.
 
     python scripts/bench_throughput.py                       # CPU preset, writes benchmarks/throughput.{json,md}
     python scripts/bench_throughput.py --device cuda         # GPU preset (bf16 autocast, sdpa)
+    python scripts/bench_throughput.py --preset tiny --rounds 1 --warmup 0 --out /tmp/t   # smoke run (seconds)
 """
 
 import argparse
@@ -25,6 +26,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_p2r import P2RConfig, P2RForCausalLM
 
 PRESETS = {
+    # Seconds in all: for checking the script end to end (tests/test_bench_throughput.py), not for measuring.
+    "tiny": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=128,
+        batch=2,
+        seq=16,
+    ),
     # Small enough for 2 CPU cores, large enough that a step is matmul-bound (tens of ms).
     "cpu": dict(
         hidden_size=256,
@@ -112,21 +124,22 @@ class Runner:
         return rate
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="model and batch sizes (default: the device's)")
     parser.add_argument("--attn", default="sdpa", help="attention implementation for all models (sdpa, eager, ...)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3, help="training steps per model per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
     parser.add_argument("--num-unique-layers", type=int, default=1, help="k of the pseudo model")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/throughput"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_throughput: --device cuda needs a CUDA device; none is available", file=sys.stderr)
         return 1
 
-    preset = dict(PRESETS[args.device])
+    preset = dict(PRESETS[args.preset or args.device])
     batch_size, seq = preset.pop("batch"), preset.pop("seq")
     dims = dict(preset, max_position_embeddings=seq, tie_word_embeddings=False)
     autocast_dtype = torch.bfloat16 if args.device == "cuda" else None
@@ -186,6 +199,7 @@ def main() -> int:
             "attn_implementation": args.attn,
             "dtype": "bf16 autocast" if autocast_dtype else "fp32",
             "device": args.device,
+            "preset": args.preset or args.device,
             "rounds": args.rounds,
             "steps_per_round": args.steps,
             "pseudo_num_unique_layers": args.num_unique_layers,
@@ -221,6 +235,8 @@ def render_markdown(r: dict) -> str:
     c, m = r["config"], r["machine"]
     mib = 2**20
 
+    preset = f" --preset {c['preset']}" if c.get("preset", c["device"]) != c["device"] else ""
+
     def ratio_row(name: str, key: str) -> str:
         x = r[key]
         return f"| {name} | {x['median']:.3f} | {x['min']:.3f} – {x['max']:.3f} | {x['target']} |"
@@ -228,7 +244,12 @@ def render_markdown(r: dict) -> str:
     lines = [
         "# Training throughput: P2R vs Llama, pseudo vs real",
         "",
-        f"Produced by `scripts/bench_throughput.py --device {c['device']}` on {r['date']}.",
+        f"Produced by `scripts/bench_throughput.py --device {c['device']}{preset}` on {r['date']}.",
+        *(
+            ["CPU numbers: GPU throughput (`--device cuda`, bf16, a ~0.5B model) is pending a run on a GPU."]
+            if c["device"] == "cpu"
+            else []
+        ),
         f"Machine: {m.get('gpu', m['cpu'])}; {m['cpu_count']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), "
         f"{m['platform']}.",
         f"Model: hidden {c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_attention_heads']} heads "
