@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -69,10 +71,41 @@ def test_pseudo_cached_generation_equals_uncached(k, pattern, input_ids):
     assert torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("share_layers", [True, False])
+def test_cached_generation_equals_uncached_without_warnings(share_layers, input_ids, recwarn):
+    """Under the cache name the installed transformers uses (5.24 renamed `past_key_values` to `cache`); a forward
+    that misses the name drops the cache silently and every new token attends to itself alone."""
+    model = tiny_model(seed=3, share_layers=share_layers, num_unique_layers=2 if share_layers else None)
+    prompt = input_ids[:, :5]
+    cached = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=True)
+    uncached = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert [str(w.message) for w in recwarn] == []
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_forward_takes_the_cache_under_both_names(name, input_ids):
+    """Step-by-step decoding through either name equals the full forward (both names reach the same cache). The old
+    name gets transformers' own deprecation notice where transformers has renamed it, as Llama does, and none before."""
+    model = tiny_model(seed=4, share_layers=True, num_unique_layers=2)
+    renamed = name == "past_key_values" and modeling_p2r.CACHE_KWARG == "cache"
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full = model(input_ids[:, :8]).logits
+        first = model(input_ids[:, :5], use_cache=True)
+        cache = getattr(first, modeling_p2r.CACHE_KWARG)
+        step = model(input_ids[:, 5:8], use_cache=True, **{name: cache}).logits
+    assert [issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message) for w in caught] == (
+        [True] if renamed else []
+    )
+    assert cache.get_seq_length() == 8
+    torch.testing.assert_close(step, full[:, 5:8], rtol=1e-5, atol=1e-6)
+
+
 def test_cache_indexed_by_block_breaks_generation(monkeypatch, input_ids):
     """The check above can fail: indexing the cache by the block (naive repetition) changes cached generation."""
     model = tiny_model(seed=3, share_layers=True, num_unique_layers=1)
-    cache = model(input_ids[:, :5], use_cache=True).past_key_values
+    cache = getattr(model(input_ids[:, :5], use_cache=True), modeling_p2r.CACHE_KWARG)
     assert len(cache.layers) == 8 and all(layer.keys.shape[-2] == 5 for layer in cache.layers)
 
     forward = modeling_p2r.P2RAttention.forward

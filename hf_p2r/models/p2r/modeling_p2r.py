@@ -7,6 +7,8 @@ This file imports nothing from `hf_p2r`, so `save_pretrained(..., remote_code=Tr
 """
 
 import copy
+import functools
+import inspect
 import math
 import os
 import re
@@ -34,12 +36,39 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, delink_sources, validate_layout
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache argument `past_key_values` -> `cache` (forwards, `create_causal_mask`, model
+# outputs, `generate()`); earlier releases use the old name. P2R passes the cache to transformers under the name the
+# installed release uses, and its forwards take `cache` and accept `past_key_values`, as transformers' Llama does.
+CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+def accepts_past_key_values(forward: Callable) -> Callable:
+    """Let `forward(cache=...)` also be called with `past_key_values=...`.
+
+    Where transformers has renamed the argument, this is its own `deprecate_kwarg` (the notice Llama gives); where it
+    has not, `generate()` itself passes `past_key_values`, so the rename is silent.
+    """
+    if CACHE_KWARG == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def forward_with_old_name(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            if kwargs.get("cache") is not None:
+                raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return forward(*args, **kwargs)
+
+    return forward_with_old_name
+
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<block>\d+)\.(?P<rest>.+)$")
 # transformers' paged attention kernels index their cache by the module's `layer_idx`, i.e. by block, not by depth.
@@ -81,12 +110,13 @@ class P2RAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         layer_idx: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +130,9 @@ class P2RAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
+        if cache is not None:
             cache_idx = self.layer_idx if layer_idx is None else layer_idx
-            key_states, value_states = past_key_values.update(key_states, value_states, cache_idx)
+            key_states, value_states = cache.update(key_states, value_states, cache_idx, kwargs=kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -138,12 +168,13 @@ class P2RDecoderLayer(GradientCheckpointingLayer):
         self.self_attn.o_proj.is_residual_projection = True
         self.mlp.down_proj.is_residual_projection = True
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         layer_idx: int | None = None,
@@ -156,7 +187,7 @@ class P2RDecoderLayer(GradientCheckpointingLayer):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             layer_idx=layer_idx,
@@ -177,7 +208,7 @@ class P2RPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["P2RDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_KWARG]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -413,6 +444,7 @@ class P2RModel(P2RPreTrainedModel):
         # Initialize weights and apply final processing
         self.post_init()
 
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -420,7 +452,7 @@ class P2RModel(P2RPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -429,20 +461,19 @@ class P2RModel(P2RPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
         if self.config.share_layers and (
-            str(self.config._attn_implementation).startswith("paged")
-            or isinstance(kwargs.get("cache"), PagedAttentionCache)
+            str(self.config._attn_implementation).startswith("paged") or isinstance(cache, PagedAttentionCache)
         ):
             raise ValueError(_PAGED_PSEUDO_ERROR)
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
-        if use_cache and past_key_values is None:
+        if use_cache and cache is None:
             # One cache slot per depth (config.num_hidden_layers), however many blocks are stored.
-            past_key_values = DynamicCache(config=self.config)
+            cache = DynamicCache(config=self.config)
 
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -450,8 +481,8 @@ class P2RModel(P2RPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE_KWARG: cache},
         )
 
         hidden_states = inputs_embeds
@@ -473,17 +504,15 @@ class P2RModel(P2RPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
                 layer_idx=depth,
+                # Under the installed name: transformers' checkpointing layer drops the cache by that name.
+                **{CACHE_KWARG: cache},
                 **kwargs,
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-        )
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
 
 
 class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
@@ -507,13 +536,14 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
             raise ValueError(_PAGED_PSEUDO_ERROR)
         return super().init_continuous_batching(*args, **kwargs)
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -524,7 +554,7 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -541,9 +571,9 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
         )
 
 
