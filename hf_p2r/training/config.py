@@ -191,7 +191,8 @@ class TrainArguments:
         if isinstance(self.offload, int | float | list) and not isinstance(self.offload, bool):
             self.offload = str(self.offload)
         check_types(self)
-        parse_offload(self.offload)
+        if parse_offload(self.offload) is None:  # "none" is no offload, like leaving it out
+            self.offload = None
         check_range("offload_budget_gb", self.offload_budget_gb, low=0.0, strict_low=True)
         check_range("offload_prefetch", self.offload_prefetch, low=0)
         for name in ("pseudo_steps", "real_steps", "warmup_steps", "eval_steps", "save_steps"):

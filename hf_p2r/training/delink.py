@@ -168,6 +168,11 @@ def delink_in_training(
         return *accelerator.prepare(plain, build_optimizer(plain, args)), None
 
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    # Unwrapping took off the mixed-precision (autocast) forward, but on one device the model itself still carries
+    # Accelerate's "already prepared" mark, with which `prepare` below would hand it back unwrapped: the real stage
+    # would run without autocast (fp32 activations against offloaded blocks' bf16 working copies: F.linear raised
+    # "expected m1 and m2 to have the same dtype"; without offload, silently in fp32).
+    vars(unwrapped).pop("_is_accelerate_prepared", None)
     accelerator.free_memory()
     if offload is not None:
         offload.remove()

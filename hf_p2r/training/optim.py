@@ -58,6 +58,11 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
     if args.offload is None:
         return None
     budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
+    if args.offload == "auto" and budget is None and accelerator.device.type != "cuda":
+        raise ValueError(
+            f"offload: auto plans for a device's memory, and this run computes on {accelerator.device.type}: set "
+            "offload_budget_gb (the memory the resident part may use), or give a ratio or block indices"
+        )
     return GranularOffload(
         model,
         args.offload_spec,
