@@ -1,19 +1,25 @@
 # Two commands on a fresh machine (each installs what it needs into .venv):
 #   make demo   the P2R demo: pseudo stage -> delink -> real stage on the Python standard library's sources
-#   make test   the test suite
+#   make test   the test suite: make install, then .venv/bin/python -m pytest
 PYTHON ?= python3
 VENV   ?= .venv
 # The CPU wheel of torch; on a GPU machine install your CUDA build of torch into .venv first (see README).
 TORCH  ?= torch==2.13.0
+# The tested set of every other package (pip constraints); regenerate on purpose with `make lock`.
+LOCK   ?= requirements/tested.txt
+# The model-family and trainer tests, run by `make compat` on the declared floors and on the newest releases.
+COMPAT_TESTS ?= tests/models tests/training tests/test_compat.py tests/distributed/test_fsdp2.py
 
-.PHONY: demo test lint clean
+.PHONY: install demo test compat compat-floors compat-newest lock lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install --quiet "$(TORCH)"
-	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(VENV)/bin/python -m pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $@
+
+install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch -q --num_processes 1 scripts/train.py --config configs/demo.yaml
@@ -21,8 +27,29 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
 
+# Declared = tested: the floors pyproject declares (requirements/floors.txt), then the newest releases it allows.
+compat: compat-floors compat-newest
+
+compat-floors:
+	rm -rf .venv-floors && $(PYTHON) -m venv .venv-floors
+	.venv-floors/bin/python -m pip install --quiet -c requirements/floors.txt -e ".[dev]"
+	.venv-floors/bin/python -m pytest -q $(COMPAT_TESTS)
+
+# PIP_CONSTRAINT=/dev/null lifts a site-wide pip cap (some machines cap torch at the wheels on their disk).
+compat-newest:
+	rm -rf .venv-newest && $(PYTHON) -m venv .venv-newest
+	PIP_CONSTRAINT=/dev/null .venv-newest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev]"
+	.venv-newest/bin/python -m pytest -q $(COMPAT_TESTS)
+
+# A fresh resolution of pyproject's ranges, written to $(LOCK); run `make test` on it before committing.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet "$(TORCH)" -e ".[dev]"
+	{ sed -n '1,2p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -viE '^(torch|hf-p2r)=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check hf_p2r scripts tests
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-floors .venv-newest .venv-lock runs

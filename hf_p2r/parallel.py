@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from .compat import reshard_after_backward
 from .models.p2r import P2RPreTrainedModel, delink_sources
 
 
@@ -108,10 +109,10 @@ class _SyncOnLastUse:
 
     def switch(self, last_use: bool) -> None:
         # FSDP2 reads the flag in the post-backward hook of this use, which runs after this switch. The user's value
-        # (FSDP2 has no getter; this is where `set_reshard_after_backward` writes it) is restored for the last use.
+        # (`set_reshard_after_backward` has no public getter: see hf_p2r.compat) is restored for the last use.
         if not last_use:
             if self.user_setting is None:
-                self.user_setting = self.block._get_fsdp_state()._fsdp_param_groups[0].reshard_after_backward
+                self.user_setting = reshard_after_backward(self.block)
             self.block.set_reshard_after_backward(False, recurse=False)
         elif self.user_setting is not None:
             self.block.set_reshard_after_backward(self.user_setting, recurse=False)

@@ -33,14 +33,21 @@ STEPS_BEFORE, STEPS_AFTER, LR = 3, 3, 1e-2
 ATOL = 1e-5
 
 
+# The torch.distributed functions FSDP2 calls for its all-gathers and reduce-scatters: `*_single` since torch 2.12,
+# `*_tensor` before.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 class CollectiveCounter:
-    """Counts FSDP2's all-gathers and reduce-scatters (it calls these two functions of torch.distributed). Patches
-    them for the rest of the (spawned, short-lived) process."""
+    """Counts FSDP2's all-gathers and reduce-scatters. Patches them for the rest of the (spawned, short-lived)
+    process."""
 
     def __init__(self):
         self.all_gather = self.reduce_scatter = 0
-        self._all_gather, self._reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
-        dist.all_gather_single, dist.reduce_scatter_single = self._count_all_gather, self._count_reduce_scatter
+        self._all_gather, self._reduce_scatter = getattr(dist, ALL_GATHER), getattr(dist, REDUCE_SCATTER)
+        setattr(dist, ALL_GATHER, self._count_all_gather)
+        setattr(dist, REDUCE_SCATTER, self._count_reduce_scatter)
 
     def _count_all_gather(self, *args, **kwargs):
         self.all_gather += 1

@@ -1,0 +1,52 @@
+"""Declared = tested: the pinned sets that `make` installs and .ci/run tests agree with what pyproject.toml declares."""
+
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def declared() -> dict[str, Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(line) for line in project["dependencies"]]
+    return {canonicalize_name(r.name): r for r in requirements}
+
+
+def pins(path: str) -> dict[str, Version]:
+    pinned = {}
+    for line in (ROOT / path).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            (specifier,) = requirement.specifier
+            assert specifier.operator == "==", f"{path}: {line} is not a pin"
+            pinned[canonicalize_name(requirement.name)] = Version(specifier.version)
+    return pinned
+
+
+def test_floors_are_pyprojects_lower_bounds():
+    floors = {}
+    for name, requirement in declared().items():
+        lower = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+        if lower:
+            floors[name] = lower[0]
+    assert pins("requirements/floors.txt") == floors
+
+
+def test_the_tested_set_is_within_pyprojects_ranges():
+    tested = pins("requirements/tested.txt")
+    for name, requirement in declared().items():
+        if name == "torch":
+            assert name not in tested, "torch is chosen by the Makefile's TORCH (or the build put into .venv first)"
+            continue
+        assert name in tested, f"requirements/tested.txt does not pin {name}"
+        assert requirement.specifier.contains(tested[name], prereleases=True), f"{name}=={tested[name]}"
+
+
+def test_make_installs_the_tested_set():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "LOCK   ?= requirements/tested.txt" in makefile
+    assert '-m pip install --quiet -c $(LOCK) -e ".[dev]"' in makefile
