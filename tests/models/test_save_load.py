@@ -1,5 +1,7 @@
+import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,7 +10,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    modeling_utils,
+)
+from transformers.testing_utils import CaptureLogger
 
 from hf_p2r import P2RConfig, P2RForCausalLM, P2RModel, export_llama
 from hf_p2r.models.p2r import modeling_p2r
@@ -130,14 +141,111 @@ def test_from_pretrained_as_real_shares_the_config(pseudo_dir, input_ids):
         assert len(real(input_ids, output_attentions=True).attentions) == 8
 
 
-@pytest.mark.parametrize("key", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
-def test_missing_weights_are_an_error(pseudo_dir, key):
-    path, _ = pseudo_dir
+def _drop_weight(path, key):
     weights = load_file(path / "model.safetensors")
     del weights[key]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=f"{path}.*missing keys: {key}"):
-        P2RForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(share_layers=False)])
+@pytest.mark.parametrize("key", ["model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"])
+def test_missing_head_norm_or_embedding_is_initialised_and_reported(tmp_path, input_ids, key, overrides):
+    # transformers' contract: initialised, listed in loading_info, warned about by transformers' own load report.
+    model = tiny_model(seed=2, share_layers=True, num_unique_layers=2)
+    with torch.no_grad():
+        for parameter in model.parameters():  # trained-looking weights: a fresh norm is all ones
+            parameter.add_(torch.randn_like(parameter))
+    model.save_pretrained(tmp_path)
+    _drop_weight(tmp_path, key)
+    with CaptureLogger(modeling_utils.logger) as captured:
+        loaded, info = P2RForCausalLM.from_pretrained(tmp_path, output_loading_info=True, **overrides)
+    assert info == {"missing_keys": {key}, "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    assert "LOAD REPORT" in captured.out and key in captured.out and "MISSING" in captured.out
+    weights, stored = loaded.state_dict(), model.state_dict()
+    names = model.delink_parameter_map() if overrides else {name: name for name in stored}
+    assert len(weights) == len(names) and not torch.equal(weights[key], stored[key])
+    assert all(torch.equal(weights[new], stored[old]) for new, old in names.items() if old != key)
+    assert torch.isfinite(_logits(loaded, input_ids)).all()
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"])
+def test_missing_layer_weight_is_an_error(pseudo_dir, key):
+    path, _ = pseudo_dir
+    _drop_weight(path, key)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .* 2 blocks .*missing keys: {re.escape(key)}$"):
+        P2RForCausalLM.from_pretrained(path, output_loading_info=True)
+
+
+def test_state_dict_with_other_blocks_is_an_error():
+    weights = tiny_model().state_dict()
+    with pytest.raises(ValueError, match=r"^the state_dict: .*blocks \[0, 1, .*unexpected keys: model\.layers\.2\."):
+        P2RForCausalLM.from_pretrained(
+            None, config=tiny_config(share_layers=True, num_unique_layers=2), state_dict=weights
+        )
+
+
+def test_unexpected_non_layer_weights_are_ignored_and_reported(pseudo_dir, input_ids):
+    path, model = pseudo_dir
+    weights = load_file(path / "model.safetensors")
+    weights["score.weight"] = torch.zeros(3, 32)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = P2RForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), {"score.weight"})
+    assert torch.equal(_logits(loaded, input_ids), _logits(model, input_ids))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("overrides", [{}, dict(share_layers=False)])
+def test_base_checkpoint_loads_into_causal_lm(tmp_path, input_ids, tie, overrides):
+    torch.manual_seed(3)
+    base = P2RModel(tiny_config(share_layers=True, num_unique_layers=2, tie_word_embeddings=tie)).eval()
+    base.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "embed_tokens.weight" in f.keys(), "a base checkpoint has no `model.` prefix"
+    lm, info = P2RForCausalLM.from_pretrained(tmp_path, output_loading_info=True, **overrides)
+    assert info["missing_keys"] == (set() if tie else {"lm_head.weight"}) and not info["unexpected_keys"]
+    assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tie
+    assert len(lm.model.layers) == (8 if overrides else 2)
+    with torch.no_grad():
+        # Mmapped weights sit at another alignment than the in-memory ones, which can change the GEMM's last bit.
+        torch.testing.assert_close(lm.model(input_ids).last_hidden_state, base(input_ids).last_hidden_state)
+        assert torch.isfinite(lm(input_ids).logits).all()
+
+
+def test_causal_lm_checkpoint_loads_into_base_model(pseudo_dir, input_ids):
+    path, model = pseudo_dir
+    base, info = P2RModel.from_pretrained(path, share_layers=False, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), {"lm_head.weight"})
+    assert len(base.layers) == 8
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids).last_hidden_state, model.model(input_ids).last_hidden_state)
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(share_layers=True, num_unique_layers=2), dict(tie_word_embeddings=True)]
+)
+def test_empty_state_dict_initialises_every_weight_like_init(overrides, monkeypatch):
+    # transformers' idiom (its test_can_init_all_missing_weights): with the same seed, every weight missing from the
+    # checkpoint gets what __init__ gives it, the depth-scaled residual projections included.
+    initialize = PreTrainedModel._initialize_weights
+
+    def seeded(*args, **kwargs):
+        torch.manual_seed(42)
+        initialize(*args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "_initialize_weights", seeded)
+    config = tiny_config(**overrides)
+    for cls in (P2RForCausalLM, P2RModel):
+        built = cls(copy.deepcopy(config)).state_dict()
+        loaded, info = cls.from_pretrained(None, config=copy.deepcopy(config), state_dict={}, output_loading_info=True)
+        assert info["missing_keys"] == set(built), "all reported, the tied head too (as for Llama)"
+        assert loaded.state_dict().keys() == built.keys()
+        assert all(torch.equal(tensor, built[name]) for name, tensor in loaded.state_dict().items())
+    if not config.share_layers:
+        llama = LlamaConfig(**{key: getattr(config, key) for key in LlamaConfig().to_dict() if hasattr(config, key)})
+        _, llama_info = LlamaForCausalLM.from_pretrained(None, config=llama, state_dict={}, output_loading_info=True)
+        _, p2r_info = P2RForCausalLM.from_pretrained(None, config=config, state_dict={}, output_loading_info=True)
+        assert p2r_info == llama_info
 
 
 def test_tied_head_is_not_a_missing_weight(tmp_path, input_ids):

@@ -243,8 +243,15 @@ class P2RPreTrainedModel(PreTrainedModel):
 
         The checkpoint is loaded as stored (only its k blocks are materialised) and then delinked in place. Weights load
         from safetensors only. The sharing overrides are checked like `P2RConfig` arguments; asking for fewer blocks
-        (re-sharing) or another `num_hidden_layers` raises `ValueError`, and so do weights missing from the checkpoint
-        and layer weights it has in excess, instead of being initialised at random or ignored.
+        (re-sharing) or another `num_hidden_layers` raises `ValueError`.
+
+        Layer weights must match the config's blocks: a checkpoint that has blocks but lacks a layer weight, or has
+        layer weights beyond the config's blocks, raises `ValueError` naming it and the keys (a randomly initialised or
+        dropped block would silently compute another function). Everything else is transformers' contract: a missing
+        head, norm or embedding is initialised, warned about and listed in `output_loading_info`, so a `P2RModel`
+        checkpoint loads into `P2RForCausalLM` (the head tied when `tie_word_embeddings`); unexpected non-layer weights
+        are ignored with a report; a checkpoint with no layer weight at all (`from_pretrained(None, config=config,
+        state_dict={})`) is initialised like any other.
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("P2R models load weights from safetensors only (use_safetensors=False was given)")
@@ -279,7 +286,7 @@ class P2RPreTrainedModel(PreTrainedModel):
         model, loading_info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
-        _check_loaded_keys(pretrained_model_name_or_path, model.config, loading_info)
+        _check_loaded_blocks(pretrained_model_name_or_path, model, loading_info)
         if target is not None and target != model.config.num_blocks:
             model.delink(target)
         return (model, loading_info) if output_loading_info else model
@@ -375,24 +382,27 @@ def _stored_config_dict(pretrained_model_name_or_path, kwargs) -> dict | None:
     return config_dict
 
 
-def _check_loaded_keys(source, config: P2RConfig, loading_info: dict) -> None:
-    """Raise if the checkpoint lacks any weight (tied ones aside) or its blocks disagree with its config: never leave a
-    weight randomly initialised."""
+def _check_loaded_blocks(source, model: PreTrainedModel, loading_info: dict) -> None:
+    """Raise if the checkpoint has blocks and they are not exactly the config's: no layer weight may be initialised at
+    random or dropped. Other keys are left to transformers (initialised or ignored, and reported)."""
+    layer_keys = {key for key in model.state_dict() if _LAYER_KEY.match(key)}
+    missing = sorted(key for key in loading_info["missing_keys"] if key in layer_keys)
+    unexpected = sorted(key for key in loading_info["unexpected_keys"] if _LAYER_KEY.match(key))
+    if not unexpected and (not missing or len(missing) == len(layer_keys)):
+        return  # every block loaded, or the checkpoint has none (e.g. `state_dict={}`) and all are initialised
+    stored = {int(_LAYER_KEY.match(key)["block"]) for key in (layer_keys - set(missing)) | set(unexpected)}
     problems = []
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        # mismatched_keys holds (name, checkpoint shape, model shape) tuples; the others hold names
-        names = sorted(key[0] if isinstance(key, tuple) else key for key in loading_info.get(kind, ()))
-        if kind != "missing_keys":
-            names = [name for name in names if _LAYER_KEY.match(name)]
+    for kind, names in (("missing keys", missing), ("unexpected keys", unexpected)):
         if names:
             more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-            problems.append(f"{kind.replace('_', ' ')}: {', '.join(names[:3])}{more}")
-    if problems:
-        raise ValueError(
-            f"{source}: the weights do not match config.json (share_layers={config.share_layers}, "
-            f"num_unique_layers={config.num_blocks}, num_hidden_layers={config.num_hidden_layers}), and none is "
-            "initialised at random: " + "; ".join(problems)
-        )
+            problems.append(f"{kind}: {', '.join(names[:3])}{more}")
+    config = model.config
+    raise ValueError(
+        f"{'the state_dict' if source is None else source}: the layer weights (blocks {sorted(stored)}) do not match "
+        f"the config's {config.num_blocks} blocks (share_layers={config.share_layers}, "
+        f"num_unique_layers={config.num_unique_layers}, num_hidden_layers={config.num_hidden_layers}), and no block is "
+        "initialised at random or dropped: " + "; ".join(problems)
+    )
 
 
 def _target_blocks(source, stored_dict: dict, requested: dict) -> tuple[P2RConfig, int]:
