@@ -258,19 +258,19 @@ class P2RPreTrainedModel(PreTrainedModel):
         kwargs["use_safetensors"] = True
         output_loading_info = kwargs.pop("output_loading_info", False)
         requested = {key: kwargs.pop(key) for key in LAYOUT_FIELDS if key in kwargs}
-        stored_dict = _stored_config_dict(pretrained_model_name_or_path, kwargs)
+        stored_dict = _stored_config_dict(cls.config_class, pretrained_model_name_or_path, kwargs)
         config = kwargs.get("config")
         target = None
         distributed = [key for key in _DISTRIBUTED_KWARGS if kwargs.get(key) is not None]
         if stored_dict is not None:
             # The Auto classes pass a config with the user's overrides already applied; a direct call passes kwargs.
             # (Compared by model_type: under trust_remote_code, AutoConfig's P2RConfig is another class object.)
-            passed_config = getattr(config, "model_type", None) == P2RConfig.model_type
+            passed_config = getattr(config, "model_type", None) == cls.config_class.model_type
             if passed_config:
                 requested = {key: getattr(config, key) for key in (*LAYOUT_FIELDS, "num_hidden_layers")}
             elif "num_hidden_layers" in kwargs:
                 requested["num_hidden_layers"] = kwargs["num_hidden_layers"]
-            stored, target = _target_blocks(pretrained_model_name_or_path, stored_dict, requested)
+            stored, target = _target_blocks(cls.config_class, pretrained_model_name_or_path, stored_dict, requested)
             if distributed and target != stored.num_blocks:
                 # delink() copies blocks, which cannot be done on blocks already sharded across processes.
                 raise ValueError(
@@ -368,16 +368,16 @@ _DISTRIBUTED_KWARGS = ("distributed_config", "tp_plan", "tp_size", "device_mesh"
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
-def _stored_config_dict(pretrained_model_name_or_path, kwargs) -> dict | None:
+def _stored_config_dict(config_class: type[P2RConfig], pretrained_model_name_or_path, kwargs) -> dict | None:
     """The config.json the checkpoint itself declares (no overrides), or None if it has no P2R config.json."""
     if pretrained_model_name_or_path is None:
         return None
     hub_kwargs = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
     try:
-        config_dict, _ = P2RConfig.get_config_dict(pretrained_model_name_or_path, **hub_kwargs)
+        config_dict, _ = config_class.get_config_dict(pretrained_model_name_or_path, **hub_kwargs)
     except OSError:
         return None
-    if config_dict.get("model_type") != P2RConfig.model_type:
+    if config_dict.get("model_type") != config_class.model_type:
         return None
     return config_dict
 
@@ -405,13 +405,13 @@ def _check_loaded_blocks(source, model: PreTrainedModel, loading_info: dict) -> 
     )
 
 
-def _target_blocks(source, stored_dict: dict, requested: dict) -> tuple[P2RConfig, int]:
+def _target_blocks(config_class: type[P2RConfig], source, stored_dict: dict, requested: dict) -> tuple[P2RConfig, int]:
     """The stored config and how many blocks the caller asks for.
 
     The request is checked like `P2RConfig` arguments; only delinking (more blocks, same pattern, same depth) keeps the
     function.
     """
-    stored = P2RConfig.from_dict(stored_dict)
+    stored = config_class.from_dict(stored_dict)
     depth = requested.get("num_hidden_layers", stored.num_hidden_layers)
     if depth != stored.num_hidden_layers:
         raise ValueError(
@@ -419,7 +419,7 @@ def _target_blocks(source, stored_dict: dict, requested: dict) -> tuple[P2RConfi
             "checkpoint loads at its own depth (a pseudo model would silently run its blocks at another depth)"
         )
     try:
-        wanted = P2RConfig.from_dict(stored_dict, **requested)
+        wanted = config_class.from_dict(stored_dict, **requested)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
     target, pattern = wanted.num_blocks, wanted.sharing_pattern
