@@ -13,9 +13,17 @@ autocast, AdamW with gradient clipping) as: no offload; GranularOffload at ratio
 process; the figures are ratios to the no-offload run of the same process.
 
 Largest trainable: real models of the same layer shape with activation checkpointing, one full training step each,
-searched by layer count around a prediction (from `estimate_device_bytes` and measured activations) until an
-out-of-memory error brackets the limit. A count whose offloaded state would not fit in the host's available memory
-is not tried (it would be OOM-killed) and is reported as host-bound.
+searched by layer count from a prediction (from `estimate_device_bytes` and measured activations): upwards while a
+count trains, downwards (by quarters) while it runs out of device memory, then by bisection until a count that
+trains and one that does not are adjacent (`search_largest`). Every probe is recorded, with the host memory it used.
+
+A count whose host memory would not fit is never tried: the kernel would OOM-kill the process and no result would be
+written. Host memory is counted as the kernel counts it: the offloaded blocks' pinned slabs (rounded up to a power
+of two by torch's allocator) are charged at what one pinned allocation measured at the start costs in /proc/meminfo
+(the drop of MemAvailable, the rise of Shmem or Mlocked, whichever is largest), their pageable gradients and AdamW
+moments at their size, all scaled up by the largest ratio of measured to estimated use of the probes so far; what
+a probe may use is MemAvailable, read just before it, less a margin (`HOST_MARGIN`), and only half of that until a
+probe of at least 1 GiB has trained and measured what the kernel counts.
 """
 
 import argparse
@@ -63,7 +71,7 @@ PRESETS = {
         steps=4,
         warmup=2,
         bandwidth_bytes=GIB,
-        max_trials=3,
+        max_trials=8,
         max_layers=4096,  # 100B parameters: beyond any single GPU + 128 GB host
     ),
     # Seconds on 2 CPU cores: checks every code path of the script.
@@ -117,11 +125,60 @@ def copy_bandwidth(device: str, nbytes: int, reps: int = 5) -> dict:
     return result
 
 
-def host_available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable line")
+# Host memory kept free under every probe: the larger of 10% of MemTotal and 4 GiB (the estimate leaves out the
+# transient copies of building a model, the CUDA context's growth and other processes' needs).
+HOST_MARGIN = (0.10, 4 * GIB)
+
+
+def meminfo(text: str | None = None) -> dict[str, int]:
+    """/proc/meminfo (or `text` in its format) in bytes: {"MemTotal": ..., "MemAvailable": ..., "Shmem": ...}."""
+    text = Path("/proc/meminfo").read_text() if text is None else text
+    info = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields and fields[0].isdigit():
+            info[name.strip()] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    if "MemAvailable" not in info or "MemTotal" not in info:
+        raise OSError("/proc/meminfo has no MemAvailable or MemTotal line")
+    return info
+
+
+def host_budget_bytes(info: dict[str, int]) -> int:
+    """Host bytes a probe may add: MemAvailable less the margin (`HOST_MARGIN`)."""
+    fraction, least = HOST_MARGIN
+    return info["MemAvailable"] - max(least, int(fraction * info["MemTotal"]))
+
+
+def pinned_cost(device: str, nbytes: int = GIB) -> dict:
+    """What the kernel charges for `nbytes` of torch's pinned host memory (1.0 per byte on the CPU, which pins
+    nothing): one allocation, touched, against /proc/meminfo before and after. Pinned pages may be counted as shared
+    memory (Shmem) or locked (Mlocked) and always leave MemAvailable; the largest of the three changes counts."""
+    if device != "cuda":
+        return {"bytes": nbytes, "factor": 1.0}
+    free_memory(device)
+    before = meminfo()
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    buffer.fill_(1)
+    after = meminfo()
+    del buffer
+    free_memory(device)
+    changes = {
+        "available_drop": before["MemAvailable"] - after["MemAvailable"],
+        "shmem_rise": after.get("Shmem", 0) - before.get("Shmem", 0),
+        "mlocked_rise": after.get("Mlocked", 0) - before.get("Mlocked", 0),
+    }
+    return {"bytes": nbytes, **changes, "factor": max(1.0, *(change / nbytes for change in changes.values()))}
+
+
+def host_need_bytes(dims: dict, layers: int, ratio: float, dtype, pinned_factor: float) -> int:
+    """Host bytes of a probe's offloaded blocks, pinned slabs charged at `pinned_factor`; see the module docstring."""
+    model = shapes(dims, layers)
+    offloaded = select_layers(model, ratio)
+    total = estimate_host_bytes(model, offloaded, compute_dtype=dtype, pinned=True)
+    block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    pageable = 3 * block * len(offloaded)  # gradient, exp_avg, exp_avg_sq of each fp32 parameter (not pinned)
+    return int((total - pageable) * pinned_factor) + pageable
 
 
 def meta_model(dims: dict, layers: int) -> P2RForCausalLM:
@@ -245,9 +302,12 @@ def throughput(preset: dict, device: str) -> dict:
     return {"batch": batch_size, "seq": seq, "accumulation": accumulation, "steps": preset["steps"], "runs": runs}
 
 
-def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> bool:
-    """One full training step of a `layers`-layer real model with `ratio` of its blocks offloaded; False on OOM."""
+def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> dict:
+    """One full training step of a `layers`-layer real model with `ratio` of its blocks offloaded: {"fits": False on
+    running out of device memory, "host_used": bytes MemAvailable fell by, measured with the model still alive}."""
     model = optimizer = offload = None
+    free_memory(device)
+    before = meminfo()["MemAvailable"]
     try:
         offloaded = select_layers(shapes(dims, layers), ratio)
         model = build_model(dims, layers, device, offloaded, init_host=False)
@@ -257,12 +317,51 @@ def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> b
         optimizer = offload.build_optimizer(lr=1e-4, fused=True)
         train_step(model, optimizer, batch, 1, device)
         synchronize(device)
-        return True
+        return {"fits": True, "host_used": before - meminfo()["MemAvailable"]}
     except torch.OutOfMemoryError:
-        return False
+        return {"fits": False, "host_used": before - meminfo()["MemAvailable"]}
     finally:
         del model, optimizer, offload  # the hooks only reference the offload: all of it is garbage now
         free_memory(device)
+
+
+def search_largest(probe, first: int, host_fits, max_probes: int) -> dict:
+    """The largest count n for which `probe(n)` is True, searched from the guess `first`, for a `probe` that holds up
+    to some n and not beyond (a training step that fits in device memory).
+
+    Upwards from a count that fits by an eighth of the guess, a step that doubles at each count that fits again;
+    downwards by quarters from one that does not (a first guess can be far too high); then by bisection once a count
+    that fits and one that does not are known; at most `max_probes` calls.
+    A count with `host_fits(n)` False is never probed (it could get the process OOM-killed): the search goes no
+    higher than the largest count the host allows, and reports `host_bound` when that count fits. Returns
+    {"largest_ok", "smallest_failed", "host_bound", "probes": [(n, probe(n)), ...] in the order they ran}.
+    """
+    ok = fail = None
+    host_bound = False
+    probes = []
+    n, up = first, max(1, first // 8)
+    while n >= 1 and len(probes) < max_probes:
+        if not host_fits(n):
+            low, high = ok or 0, n  # the largest count in [low, n) the host allows
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if host_fits(middle) else (low, middle)
+            if low == (ok or 0):
+                host_bound = ok is not None
+                break
+            n = low
+        result = probe(n)
+        probes.append((n, result))
+        ok, fail = (n, fail) if result else (ok, n)
+        if ok is not None and fail is not None:
+            if fail - ok <= 1:
+                break
+            n = (ok + fail) // 2
+        elif result:
+            n, up = n + up, 2 * up
+        else:
+            n -= max(1, n // 4)
+    return {"largest_ok": ok, "smallest_failed": fail, "host_bound": host_bound, "probes": probes}
 
 
 def largest_count(fits, cap: int) -> int:
@@ -296,7 +395,10 @@ def largest_trainable(preset: dict, device: str) -> dict:
     per_layer = (measured[1] - measured[0]) / 2
     fixed = measured[0] - 2 * per_layer
     budget = torch.cuda.get_device_properties().total_memory if device == "cuda" else 2 * GIB
-    host = host_available_bytes()
+    pinned = pinned_cost(device)
+    print(f"largest: pinned host memory costs {pinned['factor']:.2f} bytes per byte: {pinned}", flush=True)
+    # scale: the largest measured / estimated host use so far; measured: whether a probe that trained measured it.
+    host = {"pinned_factor": pinned["factor"], "scale": 1.0, "measured": False}
     results = {}
     for ratio in RATIOS:
 
@@ -308,53 +410,66 @@ def largest_trainable(preset: dict, device: str) -> dict:
             )
             return need <= budget
 
-        def host_fits(layers: int, ratio=ratio) -> bool:
-            # Per offloaded block: its pinned allocation (fp32 masters, the bf16 copies sent to the GPU, the buffers
-            # gradients land in; rounded up to a power of two), fp32 gradients and two AdamW moments.
-            model = shapes(dims, layers)
-            need = estimate_host_bytes(model, select_layers(model, ratio), compute_dtype=dtype, pinned=device == "cuda")
-            return need <= 0.9 * host
-
         predicted = largest_count(device_fits, preset["max_layers"])
-        host_limit = largest_count(host_fits, preset["max_layers"])
-        layers = min(predicted, host_limit)
-        ok, fail, trials = None, None, []
-        for _ in range(preset["max_trials"]):
-            start = time.perf_counter()
-            fits = try_training(dims, layers, ratio, batch, device)
-            trials.append({"layers": layers, "fits": fits, "seconds": time.perf_counter() - start})
-            print(f"largest: ratio {ratio}, {layers} layers: {'fits' if fits else 'out of memory'}", flush=True)
-            ok, fail = (max(ok or 0, layers), fail) if fits else (ok, min(fail or layers, layers))
-            step = max(1, layers // 12)
-            if ok is not None and fail is not None:
-                if fail - ok <= 1:
-                    break
-                layers = (ok + fail) // 2
-            elif fits:
-                if not host_fits(layers + step):
-                    break  # the next count would not fit in host memory
-                layers += step
-            elif layers == 1:
-                break
-            else:
-                layers -= step
-        results[str(ratio)] = {
-            "predicted_layers": predicted,
-            "host_limit_layers": host_limit,
-            "largest_ok_layers": ok,
-            "smallest_failed_layers": fail,
-            "host_bound": ok is not None and fail is None and not host_fits(ok + max(1, ok // 12)),
-            "trials": trials,
-            "params_billion_at_ok": None if ok is None else _parameters(dims, ok) / 1e9,
-        }
+        results[str(ratio)] = _largest_at(ratio, predicted, dims, batch, device, host, preset)
+    info = meminfo()
     return {
         "batch": batch_size,
         "seq": seq,
         "activation_checkpointing": True,
         "device_budget_GiB": budget / GIB,
-        "host_available_GiB": host / GIB,
+        "host_available_GiB": info["MemAvailable"] / GIB,
+        "host_total_GiB": info["MemTotal"] / GIB,
+        "host_margin": {"fraction_of_total": HOST_MARGIN[0], "at_least_GiB": HOST_MARGIN[1] / GIB},
+        "pinned_cost": pinned,
+        "host_estimate_scale": host["scale"],
         "activation_bytes_per_layer": per_layer,
         "ratios": results,
+    }
+
+
+def _largest_at(ratio: float, predicted: int, dims: dict, batch, device: str, host: dict, preset: dict) -> dict:
+    """`search_largest` at one ratio, from the device's prediction capped by the host; every probe recorded."""
+    dtype = torch.bfloat16 if device == "cuda" else None
+    trials = []
+
+    def host_need(layers: int) -> int:
+        return int(host_need_bytes(dims, layers, ratio, dtype, host["pinned_factor"]) * host["scale"])
+
+    def host_fits(layers: int) -> bool:
+        # What is available now, less the margin; half of it until a probe has measured what the kernel counts.
+        return host_need(layers) <= host_budget_bytes(meminfo()) * (1.0 if host["measured"] else 0.5)
+
+    def probe(layers: int) -> bool:
+        need = host_need(layers)
+        start = time.perf_counter()
+        outcome = try_training(dims, layers, ratio, batch, device)
+        trials.append(
+            {
+                "layers": layers,
+                "fits": outcome["fits"],
+                "seconds": time.perf_counter() - start,
+                "host_estimated_GiB": need / GIB,
+                "host_used_GiB": outcome["host_used"] / GIB,
+            }
+        )
+        if need >= GIB:  # later estimates learn from what the kernel counted (above the noise)
+            host["scale"] = max(host["scale"], host["scale"] * outcome["host_used"] / need)
+            host["measured"] |= outcome["fits"]  # a probe that failed may have stopped before it used it all
+        print(f"largest: ratio {ratio}: {trials[-1]}", flush=True)
+        return outcome["fits"]
+
+    host_limit = largest_count(host_fits, preset["max_layers"])
+    found = search_largest(probe, min(predicted, host_limit), host_fits, preset["max_trials"])
+    ok = found["largest_ok"]
+    return {
+        "predicted_layers": predicted,
+        "host_limit_layers": host_limit,
+        "largest_ok_layers": ok,
+        "smallest_failed_layers": found["smallest_failed"],
+        "host_bound": found["host_bound"],
+        "trials": trials,
+        "params_billion_at_ok": None if ok is None else _parameters(dims, ok) / 1e9,
     }
 
 
@@ -464,15 +579,31 @@ def render_markdown(r: dict, smoke: bool) -> str:
             f"## Largest trainable real model (activation checkpointing, batch {g['batch']} x {g['seq']}; device "
             f"{g['device_budget_GiB']:.0f} GiB, host available {g['host_available_GiB']:.0f} GiB)",
             "",
+        ]
+        if "pinned_cost" in g:
+            margin = g["host_margin"]
+            lines += [
+                f"Host guard: pinned memory charged at {g['pinned_cost']['factor']:.2f} bytes per byte (measured), "
+                f"estimates scaled by {g['host_estimate_scale']:.2f} (measured / estimated use of the probes), "
+                f"{margin['fraction_of_total']:.0%} of {g['host_total_GiB']:.0f} GiB (at least "
+                f"{margin['at_least_GiB']:.0f} GiB) kept free.",
+                "",
+            ]
+        lines += [
             "| ratio | predicted (device) | host limit | largest that trained | smallest that failed | parameters (B) "
-            "| host-bound |",
-            "|---:|---:|---:|---:|---:|---:|---|",
+            "| host-bound | probes in order (layers: ✓ trained, ✗ out of device memory; host GiB used) |",
+            "|---:|---:|---:|---:|---:|---:|---|---|",
         ]
         for ratio, row in g["ratios"].items():
             params = "" if row["params_billion_at_ok"] is None else f"{row['params_billion_at_ok']:.2f}"
+            probes = ", ".join(
+                f"{t['layers']} {'✓' if t['fits'] else '✗'}"
+                + (f" ({t['host_used_GiB']:.1f})" if "host_used_GiB" in t else "")
+                for t in row["trials"]
+            )
             lines.append(
                 f"| {ratio} | {row['predicted_layers']} | {row['host_limit_layers']} | {row['largest_ok_layers']} | "
-                f"{row['smallest_failed_layers']} | {params} | {'yes' if row['host_bound'] else 'no'} |"
+                f"{row['smallest_failed_layers']} | {params} | {'yes' if row['host_bound'] else 'no'} | {probes} |"
             )
         base = g["ratios"]["0.0"]["largest_ok_layers"]
         best = max((row["largest_ok_layers"] or 0) for row in g["ratios"].values())
