@@ -13,7 +13,12 @@ import os
 import signal
 import sys
 
-from hf_p2r.training import NonFiniteLossError, parse_config, train
+# `accelerate launch --cpu`: hide the GPUs before torch starts CUDA. Otherwise torch still allocates a CPU run's
+# barriers on cuda:<local rank>, which fails on a machine with fewer GPUs than processes.
+if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+from hf_p2r.training import NonFiniteLossError, parse_config, train  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

@@ -12,6 +12,7 @@ a signal stopped it after saving a checkpoint; a non-finite loss raises `NonFini
 """
 
 import math
+import os
 import shutil
 import signal
 import time
@@ -82,10 +83,12 @@ def train(config: TrainConfig) -> int:
     delink_steps = [step for step, _ in config.delink_schedule()]
 
     # Build.
+    cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+    _check_gpu_per_process(cpu)
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        cpu=args.cpu if args.cpu is not None else not torch.accelerator.is_available(),
+        cpu=cpu,
         log_with=None if args.report_to == "none" else args.report_to,
         project_dir=output_dir,
     )
@@ -250,6 +253,30 @@ def train(config: TrainConfig) -> int:
             print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
     accelerator.end_training()
     return 0
+
+
+def _check_gpu_per_process(cpu: bool) -> None:
+    """Raise `ValueError` when this process of a launch has no GPU of its own on a machine with CUDA.
+
+    Accelerate gives the process of local rank r `cuda:r`, and in a CPU run its barrier still allocates on `cuda:r`
+    (torch's `barrier(device_ids=[r])` picks the machine's accelerator), so with fewer GPUs than processes the run
+    would fail with "CUDA error: invalid device ordinal" and then gloo's "connection closed by peer".
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0 or local_rank < gpus:
+        return
+    processes = os.environ.get("LOCAL_WORLD_SIZE", f"more than {local_rank}")
+    if cpu:
+        raise ValueError(
+            f"cpu: this CPU run has {processes} processes on a machine whose {gpus} GPU(s) they can see, and a "
+            f"CPU process still needs cuda:{local_rank} for its barriers: hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES= accelerate launch ..., or accelerate launch --cpu)"
+        )
+    raise ValueError(
+        f"this machine has {gpus} GPU(s) for {processes} processes: launch at most {gpus} per machine "
+        "(--num_processes), or train on the CPU (accelerate launch --cpu ...)"
+    )
 
 
 def _fill_deepspeed_batch_size(accelerator: Accelerator, args) -> None:

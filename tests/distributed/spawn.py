@@ -4,6 +4,7 @@ import json
 import os
 import socket
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,15 +18,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The environment of every process these CPU tests start (spawned workers, `accelerate launch`, scripts): no GPU.
+# On a machine with CUDA, libraries pick `cuda:<local rank>` even for a gloo run on CPU tensors (torch's barrier,
+# which Accelerate's `wait_for_everyone` calls with `device_ids=[local rank]`; transformers' tensor parallelism; FSDP2's
+# default mesh), and with fewer GPUs than processes rank 1 fails with "CUDA error: invalid device ordinal", then its
+# peers with gloo's "connection closed by peer". CUDA reads the variable when it starts, so it is set before.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def run(body: Callable[[int, int], dict], world_size: int, tmp_path: Path) -> dict:
-    """Call `body(rank, world_size)` in `world_size` spawned processes; return what rank 0's body returned (JSON).
+    """Call `body(rank, world_size)` in `world_size` spawned CPU processes (`CPU_ONLY`); return what rank 0's body
+    returned (JSON).
 
     `body` must be a module-level function (spawn pickles it by name). A failure in any process fails the test with
     that process's traceback.
     """
     result = tmp_path / "rank0.json"
-    mp.spawn(_worker, args=(body, world_size, free_port(), str(result)), nprocs=world_size, join=True)
+    with _environment(CPU_ONLY):  # spawned processes start with this process's environment
+        mp.spawn(_worker, args=(body, world_size, free_port(), str(result)), nprocs=world_size, join=True)
     return json.loads(result.read_text())
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _worker(rank: int, body, world_size: int, port: int, result: str) -> None:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from hf_p2r.training.metrics import read_metrics
 
+from ..distributed.spawn import CPU_ONLY
+
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -39,9 +41,11 @@ def tiny_argv(output_dir, **overrides) -> list[str]:
 
 
 def subprocess_env() -> dict[str, str]:
-    """Offline, quiet, and one thread per process (two processes share this machine's two cores)."""
+    """Offline, quiet, one thread per process (two processes share this machine's two cores), and no GPU: the runs
+    these tests start are CPU runs, also on a machine with fewer GPUs than processes (see `spawn.CPU_ONLY`)."""
     return {
         **os.environ,
+        **CPU_ONLY,
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",

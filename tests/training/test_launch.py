@@ -22,6 +22,10 @@ from .helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajec
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TRAIN_SCRIPT = str(REPO / "scripts/train.py")
+# How long a test waits for a run to get somewhere (start, reach a step, stop after a signal) before failing. Only a
+# hung run waits this long: each wait ends as soon as what it waits for happens, and on a loaded two-core machine
+# the start alone (imports, tokenising) can take minutes.
+PATIENCE = 600
 
 
 def _free_port() -> int:
@@ -112,7 +116,7 @@ def test_evaluation_runs_the_same_forward_passes_on_every_process(tmp_path):
 
 def _wait_for_step(process: subprocess.Popen, output_dir: Path, step: int) -> None:
     """Until the run has logged the training loss of `step` (then it is in the loop, its signal handlers set)."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + PATIENCE
     while not any(r.get("step", 0) >= step and "loss" in r for r in read_metrics(output_dir / "metrics.jsonl")):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.2)
@@ -158,7 +162,7 @@ def test_a_signal_finishes_the_step_saves_a_checkpoint_and_exits_128_plus_its_nu
     try:
         _wait_for_step(process, output_dir, 3)
         process.send_signal(signum)
-        stdout, stderr = process.communicate(timeout=60)
+        stdout, stderr = process.communicate(timeout=PATIENCE)
     finally:
         process.kill()
     assert process.returncode == 128 + signum, stderr[-2000:]
@@ -196,8 +200,8 @@ def test_sigterm_to_the_launcher_stops_the_trainer_after_a_checkpoint(tmp_path, 
         else:
             launcher.send_signal(signal.SIGTERM)
         # The trainer holds the launcher's pipes too: they close when it has exited.
-        stdout, stderr = launcher.communicate(timeout=60)
-        deadline = time.monotonic() + 30
+        stdout, stderr = launcher.communicate(timeout=PATIENCE)
+        deadline = time.monotonic() + PATIENCE
         while _running(trainers[0]):
             assert time.monotonic() < deadline, "the trainer outlived its launcher"
             time.sleep(0.1)
@@ -217,10 +221,10 @@ def test_a_run_started_from_a_shell_outlives_the_shell(tmp_path):
     trainer = shlex.join([PYTHON, TRAIN_SCRIPT, *tiny_argv(output_dir, pseudo_steps=2, real_steps=8, eval_steps=0)])
     # The shell starts the trainer, waits for its first training step, and exits.
     script = f"{trainer} >/dev/null 2>&1 & echo $!; until [ -s {output_dir}/metrics.jsonl ]; do sleep 0.1; done"
-    shell = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    shell = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=PATIENCE)
     pid = int(shell.stdout)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + PATIENCE
         while _running(pid):
             assert time.monotonic() < deadline
             time.sleep(0.2)

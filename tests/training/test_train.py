@@ -1,8 +1,11 @@
 """The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss, trackers."""
 
 import json
+import queue
 import shutil
+import signal
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from hf_p2r import P2RForCausalLM
 from hf_p2r.training import NonFiniteLossError, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.metrics import delink_points, read_metrics
+from hf_p2r.training.train import _check_gpu_per_process
 
 from .helpers import PYTHON, REPO, subprocess_env, tiny_argv, trajectory
 
@@ -139,22 +143,74 @@ def test_report_to_tensorboard_writes_events_under_logs(tmp_path):
 
 
 def test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once():
-    """In a subprocess (a signal that the handler let through would end the process)."""
+    """In a subprocess (a signal that the handler let through would end the process), signalled from here as a
+    launcher or a user would. Each signal is sent once the child has said it is ready for it: two pending signals of
+    one kind would merge into one, and a loaded machine delays a child's start and its handlers by seconds."""
     code = """
-import os, signal
+import signal, sys, time
 from hf_p2r.training.train import _StopOnSignal
 
-with _StopOnSignal() as stop:
-    os.kill(os.getpid(), signal.SIGTERM)
-    os.kill(os.getpid(), signal.SIGTERM)  # e.g. a SIGTERM to the launcher's group, then the launcher's death signal
-    os.kill(os.getpid(), signal.SIGINT)
-    print(stop.signum, flush=True)  # the first signal's
+class Counting(_StopOnSignal):
+    handled = 0
+
+    def _handle(self, signum, frame):
+        super()._handle(signum, frame)
+        self.handled += 1
+
+with Counting() as stop:
+    print("ready", flush=True)
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        for expected in (1, 2, 3):
+            while stop.handled < expected:
+                time.sleep(0.01)
+            print("handled", expected, flush=True)
+        print(stop.signum, flush=True)  # the first signal's
+        while True:  # until the second Ctrl-C
+            time.sleep(0.01)
     except KeyboardInterrupt:
         print("second Ctrl-C: KeyboardInterrupt", flush=True)
 """
-    result = subprocess.run(
-        [PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120
+    child = subprocess.Popen(
+        [PYTHON, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO
     )
-    assert (result.returncode, result.stdout) == (0, "15\nsecond Ctrl-C: KeyboardInterrupt\n"), result.stderr
+
+    def stopped(process: subprocess.Popen) -> str:
+        process.kill()
+        return process.stderr.read()
+
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] + [lines.put("")], daemon=True).start()
+    try:
+        # A SIGTERM, again (to the launcher's group, then as the launcher's death signal), a Ctrl-C, a second one.
+        for line, signum in [
+            ("ready", signal.SIGTERM),
+            ("handled 1", signal.SIGTERM),
+            ("handled 2", signal.SIGINT),
+            ("handled 3", None),
+            ("15", signal.SIGINT),
+            ("second Ctrl-C: KeyboardInterrupt", None),
+        ]:
+            # A bound for a hung child only: on time the line comes in well under a minute, even on a loaded machine.
+            assert lines.get(timeout=600) == line + "\n", stopped(child)  # "" when the child has ended
+            if signum is not None:
+                child.send_signal(signum)
+        assert child.wait(timeout=600) == 0, stopped(child)
+    finally:
+        child.kill()
+
+
+@pytest.mark.parametrize("cpu", ["true", "false"])
+def test_a_process_without_a_gpu_of_its_own_is_refused_before_it_starts(tmp_path, monkeypatch, cpu):
+    """Two processes on a machine with one GPU (faked: this machine has none): the second would fail on cuda:1, also
+    in a CPU run (Accelerate's barriers allocate there); the trainer says what to do instead. The first one runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError) as error:
+        train(parse_config(tiny_argv(tmp_path / "run", cpu=cpu, pseudo_steps=1, real_steps=0)))
+    assert "2 processes" in str(error.value) and "1 GPU(s)" in str(error.value)
+    assert ("hide the GPUs" if cpu == "true" else "launch at most 1 per machine") in str(error.value)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    _check_gpu_per_process(cpu == "true")
