@@ -1,8 +1,11 @@
 """`hf-p2r`: a thin command line over hf_p2r's public functions.
 
 Each subcommand lives in `hf_p2r/commands/<name>.py` and exposes `register(subparsers)`, which adds its parser and
-sets `func` (called with the parsed arguments; returns an exit code or None). Heavy imports happen inside `func`, so
-`hf-p2r --help` is instant. Expected user errors print one line on stderr and exit 1, without a traceback.
+sets `func` (called with the parsed arguments; returns an exit code or None), and `HELP`, its line in `hf-p2r --help`.
+Only the command being run builds its parser, and heavy imports happen inside `func`: `hf-p2r --help`, `hf-p2r convert
+--help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and `hf-p2r convert`
+needs them only for a dtype cast or `--verify`. Expected user errors print one line on stderr and exit 1, without a
+traceback.
 
 SIGTERM and SIGHUP (`kill`, `timeout`, a SLURM job ending, a closed terminal) stop a command like Ctrl-C does: the
 partial output is removed, one line is printed and the exit status is 128 + the signal number.
@@ -15,8 +18,9 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from .commands import convert, plan, push
+from .commands import convert, env, plan, push
 
+COMMANDS = {"convert": convert, "push": push, "plan": plan, "env": env}
 # Errors that mean "bad input or environment", not a bug: shown as one line.
 USER_ERRORS = (ValueError, OSError, KeyError)
 # Signals that end a command the way Ctrl-C (SIGINT) does.
@@ -32,10 +36,16 @@ class Stopped(KeyboardInterrupt):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="hf-p2r", description="Pseudo-to-Real pretraining tools.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (convert, push, plan):
-        command.register(subparsers)
+    # The others only show their help line: building `plan`'s parser loads the planner (and torch) for its choices.
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, command in COMMANDS.items():
+        if name == chosen:
+            command.register(subparsers)
+        else:
+            subparsers.add_parser(name, help=command.HELP)
     args = parser.parse_args(argv)
     try:
         with _stop_on_signals():

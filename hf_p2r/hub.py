@@ -11,8 +11,8 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 from tqdm import tqdm
 
+from .checkpoint.headers import read_weights
 from .checkpoint.io import read_config_dict
-from .checkpoint.reader import CheckpointReader
 
 # hf_p2r/model_cards links to model_cards/ at the top of the repository; a wheel holds a copy.
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "model_card.md"
@@ -53,10 +53,9 @@ def render_model_card(
     depth = config.get("num_hidden_layers")
     share = bool(config.get("share_layers"))
     blocks = config.get("num_unique_layers") if share else depth
-    with CheckpointReader(folder) as reader:
-        headers = [reader.info(name) for name in reader.keys()]
-    num_parameters = sum(shape.numel() for shape, _ in headers)
-    dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype in headers})
+    weights = read_weights(folder).values()
+    num_parameters = sum(info.numel for info in weights)
+    dtypes = sorted({info.dtype_name for info in weights})
 
     if model_type == "p2r":
         summary = (
@@ -156,7 +155,7 @@ def _card_for_upload(folder: Path, repo_id: str) -> tuple[ModelCard | None, str]
             card = render_model_card(folder, model_id=repo_id, provenance=provenance)
             return card, "the card hf-p2r convert wrote, re-rendered for this repo"
     # Not written by hf-p2r, or edited since: it is the author's card. The weights are still checked.
-    CheckpointReader(folder).close()
+    read_weights(folder)
     return None, "the folder's own README.md, unchanged"
 
 

@@ -2,6 +2,8 @@
 the command's own (`benchmarks/convert.md` counts the converter's)."""
 
 import json
+import os
+import platform
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import pytest
 TRAINER_ONLY = ["hf_p2r.training", "hf_p2r.training.train", "datasets"]
 
 
-@pytest.mark.parametrize("command", ["convert", "push", "plan"])
+@pytest.mark.parametrize("command", ["convert", "push", "plan", "env"])
 def test_building_the_command_line_imports_no_trainer_module(command):
     code = f"""
 import json, sys
@@ -35,3 +37,55 @@ print(json.dumps([name for name in {TRAINER_ONLY!r} if name in sys.modules]))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "hf_p2r.training" in json.loads(done.stdout.strip().splitlines()[-1])
+
+
+HEAVY = ["torch", "transformers"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["convert", "--help"], ["convert", "only-src"], ["convert", "a", "b", "--target", "gguf"], ["nope"]],
+    ids=["help", "convert help", "missing argument", "bad choice", "unknown command"],
+)
+def test_help_and_argument_errors_import_neither_torch_nor_transformers(args):
+    code = f"""
+import json, sys
+from hf_p2r.cli import main
+try:
+    main({args!r})
+except SystemExit:
+    pass
+print(json.dumps([name for name in {HEAVY!r} if name in sys.modules]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_import_hf_p2r_is_light_and_still_registers_the_auto_classes(tmp_path):
+    """`import hf_p2r` loads no torch; the Auto classes know P2R once transformers loads them, in either order."""
+    code = """
+import json, sys
+import hf_p2r
+light = "torch" not in sys.modules
+from transformers import AutoConfig, AutoModelForCausalLM
+from hf_p2r import P2RConfig
+model_class = AutoModelForCausalLM._model_mapping[P2RConfig]
+print(json.dumps([light, AutoConfig.for_model("p2r").model_type, model_class.__name__]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, "p2r", "P2RForCausalLM"]
+
+
+def test_env_prints_versions_and_hardware_but_no_secret(monkeypatch):
+    env = dict(os.environ, HF_TOKEN="hf_secret_token_123", WANDB_API_KEY="wandb_secret_456")
+    done = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "env"], capture_output=True, text=True, check=True, env=env
+    )
+    fields = dict(line[2:].split(": ", 1) for line in done.stdout.splitlines() if line.startswith("- "))
+    for key in ("hf-p2r", "Python", "torch", "transformers", "accelerate", "datasets", "safetensors",
+                "huggingface_hub", "deepspeed"):  # fmt: skip
+        assert key in {name.removesuffix(" version") for name in fields}, key
+    assert fields["hf-p2r version"] == "0.1.0" and fields["Python version"] == platform.python_version()
+    assert fields["CUDA available"] in ("True", "False") and fields["CPUs"].startswith(str(os.cpu_count()))
+    assert "Platform" in fields
+    assert "secret" not in done.stdout + done.stderr

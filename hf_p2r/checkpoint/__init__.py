@@ -2,27 +2,34 @@
 
 - `CheckpointReader`: lazy, validated, memory-mapped reading (one file or shards + index).
 - `write_checkpoint`: sharded writing with constant anonymous memory (tensors written from where they live).
-- `convert_pseudo_to_real`, `export_llama`: folder-to-folder conversions built on those two.
+- `convert_pseudo_to_real`, `export_llama`: folder-to-folder conversions; they plan from headers (`headers.py`) and
+  copy byte ranges in the kernel (`ranges.py`), without torch unless a dtype cast needs it.
 - `save_model`: an in-memory model saved as a checkpoint folder (the trainer's saves, `export_llama` of a model).
 - `atomic_directory`: outputs appear complete or not at all.
+
+Names load on first use (PEP 562), so that the torch-free modules stay torch-free.
 """
 
-from .convert import convert_pseudo_to_real, read_p2r_config, verify_checkpoint
-from .io import atomic_directory, read_config_dict
-from .llama import export_llama, llama_config
-from .reader import CheckpointReader
-from .save import save_model
-from .writer import write_checkpoint
+import importlib
 
-__all__ = [
-    "CheckpointReader",
-    "atomic_directory",
-    "convert_pseudo_to_real",
-    "export_llama",
-    "llama_config",
-    "read_config_dict",
-    "read_p2r_config",
-    "save_model",
-    "verify_checkpoint",
-    "write_checkpoint",
-]
+_EXPORTS = {
+    "CheckpointReader": ".reader",
+    "atomic_directory": ".io",
+    "convert_pseudo_to_real": ".convert",
+    "export_llama": ".llama",
+    "llama_config": ".llama",
+    "read_config_dict": ".io",
+    "read_p2r_config": ".convert",
+    "save_model": ".save",
+    "verify_checkpoint": ".convert",
+    "write_checkpoint": ".writer",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,30 +1,30 @@
 """Pseudo -> real conversion on disk: every depth gets its own copy of its block's weights, streamed.
 
-The source is read memory-mapped and each output shard is written by safetensors from pointers into it, so the real
-model is never held in memory (see `writer.py`); which block each new block copies comes from the model's own
-`delink_parameter_map`, so a converted checkpoint and `model.delink()` agree by construction.
+The conversion is planned from config.json (read as JSON) and the safetensors headers, without torch or
+transformers: which block each new block copies comes from `delink_names`, the function the model's own
+`delink_parameter_map` uses, so a converted checkpoint and `model.delink()` agree by construction. The output shards
+are then written by the kernel, header + byte ranges of the source (`ranges.py`). Only a dtype cast, which changes
+the bytes, goes through torch (`writer.py`: the source memory-mapped, cast tensor by tensor), and `verify` reopens
+the output with torch.
 """
 
 import copy
+import importlib.metadata
+import json
 import os
 import shutil
+import types
 from pathlib import Path
 from typing import Literal
 
-import torch
-from huggingface_hub.errors import StrictDataclassError
-from transformers.utils import CHAT_TEMPLATE_DIR, CONFIG_NAME, GENERATION_CONFIG_NAME
-
-from ..models.p2r import P2RConfig, P2RForCausalLM
-from ..models.p2r.modeling_p2r import _LAYER_KEY
-from .io import atomic_directory, read_config_dict
-from .llama import llama_config
-from .reader import CheckpointReader
-from .writer import output_dtype, parse_size, write_checkpoint
+from ..models.p2r.sharing_p2r import LAYER_KEY, delink_names, delink_sources, validate_layout
+from .headers import FLOAT_CODES, TensorInfo, parse_size, read_weights
+from .io import CONFIG_NAME, atomic_directory, read_config_dict
+from .ranges import copy_checkpoint
 
 # Files other than weights and config.json that travel with a checkpoint (tokenizer and generation settings).
 CARRIED_FILES = (
-    GENERATION_CONFIG_NAME,
+    "generation_config.json",
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -34,9 +34,24 @@ CARRIED_FILES = (
     "chat_template.*",
 )
 # Folders that travel with it: transformers' named chat templates (additional_chat_templates/<name>.jinja).
-CARRIED_FOLDERS = (CHAT_TEMPLATE_DIR,)
+CARRIED_FOLDERS = ("additional_chat_templates",)
 # dtypes an output can be cast to: those transformers loads without a quantization config.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+# Fields of a P2R config.json that Llama does not have (or must not inherit).
+NOT_LLAMA = ("share_layers", "num_unique_layers", "sharing_pattern", "auto_map", "model_type", "transformers_version")
+# config.json fields that decide the weights' names and shapes, with their defaults (those of `P2RConfig`).
+_SHAPE_FIELDS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+_LAYOUT_DEFAULTS = {"share_layers": False, "num_unique_layers": None, "sharing_pattern": "cycle"}
 
 
 def convert_pseudo_to_real(
@@ -45,7 +60,7 @@ def convert_pseudo_to_real(
     *,
     num_unique_layers: int | None = None,
     max_shard_size: int | str = "5GB",
-    dtype: str | torch.dtype | None = None,
+    dtype=None,
     target: Literal["p2r", "llama"] = "p2r",
     overwrite: bool = False,
     verify: bool = False,
@@ -56,11 +71,13 @@ def convert_pseudo_to_real(
 
     The output loads with `from_pretrained` and equals the delinked model tensor for tensor: as `P2RForCausalLM`
     (`target="p2r"`, config with `share_layers=False`), or as a vanilla `LlamaForCausalLM` (`target="llama"`, real
-    only). Weights are streamed: the source is memory-mapped, each shard (at most `max_shard_size`, e.g. "5GB" or
-    a number of bytes) is written by safetensors, and anonymous memory stays constant whatever the model size. `dtype`
-    (float32, float16, bfloat16 or float64) casts the weights. generation_config.json, tokenizer files and named chat
-    templates (and, for `target="p2r"` from a source with remote code, the model code) are carried over, and README.md
-    is a model card recording where the checkpoint came from.
+    only). Weights are streamed: each output shard (at most `max_shard_size`, e.g. "5GB" or a number of bytes) is the
+    header safetensors would write followed by byte ranges of the source, copied by the kernel (`copy_file_range`,
+    reflinks where the filesystem has them), so anonymous memory stays constant whatever the model size and the
+    files are byte for byte what safetensors writes. `dtype` (float32, float16, bfloat16 or float64, a name or a
+    `torch.dtype`) casts the weights, through torch. generation_config.json, tokenizer files and named chat templates
+    (and, for `target="p2r"` from a source with remote code, the model code) are carried over, and README.md is a model
+    card recording where the checkpoint came from.
 
     `src` is only read. The output is built in a temporary folder beside `dst` and renamed into place at the end: on
     any error (bad input, disk full, Ctrl-C) `dst` is left as it was. A non-empty `dst` is refused unless `overwrite`.
@@ -74,19 +91,19 @@ def convert_pseudo_to_real(
     """
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
     src = Path(src)
-    config = read_p2r_config(src)
-    if not config.share_layers:
+    config = read_p2r_config_dict(src)
+    if not config["share_layers"]:
         raise ValueError(
             f"{src / CONFIG_NAME}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
             f"delink (use hf_p2r.export_llama({str(src)!r}, dst) for a vanilla Llama copy)"
         )
     if target not in ("p2r", "llama"):
         raise ValueError(f"target must be 'p2r' or 'llama', got {target!r}")
-    blocks = config.num_hidden_layers if num_unique_layers is None else num_unique_layers
-    if target == "llama" and blocks != config.num_hidden_layers:
+    blocks = config["num_hidden_layers"] if num_unique_layers is None else num_unique_layers
+    if target == "llama" and blocks != config["num_hidden_layers"]:
         raise ValueError(
             f"target='llama' needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
-            f"not num_hidden_layers ({config.num_hidden_layers})"
+            f"not num_hidden_layers ({config['num_hidden_layers']})"
         )
     return rewrite_checkpoint(
         src,
@@ -102,93 +119,195 @@ def convert_pseudo_to_real(
     )
 
 
-def read_p2r_config(folder: str | os.PathLike) -> P2RConfig:
-    """The `P2RConfig` of a checkpoint folder, with errors that name the file and the problem."""
-    config_dict = read_config_dict(folder)
+def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
+    """The config.json of a P2R checkpoint folder as a dict, with the fields the weights depend on checked (and the
+    sharing fields filled in, as `P2RConfig` fills them): errors name the file and the problem. No transformers."""
+    config = read_config_dict(folder)
     path = Path(folder) / CONFIG_NAME
-    if config_dict.get("model_type") != P2RConfig.model_type:
-        found = config_dict.get("model_type")
-        raise ValueError(f"{path}: model_type is {found!r}, not {P2RConfig.model_type!r}: not a P2R checkpoint")
+    if config.get("model_type") != "p2r":
+        raise ValueError(f"{path}: model_type is {config.get('model_type')!r}, not 'p2r': not a P2R checkpoint")
+    for field in ("num_hidden_layers", *_SHAPE_FIELDS):
+        value = config.get(field, _SHAPE_FIELDS.get(field))
+        flag = field in ("attention_bias", "mlp_bias", "tie_word_embeddings")
+        if value is None and field in ("num_key_value_heads", "head_dim"):
+            continue
+        if not isinstance(value, bool if flag else int) or (not flag and (isinstance(value, bool) or value < 1)):
+            wanted = "true or false" if flag else "a positive integer"
+            raise ValueError(f"{path}: {field} must be {wanted}, got {value!r}")
+    layout = types.SimpleNamespace(**{**_LAYOUT_DEFAULTS, **config})
     try:
-        return P2RConfig.from_dict(config_dict)
+        validate_layout(layout)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return {**config, "share_layers": layout.share_layers, "num_unique_layers": layout.num_unique_layers}
+
+
+def read_p2r_config(folder: str | os.PathLike):
+    """The `P2RConfig` of a checkpoint folder, with errors that name the file and the problem."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from ..models.p2r import P2RConfig
+
+    read_p2r_config_dict(folder)  # the same checks, and messages, as the converter's
+    try:
+        return P2RConfig.from_dict(read_config_dict(folder))
     except (ValueError, TypeError, StrictDataclassError) as error:
         # huggingface_hub's validation errors span two lines ("Validation error for field ...:\n    TypeError: ...")
-        raise ValueError(f"{path}: {' '.join(line.strip() for line in str(error).splitlines())}") from None
+        lines = " ".join(line.strip() for line in str(error).splitlines())
+        raise ValueError(f"{Path(folder) / CONFIG_NAME}: {lines}") from None
+
+
+def parameter_shapes(config: dict, num_blocks: int) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the weights a P2R (or Llama) checkpoint of `config` with `num_blocks` layer blocks stores, in
+    the order the model's `state_dict()` lists them, tied aliases left out (what `save_pretrained` writes). Plain
+    Python: tests/checkpoint/test_convert.py checks it against the model built on the meta device."""
+    c = {**_SHAPE_FIELDS, **config}
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c["head_dim"] or hidden // heads
+    kv = (c["num_key_value_heads"] or heads) * head_dim
+    layer = {
+        "self_attn.q_proj": ((heads * head_dim, hidden), c["attention_bias"]),
+        "self_attn.k_proj": ((kv, hidden), c["attention_bias"]),
+        "self_attn.v_proj": ((kv, hidden), c["attention_bias"]),
+        "self_attn.o_proj": ((hidden, heads * head_dim), c["attention_bias"]),
+        "mlp.gate_proj": ((c["intermediate_size"], hidden), c["mlp_bias"]),
+        "mlp.up_proj": ((c["intermediate_size"], hidden), c["mlp_bias"]),
+        "mlp.down_proj": ((hidden, c["intermediate_size"]), c["mlp_bias"]),
+        "input_layernorm": ((hidden,), False),
+        "post_attention_layernorm": ((hidden,), False),
+    }
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden)}
+    for block in range(num_blocks):
+        for module, (shape, bias) in layer.items():
+            shapes[f"model.layers.{block}.{module}.weight"] = shape
+            if bias:
+                shapes[f"model.layers.{block}.{module}.bias"] = shape[:1]
+    shapes["model.norm.weight"] = (hidden,)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], hidden)
+    return shapes
 
 
 def rewrite_checkpoint(
     src: Path,
     dst: str | os.PathLike,
-    config: P2RConfig,
+    config: dict,
     *,
     num_blocks: int,
     target: Literal["p2r", "llama"],
     max_shard_size: int,
-    dtype: torch.dtype | None,
+    dtype: str | None,
     overwrite: bool,
     verify: bool,
     progress: bool,
 ) -> Path:
-    """Stream the checkpoint in `src` (described by `config`) into `dst` with `num_blocks` blocks (the shared engine of
-    `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype` already parsed)."""
-    # Imported here: hf_p2r/__init__.py imports this module before it defines __version__.
+    """Stream the checkpoint in `src` (whose config.json is `config`, from `read_p2r_config_dict`) into `dst` with
+    `num_blocks` blocks (the shared engine of `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype`
+    already parsed)."""
     from .. import __version__
     from ..hub import render_model_card
 
     dst = Path(dst)
     _check_not_nested(src, dst)
-
-    with torch.device("meta"):  # names and shapes only: no memory, no init
-        stored = P2RForCausalLM(config)
-    expected = {name: p.shape for name, p in stored.state_dict().items() if name not in stored.all_tied_weights_keys}
-    # new name -> source name: the model's own delink map, so conversion and delink() agree by construction
-    if num_blocks == config.num_blocks:
+    stored_blocks = config["num_unique_layers"] if config["share_layers"] else config["num_hidden_layers"]
+    expected = parameter_shapes(config, stored_blocks)
+    # new name -> source name: the delink map of the model, so conversion and delink() agree by construction
+    if num_blocks == stored_blocks:
         new_to_old = {name: name for name in expected}
     else:
         try:
-            new_to_old = stored.delink_parameter_map(num_blocks)
+            sources = delink_sources(
+                config["num_hidden_layers"], stored_blocks, num_blocks, config.get("sharing_pattern", "cycle")
+            )
         except ValueError as error:
             raise ValueError(f"{src}: {error}") from None
-    out_config = copy.deepcopy(config)
-    out_config.share_layers = num_blocks < config.num_hidden_layers
-    out_config.num_unique_layers = num_blocks
-    if dtype is not None:
-        out_config.dtype = dtype
-    with torch.device("meta"):
-        order = list(P2RForCausalLM(out_config).state_dict())  # the order transformers itself saves in
+        new_to_old = delink_names(expected, sources)
+    order = parameter_shapes(config, num_blocks)  # the order transformers itself saves in
 
-    with CheckpointReader(src) as reader:
-        source_dtype = _check_weights(reader, config, expected)  # before any output exists
-        tensors = {new: reader.get(new_to_old[new]) for new in order if new in new_to_old}
-        with atomic_directory(dst, overwrite=overwrite) as tmp:
-            write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=dtype, progress=progress)
-            (llama_config(out_config) if target == "llama" else out_config).save_pretrained(tmp)
-            _carry_files(src, tmp, remote_code=target == "p2r" and hasattr(out_config, "auto_map"))
-            source_dtype = str(source_dtype).removeprefix("torch.")
-            out_dtype = str(dtype).removeprefix("torch.") if dtype is not None else source_dtype
-            provenance = {
-                "source": src.resolve().name,
-                "source_kind": "pseudo" if config.share_layers else "real",
-                "source_num_unique_layers": config.num_blocks,
-                "num_hidden_layers": config.num_hidden_layers,
-                "num_unique_layers": num_blocks,
-                "sharing_pattern": config.sharing_pattern,
-                "dtype": f"{out_dtype} (unchanged)"
-                if out_dtype == source_dtype
-                else f"{out_dtype} (cast from {source_dtype})",
-                "target": target,
-                "converted_with": f"hf-p2r {__version__}",
-            }
-            render_model_card(tmp, model_id=dst.name, provenance=provenance).save(tmp / "README.md")
-            if verify:
-                verify_checkpoint(tmp, {new: (t, output_dtype(t, dtype)) for new, t in tensors.items()})
+    weights = read_weights(src)
+    source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
+    out_dtype = dtype or source_dtype
+    out_config = output_config(config, num_blocks, target=target, dtype=out_dtype)
+    tensors = {new: weights[new_to_old[new]] for new in order}
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        if out_dtype == source_dtype:  # bytes as they are: copied by the kernel
+            copy_checkpoint(tmp, tensors, max_shard_size=max_shard_size, progress=progress)
+        else:
+            _write_cast(tmp, src, new_to_old, order, out_dtype, max_shard_size, progress)
+        (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
+        _carry_files(src, tmp, remote_code=target == "p2r" and "auto_map" in out_config)
+        provenance = {
+            "source": src.resolve().name,
+            "source_kind": "pseudo" if config["share_layers"] else "real",
+            "source_num_unique_layers": stored_blocks,
+            "num_hidden_layers": config["num_hidden_layers"],
+            "num_unique_layers": num_blocks,
+            "sharing_pattern": config.get("sharing_pattern", "cycle"),
+            "dtype": f"{out_dtype} (unchanged)"
+            if out_dtype == source_dtype
+            else f"{out_dtype} (cast from {source_dtype})",
+            "target": target,
+            "converted_with": f"hf-p2r {__version__}",
+        }
+        render_model_card(tmp, model_id=dst.name, provenance=provenance).save(tmp / "README.md")
+        if verify:
+            _verify_against_source(tmp, src, new_to_old, out_dtype)
     return dst
 
 
-def verify_checkpoint(folder: str | os.PathLike, expected: dict[str, tuple[torch.Tensor, torch.dtype]]) -> None:
-    """Check that the weights in `folder` are exactly `expected` ({name: (source tensor, dtype)}): same names,
+def output_config(config: dict, num_blocks: int, *, target: Literal["p2r", "llama"], dtype: str) -> dict:
+    """The config.json of the output: the source's with the sharing fields (and `dtype`) of `num_blocks` blocks; for
+    `target="llama"`, without P2R's fields. Written as transformers writes a config (sorted keys, indent 2), so a
+    source saved by transformers gives the file `save_pretrained` would write (a test checks it)."""
+    out = copy.deepcopy(config)
+    out.pop("torch_dtype", None)  # the old name of `dtype`
+    out.update(share_layers=num_blocks < config["num_hidden_layers"], num_unique_layers=num_blocks, dtype=dtype)
+    out["transformers_version"] = _transformers_version() or out.get("transformers_version")
+    if target == "llama":
+        out = {key: value for key, value in out.items() if key not in NOT_LLAMA}
+        out.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        out["transformers_version"] = _transformers_version() or config.get("transformers_version")
+    return out
+
+
+def _transformers_version() -> str | None:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _write_cast(tmp: Path, src: Path, new_to_old: dict, order: dict, dtype: str, max_shard_size: int, progress: bool):
+    """The weights cast to `dtype`: torch's path (the source memory-mapped, each tensor cast into a file-backed
+    scratch mapping on its way to safetensors)."""
+    import torch
+
+    from .reader import CheckpointReader
+    from .writer import write_checkpoint
+
+    with CheckpointReader(src) as reader:
+        tensors = {new: reader.get(new_to_old[new]) for new in order}
+        write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=getattr(torch, dtype), progress=progress)
+
+
+def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, dtype: str) -> None:
+    import torch
+
+    from .reader import CheckpointReader
+
+    with CheckpointReader(src) as reader:
+        expected = {new: (reader.get(old), getattr(torch, dtype)) for new, old in new_to_old.items()}
+        verify_checkpoint(tmp, expected)
+
+
+def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> None:
+    """Check that the weights in `folder` are exactly `expected` ({name: (source tensor, torch dtype)}): same names,
     shapes and dtypes, and every byte equal to the source cast to that dtype. Raises `ValueError` on the first
     difference. Compares in chunks, so memory stays small."""
+    import torch
+
+    from .reader import CheckpointReader
+
     with CheckpointReader(folder) as out:
         names = set(out.keys())
         if names != expected.keys():
@@ -210,53 +329,49 @@ def verify_checkpoint(folder: str | os.PathLike, expected: dict[str, tuple[torch
                     raise ValueError(f"{out.file_of(name)}: verify failed: {name} differs from its source")
 
 
-def _check_weights(reader: CheckpointReader, config: P2RConfig, expected: dict[str, torch.Size]) -> torch.dtype:
+def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expected: dict) -> str:
     """The stored tensors must be exactly those of the model `config` describes, all of one floating-point dtype
-    (returned). A header that relabels a tensor's dtype with one of the same size (F32 as I32, BF16 as F16) is not
-    caught by safetensors: the dtype checks are what catch it."""
-    config_path = reader.folder / CONFIG_NAME
-    blocks = sorted({int(match["block"]) for name in reader.keys() if (match := _LAYER_KEY.match(name))})
-    if blocks != list(range(config.num_blocks)):
+    (returned, as a name: "bfloat16"). A header that relabels a tensor's dtype with one of the same size (F32 as I32,
+    BF16 as F16) is not caught by safetensors: the dtype checks are what catch it."""
+    config_path = src / CONFIG_NAME
+    share = config["share_layers"]
+    num_blocks = config["num_unique_layers"] if share else config["num_hidden_layers"]
+    blocks = sorted({int(match["block"]) for name in weights if (match := LAYER_KEY.match(name))})
+    if blocks != list(range(num_blocks)):
         shown = f"blocks {blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else f"block {blocks}" if blocks else "none"
-        kind = "pseudo" if config.share_layers else "real"
         raise ValueError(
-            f"{reader.folder}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
-            f"{kind} model with {config.num_blocks} (share_layers={config.share_layers}, "
-            f"num_unique_layers={config.num_unique_layers}, num_hidden_layers={config.num_hidden_layers})"
+            f"{src}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
+            f"{'pseudo' if share else 'real'} model with {num_blocks} (share_layers={share}, "
+            f"num_unique_layers={config['num_unique_layers']}, num_hidden_layers={config['num_hidden_layers']})"
         )
-    if missing := sorted(expected.keys() - set(reader.keys())):
-        raise ValueError(f"{reader.folder}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")
-    if extra := sorted(set(reader.keys()) - expected.keys()):
+    if missing := sorted(expected.keys() - weights.keys()):
+        raise ValueError(f"{src}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")
+    if extra := sorted(weights.keys() - expected.keys()):
         raise ValueError(
-            f"{reader.file_of(extra[0])}: holds tensors that the model of {config_path} does not have: "
+            f"{weights[extra[0]].file}: holds tensors that the model of {config_path} does not have: "
             + ", ".join(extra[:3])
         )
-    by_dtype: dict[torch.dtype, list[str]] = {}
+    by_dtype: dict[str, list[str]] = {}
     for name, shape in expected.items():
-        found, dtype = reader.info(name)
-        if found != shape:
+        info = weights[name]
+        if info.shape != shape:
             raise ValueError(
-                f"{reader.file_of(name)}: {name} has shape {list(found)} but {config_path} implies {list(shape)}"
+                f"{info.file}: {name} has shape {list(info.shape)} but {config_path} implies {list(shape)}"
             )
-        if not dtype.is_floating_point:
+        if info.dtype not in FLOAT_CODES:
             raise ValueError(
-                f"{reader.file_of(name)}: {name} is stored as {_dtype_name(dtype)}, but model weights are floating "
-                "point (a header with the wrong dtype?)"
+                f"{info.file}: {name} is stored as {info.dtype_name}, but model weights are floating point (a header "
+                "with the wrong dtype?)"
             )
-        by_dtype.setdefault(dtype, []).append(name)
+        by_dtype.setdefault(info.dtype_name, []).append(name)
     if len(by_dtype) > 1:
         (common, names), *others = sorted(by_dtype.items(), key=lambda item: -len(item[1]))
         odd_dtype, odd_names = others[0]
         raise ValueError(
-            f"{reader.file_of(odd_names[0])}: {odd_names[0]} is stored as {_dtype_name(odd_dtype)}, but "
-            f"{len(names)} other tensors (e.g. {names[0]}) are {_dtype_name(common)}: a checkpoint's weights share one "
-            "dtype (a header with the wrong dtype?)"
+            f"{weights[odd_names[0]].file}: {odd_names[0]} is stored as {odd_dtype}, but {len(names)} other tensors "
+            f"(e.g. {names[0]}) are {common}: a checkpoint's weights share one dtype (a header with the wrong dtype?)"
         )
     return next(iter(by_dtype))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
@@ -276,12 +391,13 @@ def _check_not_nested(src: Path, dst: Path) -> None:
         raise ValueError(f"{dst}: the output must not be the source {src}, inside it, or contain it")
 
 
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """The output dtype: None (keep the source's), or one of `DTYPES` as a name ("bfloat16", "torch.bfloat16") or a
-    `torch.dtype`. Others (float8, integers) would write a checkpoint transformers cannot load as it is."""
+def parse_dtype(dtype) -> str | None:
+    """The output dtype's name: None (keep the source's), or one of `DTYPES` given as a name ("bfloat16",
+    "torch.bfloat16") or a `torch.dtype`. Others (float8, integers) would write a checkpoint transformers cannot load
+    as it is."""
     if dtype is None:
         return None
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(f"dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
+    return name

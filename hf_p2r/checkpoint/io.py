@@ -16,8 +16,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from transformers.utils import CONFIG_NAME
-
+CONFIG_NAME = "config.json"
 _AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two paths atomically
 

@@ -6,10 +6,9 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from ..models.p2r import P2RConfig, P2RForCausalLM
+from .convert import NOT_LLAMA, parse_dtype, read_p2r_config_dict, rewrite_checkpoint
+from .headers import parse_size
 from .save import save_model
-
-# Fields of a P2R config.json that Llama does not have (or must not inherit).
-_NOT_LLAMA = ("share_layers", "num_unique_layers", "sharing_pattern", "auto_map", "model_type", "transformers_version")
 
 
 def llama_config(config: P2RConfig) -> LlamaConfig:
@@ -19,7 +18,7 @@ def llama_config(config: P2RConfig) -> LlamaConfig:
             "config: share_layers=True (a pseudo model) has no Llama equivalent; delink() the model, or convert the "
             "checkpoint with hf_p2r.convert_pseudo_to_real(..., target='llama')"
         )
-    fields = {key: value for key, value in config.to_dict().items() if key not in _NOT_LLAMA}
+    fields = {key: value for key, value in config.to_dict().items() if key not in NOT_LLAMA}
     fields["architectures"] = ["LlamaForCausalLM"]
     return LlamaConfig.from_dict(fields)
 
@@ -61,13 +60,9 @@ def _export_llama_folder(
     verify: bool = False,
     progress: bool = True,
 ) -> Path:
-    # Imported here: convert.py builds on this module (llama_config).
-    from .convert import parse_dtype, read_p2r_config, rewrite_checkpoint
-    from .writer import parse_size
-
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
-    config = read_p2r_config(src)
-    if config.share_layers:
+    config = read_p2r_config_dict(src)
+    if config["share_layers"]:
         raise ValueError(
             f"{src / 'config.json'}: share_layers is true (a pseudo checkpoint) and has no Llama equivalent; use "
             f"hf_p2r.convert_pseudo_to_real({str(src)!r}, dst, target='llama')"
@@ -76,7 +71,7 @@ def _export_llama_folder(
         src,
         save_directory,
         config,
-        num_blocks=config.num_hidden_layers,
+        num_blocks=config["num_hidden_layers"],
         target="llama",
         max_shard_size=max_shard_size,
         dtype=dtype,

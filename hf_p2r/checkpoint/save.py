@@ -14,8 +14,9 @@ import torch
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.dynamic_module_utils import custom_object_save
 
+from .headers import parse_size
 from .io import atomic_directory
-from .writer import parse_size, write_checkpoint
+from .writer import write_checkpoint
 
 
 def save_model(

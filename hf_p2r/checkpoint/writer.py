@@ -8,7 +8,6 @@ file-backed scratch mapping, so their pages are page cache (reclaimable), not an
 """
 
 import itertools
-import json
 import os
 import re
 import tempfile
@@ -17,15 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
-from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors import SafetensorError, TensorSpec, serialize_file
 from tqdm.auto import tqdm
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+from .headers import DTYPE_CODE_OF, parse_size, plan_shards, write_index
 from .io import file_mode
 
-_FILENAME_PATTERN = SAFE_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
 _ALIGN = 64  # byte alignment of staged tensors in the scratch mapping (any dtype can view it)
 
 
@@ -44,8 +40,8 @@ def write_checkpoint(
 
     Every name is written, including several names for one tensor (drop tied aliases first if you do not want them).
     `dtype` casts floating-point tensors; other tensors keep theirs. `metadata` is added to each file's header (next
-    to `"format": "pt"`, which transformers requires). Shards are planned with huggingface_hub's
-    `split_torch_state_dict_into_shards`, in the order of `tensors`. `folder` must exist; write into a temporary folder
+    to `"format": "pt"`, which transformers requires). Shards are planned as huggingface_hub plans them
+    (`headers.plan_shards`), in the order of `tensors`. `folder` must exist; write into a temporary folder
     (see `atomic_directory`) to make the checkpoint atomic. A progress bar over bytes is shown on a terminal when
     `progress`.
 
@@ -56,22 +52,23 @@ def write_checkpoint(
     folder = Path(folder)
     max_shard_size = parse_size(max_shard_size)
     out_dtypes = {name: output_dtype(tensor, dtype) for name, tensor in tensors.items()}
-    meta = {name: torch.empty(t.shape, dtype=out_dtypes[name], device="meta") for name, t in tensors.items()}
-    plan = split_torch_state_dict_into_shards(meta, filename_pattern=_FILENAME_PATTERN, max_shard_size=max_shard_size)
+    codes = {name: DTYPE_CODE_OF[str(out_dtypes[name]).removeprefix("torch.")] for name in tensors}
+    shards = plan_shards({name: (codes[name], tuple(t.shape)) for name, t in tensors.items()}, max_shard_size)
     header = {"format": "pt", **(metadata or {})}
+    nbytes = {name: t.numel() * out_dtypes[name].itemsize for name, t in tensors.items()}
 
-    bar = tqdm(total=plan.metadata["total_size"], unit="B", unit_scale=True, disable=None if progress else True)
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, disable=None if progress else True)
 
     def write_shard(filename: str, names: list[str]) -> Path:
         with _Staging(folder, {name: tensors[name] for name in names}, out_dtypes) as staged:
             _serialize({name: _spec(staged[name]) for name in names}, folder / filename, header)
         os.chmod(folder / filename, file_mode())  # safetensors writes through a 0600 temporary file
-        bar.update(sum(meta[name].nbytes for name in names))
+        bar.update(sum(nbytes[name] for name in names))
         return folder / filename
 
-    workers = min(workers or min(os.cpu_count() or 1, 4), len(plan.filename_to_tensors))
+    workers = min(workers or min(os.cpu_count() or 1, 4), len(shards.files))
     with bar, ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(write_shard, *item) for item in plan.filename_to_tensors.items()]
+        futures = [pool.submit(write_shard, *item) for item in shards.files.items()]
         try:
             written = [future.result() for future in futures]
         except BaseException:  # a failed shard or Ctrl-C: start no further shards
@@ -79,32 +76,7 @@ def write_checkpoint(
                 future.cancel()
             raise
 
-    if plan.is_sharded:
-        index = {
-            "metadata": {**plan.metadata, "total_parameters": sum(t.numel() for t in meta.values())},
-            "weight_map": dict(sorted(plan.tensor_to_filename.items())),
-        }
-        (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        written.append(folder / SAFE_WEIGHTS_INDEX_NAME)
-    return written
-
-
-def parse_size(size: int | str, name: str = "max_shard_size") -> int:
-    """`size` in bytes: an int, a string of digits (bytes), or a size like "5GB", "500MB", "1.5GB" (huggingface_hub's
-    units: KB, MB, GB, TB, powers of 1000). Anything else, and sizes below one byte, raise a `ValueError` naming
-    `name`."""
-    try:
-        if isinstance(size, int) and not isinstance(size, bool):
-            value = size
-        elif isinstance(size, str) and size.strip().isdigit():
-            value = int(size.strip())
-        else:
-            value = parse_size_to_int(size)
-    except (ValueError, TypeError, AttributeError, OverflowError):
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{name}: '{size}' is not a size like 5GB or 500MB")
-    return value
+    return written + write_index(folder, shards)
 
 
 def _serialize(specs: dict[str, TensorSpec], path: Path, header: dict[str, str]) -> None:

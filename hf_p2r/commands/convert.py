@@ -3,13 +3,17 @@
 
 import argparse
 
+HELP = "convert a pseudo checkpoint into a real one (streamed, atomic)"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
-        help="convert a pseudo checkpoint into a real one (streamed, atomic)",
+        help=HELP,
         description="Delink a pseudo checkpoint on disk: every layer gets its own copy of its block's weights. "
-        "Tensors are read memory-mapped and written shard by shard, so the model never has to fit in RAM.",
+        "Each output shard is a safetensors header followed by byte ranges of the source, copied by the kernel "
+        "(copy_file_range, or reflinks on XFS and btrfs), so the model is never in memory and torch is loaded only "
+        "for --dtype casts and --verify.",
     )
     parser.add_argument(
         "src", metavar="SRC", help="pseudo checkpoint folder (config.json + safetensors, single or sharded)"

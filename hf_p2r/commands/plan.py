@@ -22,6 +22,9 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _UNITS[match[2].upper()])
 
 
+HELP = "memory per GPU and estimated step time of parallel layouts (DDP, ZeRO, FSDP2, TP, PP, offload)"
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..planning.memory import PRECISIONS
     from ..planning.plan import Hardware
@@ -29,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     assumptions = ", ".join(f"{f.name}={f.default:g}" for f in dataclasses.fields(Hardware) if f.name not in _FLAGS)
     parser = subparsers.add_parser(
         "plan",
-        help="memory per GPU and estimated step time of parallel layouts (DDP, ZeRO, FSDP2, TP, PP, offload)",
+        help=HELP,
         description=(
             "Per-GPU bytes of weights, gradients, optimizer state and activations of the pseudo and the real model "
             "under DDP, ZeRO-1/2, FSDP2/ZeRO-3, tensor and pipeline parallelism and granular CPU offload, computed "

@@ -2,11 +2,13 @@
 
 import argparse
 
+HELP = "publish a checkpoint folder to the Hugging Face Hub (with a model card)"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "push",
-        help="publish a checkpoint folder to the Hugging Face Hub (with a model card)",
+        help=HELP,
         description="Create the repository if needed, render the model card and upload the folder. The token comes "
         "from HF_TOKEN or `hf auth login`; it is never printed.",
     )

@@ -41,6 +41,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, delink_sources, validate_layout
+from .sharing_p2r import delink_names
 
 logger = logging.get_logger(__name__)
 
@@ -314,19 +315,7 @@ class P2RPreTrainedModel(PreTrainedModel):
         Computed without changing the model; an optimizer uses it to carry state across `delink`. Names are those of
         `named_parameters()` on this model.
         """
-        sources = self._delink_sources(num_unique_layers)
-        copies: dict[int, list[int]] = {}
-        for new_block, old_block in enumerate(sources):
-            copies.setdefault(old_block, []).append(new_block)
-        mapping = {}
-        for name, _ in self.named_parameters():
-            match = _LAYER_KEY.match(name)
-            if match is None:
-                mapping[name] = name
-                continue
-            for new_block in copies[int(match["block"])]:
-                mapping[f"{match['prefix']}{new_block}.{match['rest']}"] = name
-        return mapping
+        return delink_names((name for name, _ in self.named_parameters()), self._delink_sources(num_unique_layers))
 
     def delink(self, num_unique_layers: int | None = None):
         """Give layers their own parameters, in place, without changing the function; returns the model.

@@ -1,0 +1,177 @@
+"""Writing a checkpoint whose tensors are byte-for-byte copies of tensors in other files, at the speed of the disk.
+
+Each output shard is the header safetensors would write (`headers.build_header`) followed by byte ranges of the
+source files, copied by the kernel: `os.copy_file_range` (what `cp` uses; no byte passes through this process), and
+on filesystems with reflinks (XFS, btrfs) `FICLONERANGE` for the block-aligned part of a range, which shares the
+source's blocks instead of copying them. Where the kernel or filesystem refuses both, ranges are copied with
+pread/pwrite. No torch: a delinked checkpoint is mostly copies of its pseudo blocks, so converting one needs no tensor.
+"""
+
+import errno
+import fcntl
+import os
+import struct
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .headers import TensorInfo, build_header, plan_shards, write_index
+
+_FICLONERANGE = 0x4020940D  # <linux/fs.h>: _IOW(0x94, 13, struct file_clone_range)
+# errnos meaning "this kernel/filesystem cannot do that here", not "the copy failed": the next method is tried.
+_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY, errno.EBADF, errno.EPERM}
+_CHUNK = 1 << 30  # bytes per copy_file_range call (it copies at most ~2 GB per call anyway)
+
+
+def copy_checkpoint(
+    folder: str | os.PathLike,
+    tensors: Mapping[str, TensorInfo],
+    *,
+    max_shard_size: int,
+    metadata: Mapping[str, str] | None = None,
+    progress: bool = True,
+    workers: int | None = None,
+) -> list[Path]:
+    """Write the checkpoint {output name: where its bytes are} into `folder`: the same files, byte for byte, as
+    `write_checkpoint` writes from the same tensors (shards of at most `max_shard_size` planned in the order of
+    `tensors`, `model.safetensors.index.json` when sharded); returns the files written.
+
+    The bytes are copied by the kernel (see the module's docstring) by up to `workers` threads (default: the CPU
+    count, at most 4), range by range; anonymous memory does not grow with the model. `folder` must exist (make it
+    with `atomic_directory`). A progress bar over bytes is shown on a terminal when `progress`.
+    """
+    folder = Path(folder)
+    shards = plan_shards({name: (info.dtype, info.shape) for name, info in tensors.items()}, max_shard_size)
+    header = {"format": "pt", **(metadata or {})}
+    bar = tqdm(
+        total=sum(t.nbytes for t in tensors.values()), unit="B", unit_scale=True, disable=None if progress else True
+    )
+    copier = _Copier()
+    with bar, copier:
+        for filename, names in shards.files.items():
+            copier.shard(folder / filename, {name: tensors[name] for name in names}, header, bar)
+        copier.run(workers or min(os.cpu_count() or 1, 4))
+    return [folder / filename for filename in shards.files] + write_index(folder, shards)
+
+
+class _Copier:
+    """The copies of a checkpoint: one task per output range, run by a thread pool; files stay open until the end."""
+
+    def __init__(self):
+        self.tasks: list[tuple] = []  # (output fd, output path, output offset, source fd, source offset, nbytes)
+        self.done: list[tuple] = []  # (bar, nbytes) per shard, reported when its last range is copied
+        self.fds: dict[Path, int] = {}
+        self.reflinks = True  # until the filesystem says otherwise
+        self.lock = threading.Lock()
+
+    def shard(self, path: Path, tensors: dict[str, TensorInfo], header: dict, bar) -> None:
+        raw, offsets = build_header({name: (t.dtype, t.shape) for name, t in tensors.items()}, header)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode 0666 less the umask, like open()
+        self.fds[path] = fd
+        _write_all(fd, raw, 0, path)
+        pending = [sum(t.nbytes for t in tensors.values()), len(tensors)]
+        for name, info in tensors.items():
+            source = self._open(info.file)
+            self.tasks.append((fd, path, offsets[name], source, info.offset, info.nbytes, bar, pending))
+        if not tensors:
+            bar.update(0)
+
+    def _open(self, path: Path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def run(self, workers: int) -> None:
+        workers = max(1, min(workers, len(self.tasks)))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(self._copy, *task) for task in self.tasks]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:  # a failed copy or Ctrl-C: start no further copies
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def _copy(self, out: int, path: Path, out_offset: int, source: int, offset: int, nbytes: int, bar, pending) -> None:
+        try:
+            copy_range(source, offset, out, out_offset, nbytes, reflink=self.reflinks)
+        except _NoReflinks:
+            self.reflinks = False
+            copy_range(source, offset, out, out_offset, nbytes, reflink=False)
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        with self.lock:
+            pending[1] -= 1
+            if pending[1] == 0:  # one update per shard, as the bar of `write_checkpoint`
+                bar.update(pending[0])
+
+    def __enter__(self) -> "_Copier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+class _NoReflinks(Exception):
+    """The filesystem cannot clone: copy instead, and do not try again."""
+
+
+def copy_range(source: int, offset: int, out: int, out_offset: int, nbytes: int, *, reflink: bool = True) -> None:
+    """Copy `nbytes` from file descriptor `source` at `offset` to `out` at `out_offset`.
+
+    Where both offsets fall at the same place in a filesystem block, the whole blocks in between are cloned
+    (FICLONERANGE: they share the source's blocks, no data is copied) when `reflink`; the rest is copied by
+    `copy_file_range`, or by pread/pwrite where the kernel or filesystem refuses it. Raises `_NoReflinks` (before
+    writing anything) when the filesystem cannot clone."""
+    block = os.fstat(out).st_blksize or 4096
+    head = -out_offset % block
+    middle = (nbytes - head) // block * block if nbytes > head else 0
+    if reflink and middle and (offset - out_offset) % block == 0:
+        try:
+            fcntl.ioctl(out, _FICLONERANGE, struct.pack("qQQQ", source, offset + head, middle, out_offset + head))
+        except OSError as error:
+            if error.errno in _UNSUPPORTED:
+                raise _NoReflinks from None
+            raise
+        _copy_bytes(source, offset, out, out_offset, head)
+        tail = head + middle
+        _copy_bytes(source, offset + tail, out, out_offset + tail, nbytes - tail)
+        return
+    _copy_bytes(source, offset, out, out_offset, nbytes)
+
+
+def _copy_bytes(source: int, offset: int, out: int, out_offset: int, nbytes: int) -> None:
+    while nbytes > 0:
+        try:
+            done = os.copy_file_range(source, out, min(nbytes, _CHUNK), offset, out_offset)
+        except OSError as error:
+            if error.errno not in _UNSUPPORTED:
+                raise
+            return _pread_pwrite(source, offset, out, out_offset, nbytes)
+        if done == 0:
+            raise OSError(errno.EIO, "the source file ended before the tensor's last byte (truncated while copying?)")
+        offset, out_offset, nbytes = offset + done, out_offset + done, nbytes - done
+
+
+def _pread_pwrite(source: int, offset: int, out: int, out_offset: int, nbytes: int) -> None:
+    while nbytes > 0:
+        data = os.pread(source, min(nbytes, 1 << 24), offset)
+        if not data:
+            raise OSError(errno.EIO, "the source file ended before the tensor's last byte (truncated while copying?)")
+        _write_all(out, data, out_offset)
+        offset, out_offset, nbytes = offset + len(data), out_offset + len(data), nbytes - len(data)
+
+
+def _write_all(fd: int, data: bytes, offset: int, path: Path | None = None) -> None:
+    view = memoryview(data)
+    try:
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path) if path else None) from None
