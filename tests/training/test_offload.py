@@ -42,8 +42,22 @@ def _batches(n, batch=2, seq=12, seed=0):
     return [torch.randint(3, 101, (batch, seq), generator=generator) for _ in range(n)]
 
 
-def _train(model, offload=None, *, steps=3, accumulation=1, checkpointing=None, device="cpu", **offload_kwargs):
-    """AdamW (weight decay, clipping that bites) for `steps` optimizer steps; returns {name: parameter}."""
+def _train(
+    model,
+    offload=None,
+    *,
+    steps=3,
+    accumulation=1,
+    checkpointing=None,
+    device="cpu",
+    first_grads=None,
+    host_optimizer=None,
+    **offload_kwargs,
+):
+    """AdamW (weight decay, clipping that bites) for `steps` optimizer steps; returns {name: parameter}.
+
+    `first_grads`: a dict to fill with {name: gradient} of the first optimizer step, before clipping. `host_optimizer`:
+    options of another AdamW for the offloaded parameters (the resident ones keep fused AdamW)."""
     model.train()
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
@@ -54,15 +68,39 @@ def _train(model, offload=None, *, steps=3, accumulation=1, checkpointing=None, 
     else:
         offload = GranularOffload(model, offload, device=device, **offload_kwargs)
         optimizer = offload.build_optimizer(**hyper)
+        if host_optimizer is not None:
+            host = {id(p) for p in offload.offloaded_parameters}
+            resident = [p for p in model.parameters() if id(p) not in host]
+            optimizer = _Both(
+                torch.optim.AdamW(resident, **hyper),
+                torch.optim.AdamW(offload.offloaded_parameters, **{**hyper, **host_optimizer}),
+            )
     for i, batch in enumerate(_batches(steps * accumulation), 1):
         batch = batch.to(device)
         model(input_ids=batch, labels=batch).loss.backward()
         if i % accumulation == 0:
+            if first_grads is not None and i == accumulation:
+                first_grads.update({name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters()})
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             optimizer.step()
             optimizer.zero_grad()
     params = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     return params, offload
+
+
+class _Both:
+    """Two optimizers stepped as one."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
 
 
 def _output_tensor(output) -> torch.Tensor:
@@ -645,18 +683,66 @@ def test_cuda_peak_memory_falls_as_the_ratio_rises():
     assert peaks[0] > peaks[1] > peaks[2], peaks
 
 
+# What training with offload on CUDA can promise against training without, after 3 AdamW steps (lr 1e-2), per
+# parameter tensor: the difference is at most 1e-4 of how far training moved it (norms), and no weight is off by more
+# than 1e-4 (1% of one step's learning rate). Not equality: the offloaded half is stepped by the CPU AdamW kernel, and
+# the norm that clipping uses takes its gradients' norms on the CPU; both round differently from CUDA's kernels in the
+# last bit. AdamW's update m / sqrt(v) amplifies last-bit differences in the few elements whose gradient nearly
+# cancels, and the changed weights feed the next steps. The first GPU run saw exactly that: all 4 cases failed on
+# `model.embed_tokens.weight` at rtol 1e-5, atol 1e-6, also with deterministic algorithms. Reproduced on CPU by
+# stepping the offloaded half with foreach instead of fused AdamW (another rounding, same mechanism): 3 of 6.6M (real)
+# and 4 of 1.8M (pseudo) elements beyond rtol 1e-5, atol 1e-6, all in embed_tokens, the largest 9.1e-6; norm ratio at
+# most 4.5e-6 (test_a_last_bit_difference_in_the_host_optimizer_stays_within_the_cuda_bound); with the clipping norm
+# also summed in another order, 17 elements (real), the same largest difference and ratio. The bound leaves a
+# factor of 10 over the largest element and of 20 over the norm ratio for CUDA's roundings; it is unverified on a GPU.
+OFFLOAD_NORM_RATIO, OFFLOAD_MAX_ABS = 1e-4, 1e-4
+
+
+def _assert_within_offload_bound(got: dict, expected: dict, initial: dict) -> None:
+    for name, value in expected.items():
+        difference, moved = (got[name] - value).norm(), (value - initial[name]).norm()
+        assert difference <= OFFLOAD_NORM_RATIO * moved, (name, (difference / moved).item())
+        assert (got[name] - value).abs().max() <= OFFLOAD_MAX_ABS, (name, (got[name] - value).abs().max().item())
+
+
+@pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
+def test_a_last_bit_difference_in_the_host_optimizer_stays_within_the_cuda_bound(overrides):
+    """The CUDA equality test's bound, on CPU: the same model and training with another AdamW rounding for the
+    offloaded half (foreach instead of fused) stays within it. (On the machine that wrote this, it also failed the
+    old elementwise tolerance, in embed_tokens only, as the GPU run did; how many elements do depends on the CPU.)"""
+    initial = {name: p.detach() for name, p in _cuda_model(**overrides).named_parameters()}
+    expected, _ = _train(_cuda_model(**overrides), 0.5, accumulation=2)
+    got, _ = _train(_cuda_model(**overrides), 0.5, accumulation=2, host_optimizer={"fused": None, "foreach": True})
+    assert not all(torch.equal(got[name], value) for name, value in expected.items())  # the roundings differ
+    _assert_within_offload_bound(got, expected, initial)
+
+
 @requires_cuda
 @pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
 @pytest.mark.parametrize("checkpointing", [None, False])
 def test_cuda_training_with_offload_matches_training_without(overrides, checkpointing):
-    expected, _ = _train(_cuda_model(**overrides), device="cuda", checkpointing=checkpointing, accumulation=2)
-    got, offload = _train(_cuda_model(**overrides), 0.5, device="cuda", checkpointing=checkpointing, accumulation=2)
+    """Exact: the gradients of the first optimizer step (two micro-batches, before clipping): the same kernels on the
+    same weights, the offloaded blocks' gradients summed on the host in fp32 as autograd sums them on the device.
+    Bounded: the weights after 3 steps (`OFFLOAD_NORM_RATIO`, `OFFLOAD_MAX_ABS`; see there why not equal)."""
+    initial = {name: p.detach().clone() for name, p in _cuda_model(**overrides).named_parameters()}
+    expected_grads, got_grads = {}, {}
+    expected, _ = _train(
+        _cuda_model(**overrides), device="cuda", checkpointing=checkpointing, accumulation=2, first_grads=expected_grads
+    )
+    got, offload = _train(
+        _cuda_model(**overrides),
+        0.5,
+        device="cuda",
+        checkpointing=checkpointing,
+        accumulation=2,
+        first_grads=got_grads,
+    )
     assert offload.copied_bytes["to_host"] > 0
     for p in offload.offloaded_parameters:
         assert p.device.type == "cpu" and p.is_pinned() and p.grad is None
-    # The forward/backward kernels are the same; the offloaded half is stepped by the CPU AdamW kernel.
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for name, value in expected_grads.items():
+        assert torch.equal(got_grads[name], value), name
+    _assert_within_offload_bound(got, expected, initial)
 
 
 @requires_cuda
