@@ -57,6 +57,7 @@ def test_save_model_one_process(tmp_path, monkeypatch, tied):
         "generation_config.json",
         "model.safetensors",
         "modeling_p2r.py",
+        "sharing_p2r.py",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
