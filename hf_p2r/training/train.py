@@ -256,27 +256,22 @@ def train(config: TrainConfig) -> int:
 
 
 def _check_gpu_per_process(cpu: bool) -> None:
-    """Raise `ValueError` when this process of a launch has no GPU of its own on a machine with CUDA.
+    """Raise `ValueError` for a CPU run whose process of local rank r sees fewer than r + 1 GPUs.
 
-    Accelerate gives the process of local rank r `cuda:r`, and in a CPU run its barrier still allocates on `cuda:r`
-    (torch's `barrier(device_ids=[r])` picks the machine's accelerator), so with fewer GPUs than processes the run
-    would fail with "CUDA error: invalid device ordinal" and then gloo's "connection closed by peer".
+    Accelerate's barriers call torch's `barrier(device_ids=[r])`, which allocates on the machine's accelerator, so a
+    CPU process on a machine with CUDA still needs `cuda:r`: with fewer GPUs than processes the run would fail with
+    "CUDA error: invalid device ordinal", then gloo's "connection closed by peer". (A GPU run is left to Accelerate,
+    which maps rank r to `cuda:r % count`: with one visible GPU per process, as SLURM sets it, that is right.)
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 0 or local_rank < gpus:
-        return
-    processes = os.environ.get("LOCAL_WORLD_SIZE", f"more than {local_rank}")
-    if cpu:
+    if cpu and 0 < gpus <= local_rank:
+        processes = os.environ.get("LOCAL_WORLD_SIZE", f"more than {local_rank}")
         raise ValueError(
             f"cpu: this CPU run has {processes} processes on a machine whose {gpus} GPU(s) they can see, and a "
             f"CPU process still needs cuda:{local_rank} for its barriers: hide the GPUs "
             "(CUDA_VISIBLE_DEVICES= accelerate launch ..., or accelerate launch --cpu)"
         )
-    raise ValueError(
-        f"this machine has {gpus} GPU(s) for {processes} processes: launch at most {gpus} per machine "
-        "(--num_processes), or train on the CPU (accelerate launch --cpu ...)"
-    )
 
 
 def _fill_deepspeed_batch_size(accelerator: Accelerator, args) -> None:
