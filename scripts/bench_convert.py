@@ -10,7 +10,11 @@ untied embeddings) expanded to 32 and to 64 layers. For each depth, in one run:
 - hf-p2r --dtype float16: the same with a cast, so that every tensor goes through the file-backed staging path;
 - cp:       `cp -r` of the folder hf-p2r produced;
 - dd:       the same copy through read()/write() (the system calls any user-space writer, safetensors too, uses);
-- imports:  a process that only imports hf-p2r's CLI (torch, transformers): the fixed cost in every hf-p2r run.
+- imports:  a process that only imports hf-p2r's CLI: the fixed cost in every hf-p2r run;
+- hf-p2r --help: the console script, as a user types it.
+
+For the hf-p2r runs the start-up is also measured from outside: the time from process start until the first byte of
+weights is in the output (the first non-empty shard in the temporary folder beside DST, polled every 5 ms).
 
 Every tool runs as its own process. Wall time is measured around the process, and reported twice: as it is (the
 output may still be in the page cache, dirty) and *durable*, with the `sync` of the output's files that follows it
@@ -53,7 +57,8 @@ TORCH_CPU = "torch==2.13.0"  # installed first into mergekit's venv: a bare `tor
 CAST = "hf-p2r --dtype float16"
 DD = "dd (read/write copy)"
 IMPORTS = "imports only"
-TOOLS = ("hf-p2r", CAST, "cp", DD, "mergekit", IMPORTS)
+HELP = "hf-p2r --help"
+TOOLS = ("hf-p2r", CAST, "cp", DD, "mergekit", IMPORTS, HELP)
 # `hf-p2r ARGS` (the console script calls the same main) that also reports its import and conversion times.
 _HF_P2R = """import json, sys, time
 start = time.perf_counter()
@@ -104,6 +109,7 @@ def main() -> None:
             dd = 'mkdir "$2" && for f in "$1"/*; do dd if="$f" of="$2/${f##*/}" bs=64M status=none; done'
             results.append(_run(DD, layers, ["sh", "-c", dd, "dd", dst, copy], warm=[dst], out=copy))
             results.append(_run(IMPORTS, layers, [PYTHON, "-c", "import hf_p2r.cli"], warm=[], env=env))
+            results.append(_run(HELP, layers, [PYTHON.parent / "hf-p2r", "--help"], warm=[], env=env))
             if mergekit_bin is not None:
                 config = _mergekit_config(work, sources["llama"], layers)
                 command = [mergekit_bin, config, merged, "--no-copy-tokenizer", "--quiet"]
@@ -133,6 +139,7 @@ def main() -> None:
         },
         "command": " ".join(["scripts/bench_convert.py", *sys.argv[1:]]),
         "mergekit": mergekit_note,
+        "reflinks": _reflinks(work),
         "results": results,
         "summary": _summary(results, args.layers),
     }
@@ -209,6 +216,32 @@ def _check_disk(work: Path, needed: float) -> None:
         sys.exit(f"bench_convert: {work} has {free / 1e9:.1f} GB free, needs about {needed / 1e9:.1f} GB")
 
 
+def _reflinks(work: Path) -> str:
+    """Whether `work`'s filesystem shares blocks between files (FICLONE); if not, whether a loop-mounted XFS or btrfs
+    image could give a row that does (root, loop devices, mkfs)."""
+    import errno
+    import fcntl
+
+    a, b = work / ".reflink-a", work / ".reflink-b"
+    a.write_bytes(b"\0" * 4096)
+    try:
+        with open(a, "rb") as source, open(b, "wb") as target:
+            fcntl.ioctl(target.fileno(), 0x40049409, source.fileno())  # FICLONE
+        return f"{work}: the filesystem has reflinks (FICLONE works); hf-p2r clones aligned ranges there"
+    except OSError as error:
+        why = errno.errorcode.get(error.errno, str(error.errno))
+    finally:
+        a.unlink(missing_ok=True), b.unlink(missing_ok=True)
+    tools = {tool: shutil.which(tool) for tool in ("mkfs.xfs", "mkfs.btrfs", "losetup", "mount")}
+    missing = [tool for tool, found in tools.items() if not found]
+    kernel = [fs for fs in ("xfs", "btrfs") if fs in Path("/proc/filesystems").read_text()]
+    return (
+        f"{work}: no reflinks (FICLONE: {why}), so no row for them. A loop-mounted XFS or btrfs image "
+        + (f"cannot be made here: {', '.join(missing)} not installed" if missing else "could be made here")
+        + f" (root: {os.geteuid() == 0}; kernel filesystems: {', '.join(kernel) or 'neither'})."
+    )
+
+
 # --- mergekit --------------------------------------------------------------------------------------------------------
 
 
@@ -253,8 +286,9 @@ def _run(tool: str, layers: int, command: list, *, warm: list[Path], env: dict |
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: a chatty tool must never block on a full pipe
         start = time.perf_counter()
         process = subprocess.Popen([str(c) for c in command], env=env, stdout=log, stderr=subprocess.STDOUT)
-        peaks = {"rss": 0, "anon": 0}
-        sampler = threading.Thread(target=_sample, args=(process, peaks), daemon=True)
+        peaks = {"rss": 0, "anon": 0, "start": start, "first_byte": None}
+        watch = Path(out) if out is not None and tool.startswith("hf-p2r") else None
+        sampler = threading.Thread(target=_sample, args=(process, peaks, watch), daemon=True)
         sampler.start()
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - start
@@ -273,6 +307,7 @@ def _run(tool: str, layers: int, command: list, *, warm: list[Path], env: dict |
         "peak_rss_mb": round(peaks["rss"] / 2**20),
         "peak_anon_mb": round(peaks["anon"] / 2**20),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "first_byte_s": None if peaks["first_byte"] is None else round(peaks["first_byte"], 3),
         "exit_code": process.returncode,
     }
     if out is not None and Path(out).exists():
@@ -295,9 +330,10 @@ def _sync(folder: Path) -> float:
     return time.perf_counter() - start
 
 
-def _sample(process: subprocess.Popen, peaks: dict) -> None:
+def _sample(process: subprocess.Popen, peaks: dict, watch: Path | None = None) -> None:
     """Largest RSS (VmHWM, the kernel's high-water mark) and RssAnon summed over the process and its descendants,
-    every 5 ms until it exits. (Not wait4's ru_maxrss: with vfork/exec it reports the parent's peak.)"""
+    every 5 ms until it exits. (Not wait4's ru_maxrss: with vfork/exec it reports the parent's peak.) With `watch`
+    (an output folder), also the seconds from `peaks["start"]` until a shard of it holds data."""
     try:
         root = psutil.Process(process.pid)
     except psutil.NoSuchProcess:
@@ -315,7 +351,22 @@ def _sample(process: subprocess.Popen, peaks: dict) -> None:
             rss += fields.get("VmHWM", 0)
             anon += fields.get("RssAnon", 0)
         peaks["rss"], peaks["anon"] = max(peaks["rss"], rss), max(peaks["anon"], anon)
+        if watch is not None and peaks["first_byte"] is None and _has_data(watch):
+            peaks["first_byte"] = time.perf_counter() - peaks["start"]
         time.sleep(0.005)
+
+
+def _has_data(out: Path) -> bool:
+    """Whether a weights file in the temporary folder beside `out` (or in `out`) is longer than its header."""
+    for path in [*out.parent.glob(f".{out.name}.tmp-*/model*.safetensors"), *out.glob("model*.safetensors")]:
+        try:
+            with open(path, "rb") as file:
+                header = int.from_bytes(file.read(8), "little")
+            if path.stat().st_size > 8 + header > 8:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _status_fields(pid: int) -> dict[str, int]:
@@ -377,9 +428,11 @@ def _summary(results: list[dict], depths: list[int]) -> dict:
                     "peak_anon_mb": max(r["peak_anon_mb"] for r in done),
                     "cpu_s": round(statistics.median(r["cpu_s"] for r in done), 2),
                 }
-                if tool.startswith("hf-p2r"):
+                if tool in ("hf-p2r", CAST):
                     row[tool]["import_s"] = round(statistics.median(r["import_s"] for r in done), 2)
                     row[tool]["convert_s"] = round(statistics.median(r["convert_s"] for r in done), 2)
+                    starts = [r["first_byte_s"] for r in done if r.get("first_byte_s") is not None]
+                    row[tool]["first_byte_s"] = round(statistics.median(starts), 3) if starts else None
         ours, cp, mk = row.get("hf-p2r"), row.get("cp"), row.get("mergekit")
         if ours and cp:
             row["time_vs_cp"] = _ratio(ours["wall_s"], cp["wall_s"])
@@ -404,6 +457,10 @@ def _summary(results: list[dict], depths: list[int]) -> dict:
         ),
         "time <= 1.1 x cp": _all(summary, depths, lambda row: row.get("time_vs_cp"), 1.1),
         "time <= 1.1 x cp, durable (with sync)": _all(summary, depths, lambda row: row.get("durable_time_vs_cp"), 1.1),
+        "hf-p2r --help < 0.3 s": _all(summary, depths, lambda row: row.get(HELP, {}).get("wall_s"), 0.3 - 1e-9),
+        "hf-p2r convert start-up (process start to first byte written) < 0.5 s": _all(
+            summary, depths, lambda row: row.get("hf-p2r", {}).get("first_byte_s"), 0.5 - 1e-9
+        ),
         "conversion without interpreter start and imports <= 1.1 x cp": _all(
             summary, depths, lambda row: row.get("conversion_only_vs_cp"), 1.1
         ),
@@ -447,22 +504,24 @@ def _markdown(report: dict) -> str:
         f"FFN {checkpoint['intermediate_size']}, vocab {checkpoint['vocab_size']}, bf16, untied; "
         f"{checkpoint['source_bytes'] / 1e6:.0f} MB) expanded to L layers. {report['conditions']}",
         "",
+        f"Reflinks: {report['reflinks']}",
+        "",
         "| L | tool | wall s (page cache), median (min-max) | wall + sync s (durable), median (min-max) "
-        "| of which: imports / conversion s | CPU s | peak RSS MB | peak anon MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| of which: imports / conversion s | first byte s | CPU s | peak RSS MB | peak anon MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in _depth_rows(summary):
         for tool in TOOLS:
             if tool not in row:
                 why = report["mergekit"] if tool == "mergekit" else "failed: see convert.json"
-                lines.append(f"| {key[1:]} | {tool} | not run ({why}) | | | | | |")
+                lines.append(f"| {key[1:]} | {tool} | not run ({why}) | | | | | | |")
                 continue
             t = row[tool]
-            inner = f"{t['import_s']} / {t['convert_s']}" if tool.startswith("hf-p2r") else ""
-            durable = "-" if tool == IMPORTS else f"{t['durable_s']} ({_span(t['durable_s_range'])})"
+            inner = f"{t['import_s']} / {t['convert_s']}" if "import_s" in t else ""
+            durable = "-" if tool in (IMPORTS, HELP) else f"{t['durable_s']} ({_span(t['durable_s_range'])})"
             lines.append(
                 f"| {key[1:]} | {tool} | {t['wall_s']} ({_span(t['wall_s_range'])}) | {durable} | {inner} "
-                f"| {t['cpu_s']} | {t['peak_rss_mb']} | {t['peak_anon_mb']} |"
+                f"| {_cell(t.get('first_byte_s'))} | {t['cpu_s']} | {t['peak_rss_mb']} | {t['peak_anon_mb']} |"
             )
     columns = [
         ("hf-p2r / mergekit time", "time_vs_mergekit"),
@@ -488,8 +547,10 @@ def _markdown(report: dict) -> str:
         f"Growth of peak anonymous memory from the first to the last depth, MB: {summary.get('peak_anon_growth_mb')}. "
         f"mergekit: {report['mergekit']}.",
         "",
-        "*imports* is the time `from hf_p2r.cli import main` took inside the hf-p2r process (torch and transformers); "
-        "*conversion* is the rest of that process after it; *imports only* is a process that does nothing else. "
+        "*imports* is the time `from hf_p2r.cli import main` took inside the hf-p2r process (no torch, no "
+        "transformers: only the cast path imports torch, inside the conversion); *conversion* is the rest of that "
+        "process after it; *imports only* is a process that does nothing else; *first byte* is the time from process "
+        "start until the first byte of weights is in the output. "
         "*durable* adds the `sync` of the output's files that follows each run: the time until the output is on disk. "
         "Peak anon is the largest RssAnon (memory backed by no file) sampled every 5 ms over the process tree; peak "
         "RSS is the largest VmHWM, which also counts pages of mmapped files (page cache the kernel can reclaim at "
@@ -508,7 +569,7 @@ def _causes(report: dict) -> dict[str, list[str]]:
             continue
         fixed = (
             f"{ours['import_s']} s of its {ours['wall_s']} s ({_percent(ours['import_s'], ours['wall_s'])}) is "
-            f"importing torch and transformers, a fixed cost whatever the model size"
+            f"importing hf-p2r's command line, a fixed cost whatever the model size"
             + (f" (a process that only imports takes {imports['wall_s']} s)" if imports else "")
         )
         if mk and row.get("time_vs_mergekit", 0) > 1 / 3:
@@ -526,21 +587,14 @@ def _causes(report: dict) -> dict[str, list[str]]:
             )
         if cp is None:
             continue
-        writes = ""
-        if dd:
-            vs_dd = row.get("conversion_only_vs_dd")
-            writes = (
-                f" dd, which moves the same bytes through read()/write() in user space as safetensors' serializer "
-                f"does, takes {dd['wall_s']} s ({dd['cpu_s']} CPU s) vs cp's {cp['wall_s']} s ({cp['cpu_s']} CPU s; "
-                f"{cp_version}; GNU cp 9 copies with copy_file_range, inside the kernel): conversion / dd = {vs_dd}, "
-                + (
-                    "so the user-space writes, not the conversion, set the pace."
-                    if vs_dd is not None and vs_dd <= 1.2
-                    else f"so besides the user-space writes {round(ours['convert_s'] - dd['wall_s'], 2)} s of the "
-                    "conversion phase is other work (reading config.json and headers, planning shards, writing the "
-                    "config and the model card)."
-                )
-            )
+        # hf-p2r copies with copy_file_range, as cp 9 does: what is left is CPU and start-up, or the machine's load
+        writes = (
+            f" Both copy inside the kernel ({cp_version}: copy_file_range); CPU time hf-p2r {ours['cpu_s']} s vs cp "
+            f"{cp['cpu_s']} s; hf-p2r's first byte is written {ours.get('first_byte_s')} s after it starts"
+            + (f"; dd (read()/write() in user space) takes {dd['wall_s']} s" if dd else "")
+            + f"; load average {_load_range([r for r in report['results'] if r['layers'] == int(key[1:])])} "
+            "during these runs."
+        )
         if row.get("time_vs_cp", 0) > 1.1:
             causes.setdefault("time <= 1.1 x cp", []).append(
                 f"{key}: hf-p2r {ours['wall_s']} s vs cp {cp['wall_s']} s; {fixed}; the conversion phase takes "
@@ -562,7 +616,7 @@ def _causes(report: dict) -> dict[str, list[str]]:
         for tool in ("hf-p2r", CAST):
             if tool in row and row[tool]["peak_anon_mb"] > 300:
                 base = (
-                    f"; the interpreter with torch and transformers imported holds {imports['peak_anon_mb']} MB"
+                    f"; the interpreter with hf-p2r's command line imported holds {imports['peak_anon_mb']} MB"
                     if (imports)
                     else ""
                 )

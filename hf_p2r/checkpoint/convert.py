@@ -20,7 +20,7 @@ from typing import Literal
 from ..models.p2r.sharing_p2r import LAYER_KEY, delink_names, delink_sources, validate_layout
 from .headers import FLOAT_CODES, TensorInfo, parse_size, read_weights
 from .io import CONFIG_NAME, atomic_directory, read_config_dict
-from .ranges import copy_checkpoint
+from .ranges import copying
 
 # Files other than weights and config.json that travel with a checkpoint (tokenizer and generation settings).
 CARRIED_FILES = (
@@ -205,7 +205,6 @@ def rewrite_checkpoint(
     `num_blocks` blocks (the shared engine of `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype`
     already parsed)."""
     from .. import __version__
-    from ..hub import render_model_card
 
     dst = Path(dst)
     _check_not_nested(src, dst)
@@ -227,32 +226,38 @@ def rewrite_checkpoint(
     weights = read_weights(src)
     source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
-    out_config = output_config(config, num_blocks, target=target, dtype=out_dtype)
     tensors = {new: weights[new_to_old[new]] for new in order}
+    provenance = {
+        "source": src.resolve().name,
+        "source_kind": "pseudo" if config["share_layers"] else "real",
+        "source_num_unique_layers": stored_blocks,
+        "num_hidden_layers": config["num_hidden_layers"],
+        "num_unique_layers": num_blocks,
+        "sharing_pattern": config.get("sharing_pattern", "cycle"),
+        "dtype": f"{out_dtype} (unchanged)" if out_dtype == source_dtype else f"{out_dtype} (cast from {source_dtype})",
+        "target": target,
+        "converted_with": f"hf-p2r {__version__}",
+    }
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        if out_dtype == source_dtype:  # bytes as they are: copied by the kernel
-            copy_checkpoint(tmp, tensors, max_shard_size=max_shard_size, progress=progress)
+        if out_dtype == source_dtype:  # bytes as they are: copied by the kernel while the rest is written
+            with copying(tmp, tensors, max_shard_size=max_shard_size, progress=progress):
+                _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
         else:
             _write_cast(tmp, src, new_to_old, order, out_dtype, max_shard_size, progress)
-        (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-        _carry_files(src, tmp, remote_code=target == "p2r" and "auto_map" in out_config)
-        provenance = {
-            "source": src.resolve().name,
-            "source_kind": "pseudo" if config["share_layers"] else "real",
-            "source_num_unique_layers": stored_blocks,
-            "num_hidden_layers": config["num_hidden_layers"],
-            "num_unique_layers": num_blocks,
-            "sharing_pattern": config.get("sharing_pattern", "cycle"),
-            "dtype": f"{out_dtype} (unchanged)"
-            if out_dtype == source_dtype
-            else f"{out_dtype} (cast from {source_dtype})",
-            "target": target,
-            "converted_with": f"hf-p2r {__version__}",
-        }
-        render_model_card(tmp, model_id=dst.name, provenance=provenance).save(tmp / "README.md")
+            _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
         if verify:
             _verify_against_source(tmp, src, new_to_old, out_dtype)
     return dst
+
+
+def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, provenance) -> None:
+    """Everything but the weights: config.json, the files that travel with a checkpoint, the model card."""
+    from ..hub import render_model_card  # huggingface_hub's model cards (0.3 s of imports: while the kernel copies)
+
+    out_config = output_config(config, num_blocks, target=target, dtype=dtype)
+    (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
+    _carry_files(src, tmp, remote_code=target == "p2r" and "auto_map" in out_config)
+    render_model_card(tmp, model_id=model_id, provenance=provenance).save(tmp / "README.md")
 
 
 def output_config(config: dict, num_blocks: int, *, target: Literal["p2r", "llama"], dtype: str) -> dict:

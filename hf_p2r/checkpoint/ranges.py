@@ -7,12 +7,13 @@ source's blocks instead of copying them. Where the kernel or filesystem refuses 
 pread/pwrite. No torch: a delinked checkpoint is mostly copies of its pseudo blocks, so converting one needs no tensor.
 """
 
+import contextlib
 import errno
 import fcntl
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,26 +44,53 @@ def copy_checkpoint(
     count, at most 4), range by range; anonymous memory does not grow with the model. `folder` must exist (make it
     with `atomic_directory`). A progress bar over bytes is shown on a terminal when `progress`.
     """
+    with copying(
+        folder, tensors, max_shard_size=max_shard_size, metadata=metadata, progress=progress, workers=workers
+    ) as files:
+        pass
+    return files
+
+
+@contextlib.contextmanager
+def copying(
+    folder: str | os.PathLike,
+    tensors: Mapping[str, TensorInfo],
+    *,
+    max_shard_size: int,
+    metadata: Mapping[str, str] | None = None,
+    progress: bool = True,
+    workers: int | None = None,
+) -> Iterator[list[Path]]:
+    """`copy_checkpoint` in the background of a `with` block, which gets the files' paths: the files (headers written,
+    at their final sizes) exist when the block starts and the kernel fills them while it runs, so that writing the rest
+    of a checkpoint (config, model card) costs no extra time; on leaving, the copies are waited for. If the block or
+    a copy fails (or Ctrl-C), copies not yet started are cancelled and the running ones waited for before the error
+    goes on."""
     folder = Path(folder)
     shards = plan_shards({name: (info.dtype, info.shape) for name, info in tensors.items()}, max_shard_size)
     header = {"format": "pt", **(metadata or {})}
-    bar = tqdm(
-        total=sum(t.nbytes for t in tensors.values()), unit="B", unit_scale=True, disable=None if progress else True
-    )
-    copier = _Copier()
-    with bar, copier:
+    total = sum(t.nbytes for t in tensors.values())
+    with tqdm(total=total, unit="B", unit_scale=True, disable=None if progress else True) as bar, _Copier() as copier:
         for filename, names in shards.files.items():
             copier.shard(folder / filename, {name: tensors[name] for name in names}, header, bar)
-        copier.run(workers or min(os.cpu_count() or 1, 4))
-    return [folder / filename for filename in shards.files] + write_index(folder, shards)
+        files = [folder / filename for filename in shards.files] + write_index(folder, shards)
+        with ThreadPoolExecutor(max(1, min(workers or min(os.cpu_count() or 1, 4), len(copier.tasks)))) as pool:
+            futures = [pool.submit(copier.copy, *task) for task in copier.tasks]
+            try:
+                yield files
+                for future in futures:
+                    future.result()
+            except BaseException:  # the block or a copy failed, or Ctrl-C: start no further copies
+                for future in futures:
+                    future.cancel()
+                raise
 
 
 class _Copier:
-    """The copies of a checkpoint: one task per output range, run by a thread pool; files stay open until the end."""
+    """The copies of a checkpoint, one task per output range; files stay open until the end."""
 
     def __init__(self):
-        self.tasks: list[tuple] = []  # (output fd, output path, output offset, source fd, source offset, nbytes)
-        self.done: list[tuple] = []  # (bar, nbytes) per shard, reported when its last range is copied
+        self.tasks: list[tuple] = []  # arguments of `copy`
         self.fds: dict[Path, int] = {}
         self.reflinks = True  # until the filesystem says otherwise
         self.lock = threading.Lock()
@@ -72,41 +100,33 @@ class _Copier:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode 0666 less the umask, like open()
         self.fds[path] = fd
         _write_all(fd, raw, 0, path)
-        pending = [sum(t.nbytes for t in tensors.values()), len(tensors)]
+        size = sum(t.nbytes for t in tensors.values())
+        try:
+            os.ftruncate(fd, len(raw) + size)  # its final size now: the header describes the file
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        pending = [size, len(tensors)]  # bytes, and ranges left: the bar moves once per shard, as `write_checkpoint`'s
         for name, info in tensors.items():
             source = self._open(info.file)
             self.tasks.append((fd, path, offsets[name], source, info.offset, info.nbytes, bar, pending))
-        if not tensors:
-            bar.update(0)
 
     def _open(self, path: Path) -> int:
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY)
         return self.fds[path]
 
-    def run(self, workers: int) -> None:
-        workers = max(1, min(workers, len(self.tasks)))
-        with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self._copy, *task) for task in self.tasks]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:  # a failed copy or Ctrl-C: start no further copies
-                for future in futures:
-                    future.cancel()
-                raise
-
-    def _copy(self, out: int, path: Path, out_offset: int, source: int, offset: int, nbytes: int, bar, pending) -> None:
+    def copy(self, out: int, path: Path, out_offset: int, source: int, offset: int, nbytes: int, bar, pending) -> None:
         try:
-            copy_range(source, offset, out, out_offset, nbytes, reflink=self.reflinks)
-        except _NoReflinks:
-            self.reflinks = False
-            copy_range(source, offset, out, out_offset, nbytes, reflink=False)
+            try:
+                copy_range(source, offset, out, out_offset, nbytes, reflink=self.reflinks)
+            except _NoReflinks:
+                self.reflinks = False
+                copy_range(source, offset, out, out_offset, nbytes, reflink=False)
         except OSError as error:
             raise OSError(error.errno, error.strerror, str(path)) from None
         with self.lock:
             pending[1] -= 1
-            if pending[1] == 0:  # one update per shard, as the bar of `write_checkpoint`
+            if pending[1] == 0:
                 bar.update(pending[0])
 
     def __enter__(self) -> "_Copier":

@@ -64,7 +64,7 @@ _CHILD = textwrap.dedent("""
     base = status()
     for mode in ("stream", "materialise"):
         if mode == "materialise":  # the control: every output tensor in memory, as when the model is built
-            write, convert.copy_checkpoint = convert.copy_checkpoint, write_materialised
+            write, convert.copying = convert.copying, write_materialised
         peaks[mode] = {layers: measure(f"{work}/pseudo-{layers}", f"{work}/{mode}-{layers}") for layers in (8, 32)}
     print(json.dumps(peaks))
 """)
