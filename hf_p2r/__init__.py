@@ -1,9 +1,9 @@
 """hf-p2r: Pseudo-to-Real pretraining (M6-10T) for Hugging Face Transformers.
 
 `import hf_p2r` is light: the names below load on first use (PEP 562), and the Auto classes (`AutoConfig`,
-`AutoModel`, `AutoModelForCausalLM`) learn the `p2r` model type when transformers loads them, or at once if it
-already has. So `from transformers import AutoModelForCausalLM` after `import hf_p2r` finds P2R, as it always did,
-while the `hf-p2r` command line (which imports this package) starts without torch or transformers.
+`AutoModel`, `AutoModelForCausalLM`) learn the `p2r` and `p2r_moe` model types when transformers loads them, or at
+once if it already has. So `from transformers import AutoModelForCausalLM` after `import hf_p2r` finds P2R, as it
+always did, while the `hf-p2r` command line (which imports this package) starts without torch or transformers.
 """
 
 import importlib
@@ -19,6 +19,11 @@ _EXPORTS = {
     "P2RPreTrainedModel": ".models.p2r",
     "block_of_depth": ".models.p2r",
     "delink_sources": ".models.p2r",
+    "P2RMoeConfig": ".models.p2r",
+    "P2RMoeForCausalLM": ".models.p2r",
+    "P2RMoeModel": ".models.p2r",
+    "export_mixtral": ".checkpoint",
+    "mixtral_config": ".checkpoint",
     "convert_pseudo_to_real": ".checkpoint",
     "export_llama": ".checkpoint",
     "llama_config": ".checkpoint",
@@ -27,7 +32,12 @@ _EXPORTS = {
 # The transformers modules that define the Auto classes: P2R is registered as soon as either has loaded, or the model
 # module has (when it is the one that made transformers load them, registering waits for it to finish).
 _AUTO_MODULES = ("transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto")
-_MODEL_MODULES = ("hf_p2r.models.p2r.configuration_p2r", "hf_p2r.models.p2r.modeling_p2r")
+_MODEL_MODULES = (
+    "hf_p2r.models.p2r.configuration_p2r",
+    "hf_p2r.models.p2r.modeling_p2r",
+    "hf_p2r.models.p2r.configuration_p2r_moe",
+    "hf_p2r.models.p2r.modeling_p2r_moe",
+)
 
 
 def __getattr__(name: str):
@@ -56,11 +66,15 @@ def _register(just_run: str | None = None) -> None:
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-        from .models.p2r import P2RConfig, P2RForCausalLM, P2RModel
+        from .models.p2r import P2RConfig, P2RForCausalLM, P2RModel, P2RMoeConfig, P2RMoeForCausalLM, P2RMoeModel
 
-        AutoConfig.register(P2RConfig.model_type, P2RConfig, exist_ok=True)
-        AutoModel.register(P2RConfig, P2RModel, exist_ok=True)
-        AutoModelForCausalLM.register(P2RConfig, P2RForCausalLM, exist_ok=True)
+        for config, model, causal_lm in (
+            (P2RConfig, P2RModel, P2RForCausalLM),
+            (P2RMoeConfig, P2RMoeModel, P2RMoeForCausalLM),
+        ):
+            AutoConfig.register(config.model_type, config, exist_ok=True)
+            AutoModel.register(config, model, exist_ok=True)
+            AutoModelForCausalLM.register(config, causal_lm, exist_ok=True)
     finally:
         _registering.clear()
     if _hook in sys.meta_path:
@@ -110,12 +124,17 @@ __all__ = [
     "P2RConfig",
     "P2RForCausalLM",
     "P2RModel",
+    "P2RMoeConfig",
+    "P2RMoeForCausalLM",
+    "P2RMoeModel",
     "P2RPreTrainedModel",
     "block_of_depth",
     "convert_pseudo_to_real",
     "delink_sources",
     "export_llama",
+    "export_mixtral",
     "llama_config",
+    "mixtral_config",
     "push_to_hub",
     "register_auto_classes",
 ]

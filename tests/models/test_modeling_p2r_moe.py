@@ -7,10 +7,20 @@ import textwrap
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+import hf_p2r
+from hf_p2r import P2RForCausalLM
 from hf_p2r.models.p2r.configuration_p2r_moe import P2RMoeConfig
-from hf_p2r.models.p2r.modeling_p2r_moe import P2RMoeExperts, P2RMoeForCausalLM, P2RMoeTopKRouter, router_aux_loss
+from hf_p2r.models.p2r.modeling_p2r_moe import (
+    P2RMoeExperts,
+    P2RMoeForCausalLM,
+    P2RMoeModel,
+    P2RMoeTopKRouter,
+    expert_load,
+    router_aux_loss,
+)
 
 
 def moe_config(**overrides) -> P2RMoeConfig:
@@ -97,6 +107,7 @@ def test_fields_assigned_after_construction_are_checked_by_the_model():
 
 
 def test_pseudo_stores_k_blocks_each_with_router_and_3d_experts():
+    P2RForCausalLM._can_set_experts_implementation()  # the dense parent's answer (False) must not carry over
     model = moe_model(share_layers=True, num_unique_layers=2, decoder_sparse_step=2)
     assert len(model.model.layers) == 2
     dense, sparse = model.model.layers
@@ -204,6 +215,18 @@ def test_expert_prototyping_takes_the_top_1_of_every_group(input_ids):
     torch.testing.assert_close(routing[0][0].sum(-1), torch.ones(24))
 
 
+@pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[5]])
+def test_expert_load_is_the_routers_choice_averaged_over_depths(layout, input_ids):
+    model = moe_model(seed=9, **layout)
+    out = model(input_ids, output_router_logits=True)
+    load = expert_load(out.router_logits, model.config)
+    _, routing = routed(model, input_ids)
+    num_experts = model.config.num_experts
+    counts = [torch.bincount(indices.flatten(), minlength=num_experts) / indices.numel() for _, indices in routing]
+    assert torch.equal(load, torch.stack(counts).mean(0))
+    torch.testing.assert_close(load.sum(), torch.tensor(1.0))
+
+
 @pytest.mark.parametrize("impl", ["eager", "batched_mm"])
 def test_experts_implementations_agree(impl, input_ids):
     model = moe_model(seed=5, share_layers=True, num_unique_layers=2)
@@ -264,6 +287,16 @@ def test_from_pretrained_round_trip_and_as_real(moe_pseudo_dir, input_ids):
     assert all(torch.equal(a[1], b[1]) for a, b in zip(routing, routing_real, strict=True))
     partial = P2RMoeForCausalLM.from_pretrained(path, num_unique_layers=4)
     assert len(partial.model.layers) == 4 and torch.equal(_logits(partial, input_ids), reference)
+
+
+def test_auto_classes_know_p2r_moe(moe_pseudo_dir, input_ids):
+    path, model = moe_pseudo_dir
+    real = AutoModelForCausalLM.from_pretrained(path, share_layers=False)
+    assert type(real) is P2RMoeForCausalLM and len(real.model.layers) == 8
+    assert torch.equal(_logits(real, input_ids), _logits(model, input_ids))
+    config = AutoConfig.for_model("p2r_moe", num_hidden_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=50)
+    assert type(config) is P2RMoeConfig and type(AutoModel.from_config(config)) is P2RMoeModel
+    assert hf_p2r.P2RMoeForCausalLM is P2RMoeForCausalLM
 
 
 def test_fused_expert_layout_loads_too(moe_pseudo_dir, tmp_path, input_ids):

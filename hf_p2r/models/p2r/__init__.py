@@ -10,6 +10,10 @@ _CLASSES = {
     "P2RForCausalLM": ".modeling_p2r",
     "P2RModel": ".modeling_p2r",
     "P2RPreTrainedModel": ".modeling_p2r",
+    "P2RMoeConfig": ".configuration_p2r_moe",
+    "P2RMoeForCausalLM": ".modeling_p2r_moe",
+    "P2RMoeModel": ".modeling_p2r_moe",
+    "P2RMoePreTrainedModel": ".modeling_p2r_moe",
 }
 
 
@@ -19,4 +23,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["P2RConfig", "P2RForCausalLM", "P2RModel", "P2RPreTrainedModel", "block_of_depth", "delink_sources"]
+__all__ = [*_CLASSES, "block_of_depth", "delink_sources"]

@@ -81,18 +81,39 @@ class P2RMoeTopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states, self.weight)  # (tokens, num_experts)
-        if self.num_groups == 1:
-            router_probs = F.softmax(router_logits.float(), dim=-1)
-            router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)  # (tokens, top_k)
-        else:
-            group_size = self.num_experts // self.num_groups
-            router_probs = F.softmax(router_logits.float().view(-1, self.num_groups, group_size), dim=-1)
-            router_top_value, router_indices = torch.topk(router_probs, 1, dim=-1)  # (tokens, groups, 1)
-            offsets = torch.arange(0, self.num_experts, group_size, device=router_indices.device)
-            router_top_value, router_indices = router_top_value.squeeze(-1), router_indices.squeeze(-1) + offsets
-        if self.norm_topk_prob:
-            router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
-        return router_logits, router_top_value, router_indices
+        router_scores, router_indices = route(router_logits, self.top_k, self.num_groups, self.norm_topk_prob)
+        return router_logits, router_scores, router_indices
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, num_groups: int = 1, norm_topk_prob: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing weights and selected experts (each `(tokens, top_k)`) for `router_logits` `(tokens, num_experts)`:
+    the top-k of the softmax (Mixtral, Qwen3-MoE), or with `num_groups` > 1 the top-1 of each group's softmax (M6-T)."""
+    if num_groups == 1:
+        router_probs = F.softmax(router_logits.float(), dim=-1)
+        router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
+    else:
+        num_experts = router_logits.shape[-1]
+        group_size = num_experts // num_groups
+        router_probs = F.softmax(router_logits.float().view(-1, num_groups, group_size), dim=-1)
+        router_top_value, router_indices = torch.topk(router_probs, 1, dim=-1)  # (tokens, groups, 1)
+        offsets = torch.arange(0, num_experts, group_size, device=router_indices.device)
+        router_top_value, router_indices = router_top_value.squeeze(-1), router_indices.squeeze(-1) + offsets
+    if norm_topk_prob:
+        router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True)
+    return router_top_value, router_indices
+
+
+def expert_load(router_logits: tuple[torch.Tensor, ...], config: P2RMoeConfig) -> torch.Tensor:
+    """The fraction of routed tokens each expert receives (`(num_experts,)`, sums to 1; balanced: 1 / num_experts),
+    averaged over the sparse depths whose `router_logits` are given (a model output's `router_logits`)."""
+    with torch.no_grad():
+        loads = []
+        for logits in router_logits:
+            _, indices = route(logits, config.num_experts_per_tok, config.num_expert_groups)
+            loads.append(torch.bincount(indices.flatten(), minlength=config.num_experts).float() / indices.numel())
+        return torch.stack(loads).mean(dim=0)
 
 
 @use_experts_implementation
@@ -134,6 +155,12 @@ class P2RMoePreTrainedModel(P2RPreTrainedModel):
         "hidden_states": P2RMoeDecoderLayer,
         "attentions": P2RAttention,
     }
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers caches this answer in a class attribute, which subclasses inherit: once asked, the dense parents
+        # (whose module has no experts) would answer False for these classes too, and the experts would run eagerly.
+        return True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -266,5 +293,7 @@ __all__ = [
     "P2RMoeForCausalLM",
     "P2RMoeModel",
     "P2RMoePreTrainedModel",
+    "expert_load",
+    "route",
     "router_aux_loss",
 ]
