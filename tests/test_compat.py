@@ -1,10 +1,11 @@
-"""hf_p2r.compat: each private read works on the torch installed (.ci/run runs this on the floor and the newest)."""
+"""hf_p2r.compat: each private read works on the releases installed (.ci/run runs this on the floors and the newest)."""
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from hf_p2r.compat import reshard_after_backward
+from hf_p2r.compat import in_backward, parse_size_to_int, reshard_after_backward
 
 from .distributed import spawn
 
@@ -24,3 +25,26 @@ def read_reshard_after_backward(rank: int, world_size: int) -> dict:
 def test_reshard_after_backward_reads_what_the_setter_wrote(tmp_path):
     result = spawn.run(read_reshard_after_backward, 1, tmp_path)
     assert result == {"seen": [True, False, True], "empty": True}
+
+
+def test_in_backward_is_true_only_while_autograd_runs_a_backward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(in_backward())
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(in_backward())
+            return grad
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [False, True]
+
+
+def test_parse_size_to_int_reads_huggingface_hub_sizes():
+    assert parse_size_to_int("5GB") == 5 * 10**9
+    assert parse_size_to_int("500MB") == 500 * 10**6

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from huggingface_hub import split_state_dict_into_shards_factory
-from huggingface_hub.serialization._base import parse_size_to_int
+
+from ..compat import parse_size_to_int
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

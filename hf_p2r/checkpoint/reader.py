@@ -10,9 +10,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import _getdtype
 
-from .headers import read_weights
+from .headers import DTYPE_NAMES, read_weights
 
 
 class CheckpointReader:
@@ -66,7 +65,7 @@ class CheckpointReader:
         """Shape and dtype of tensor `name`, from its file's header: unlike `get`, touches none of its data (getting a
         tensor maps part of its pages, which for a whole checkpoint adds up)."""
         view = self._handles[self._file_of[name]].get_slice(name)
-        return torch.Size(view.get_shape()), _getdtype(view.get_dtype())
+        return torch.Size(view.get_shape()), getattr(torch, DTYPE_NAMES[view.get_dtype()])
 
     def close(self) -> None:
         """Close the files; tensors already returned stay valid."""

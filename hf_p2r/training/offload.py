@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..compat import in_backward
 from ..planning.memory import offload_working_set_bytes
 
 __all__ = [
@@ -668,7 +669,7 @@ class GranularOffload:
             if index in self._blocks:
                 raise RuntimeError("offload: an offloaded block was called outside the model's forward")
             return
-        if torch._C._current_graph_task_id() != -1:  # recomputation in backward (checkpoint around the block)
+        if in_backward():  # recomputation in backward (checkpoint around the block)
             self._enter_backward(index, self._recompute_position(index))
             self._recomputed = True
             return
@@ -687,7 +688,7 @@ class GranularOffload:
         return pos if pos < len(self._schedule) and self._schedule[pos] == index else None
 
     def _post_forward(self, index: int, module: nn.Module, args, output) -> None:
-        if not self._window or not self._training or torch._C._current_graph_task_id() != -1:
+        if not self._window or not self._training or in_backward():
             return
         if (tensor := _grad_tensor(output)) is not None:
             # Fires when the gradient of this depth's output is complete, i.e. right before its backward.
