@@ -22,7 +22,19 @@ import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser
 
-from ..models.p2r import P2RConfig, delink_sources
+from ..models.p2r import P2RConfig, P2RMoeConfig, delink_sources
+
+# ModelArguments fields passed to P2RMoeConfig when num_experts > 0.
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+    "num_expert_groups",
+    "router_aux_loss_coef",
+)
 
 
 @dataclass
@@ -51,6 +63,19 @@ class ModelArguments:
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in the backward pass to save memory."}
     )
+    # Mixture of experts (P2RMoeConfig's fields; checked by it).
+    num_experts: int = field(default=0, metadata={"help": "Experts per sparse layer; 0: a dense model."})
+    num_experts_per_tok: int = field(default=2, metadata={"help": "Experts per token (top-k)."})
+    moe_intermediate_size: int | None = field(
+        default=None, metadata={"help": "Width of each expert (default: intermediate_size)."}
+    )
+    decoder_sparse_step: int = field(default=1, metadata={"help": "Depth d is sparse when d + 1 is a multiple."})
+    mlp_only_layers: list[int] = field(default_factory=list, metadata={"help": "Depths that stay dense."})
+    norm_topk_prob: bool = field(default=True, metadata={"help": "Renormalise the top-k routing weights."})
+    num_expert_groups: int = field(
+        default=1, metadata={"help": "M6-T expert prototyping: top-1 in each of this many groups."}
+    )
+    router_aux_loss_coef: float = field(default=0.001, metadata={"help": "Weight of the load-balancing loss."})
 
     def __post_init__(self):
         check_types(self)
@@ -274,10 +299,14 @@ class TrainConfig:
         return blocks
 
     def p2r_config(self, vocab_size: int, num_blocks: int, special_tokens: dict[str, int | None]) -> P2RConfig:
-        """The model's P2RConfig with `num_blocks` blocks (k < L: pseudo; L: real)."""
+        """The model's P2RConfig with `num_blocks` blocks (k < L: pseudo; L: real); a P2RMoeConfig if `num_experts`."""
         m, depth = self.model, self.model.num_hidden_layers
+        config_class, moe = P2RConfig, {}
+        if m.num_experts:
+            config_class = P2RMoeConfig
+            moe = {name: getattr(m, name) for name in MOE_FIELDS}
         try:
-            return P2RConfig(
+            return config_class(
                 vocab_size=vocab_size,
                 hidden_size=m.hidden_size,
                 intermediate_size=m.intermediate_size,
@@ -293,6 +322,7 @@ class TrainConfig:
                 sharing_pattern=m.sharing_pattern,
                 attn_implementation=m.attn_implementation,
                 **special_tokens,
+                **moe,
             )
         except StrictDataclassError as error:
             # huggingface_hub wraps the validator's message in context lines: keep the message of the last one.

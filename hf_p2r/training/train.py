@@ -25,7 +25,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from ..models.p2r import P2RForCausalLM
+from ..models.p2r import P2RForCausalLM, P2RMoeConfig, P2RMoeForCausalLM
 from ..parallel import gather_shared_once
 from .checkpointing import (
     CHECKPOINTS,
@@ -49,6 +49,7 @@ from .metrics import (
     read_metrics,
     truncate_metrics,
 )
+from .moe import RouterLoad
 from .optim import apply_offload, build_optimizer, learning_rate_at, measure_offload_activations
 
 # What a run writes into output_dir (and what overwrite_output_dir removes; nothing else there is touched).
@@ -69,7 +70,8 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blo
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    model = P2RForCausalLM(config.p2r_config(vocab_size, num_blocks, special_tokens))
+    p2r_config = config.p2r_config(vocab_size, num_blocks, special_tokens)
+    model = (P2RMoeForCausalLM if isinstance(p2r_config, P2RMoeConfig) else P2RForCausalLM)(p2r_config)
     if config.model.activation_checkpointing:
         model.activation_checkpointing_enable()
     return model.train()
@@ -152,6 +154,9 @@ def train(config: TrainConfig) -> int:
         )
 
     interval_steps, interval_time = 0, 0.0  # in this process since the last record, for tokens_per_s
+    # MoE: the training loss includes the load-balancing loss (router_aux_loss_coef); the router statistics are logged.
+    router_load = RouterLoad(accelerator.unwrap_model(model).config) if config.model.num_experts else None
+    moe_kwargs = {"output_router_logits": True} if router_load is not None else {}
     # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
     with _StopOnSignal() as stop:
         while True:
@@ -186,9 +191,12 @@ def train(config: TrainConfig) -> int:
             for _ in range(args.gradient_accumulation_steps):
                 batch = _next_batch(accelerator, train_blocks, order, state, args.per_device_batch_size)
                 with accelerator.accumulate(model):
-                    loss = model(input_ids=batch, labels=batch).loss
+                    outputs = model(input_ids=batch, labels=batch, **moe_kwargs)
+                    loss = outputs.loss
                     accelerator.backward(loss)
                 losses.append(loss.detach().float())
+                if router_load is not None:
+                    router_load.add(outputs)
             # One collective gives every process the same mean loss and the same stop decision.
             gathered = accelerator.gather(torch.stack([torch.stack(losses).mean(), stop.tensor(accelerator.device)]))
             loss_value = gathered[0::2].mean().item()
@@ -227,6 +235,8 @@ def train(config: TrainConfig) -> int:
                     train_time_s=state.train_time_s,
                     memory_gb=peak_memory_gb(accelerator.device),
                 )
+                if router_load is not None:
+                    measure.update(router_load.pop(accelerator))
                 state.log_loss_sum, state.log_steps = 0.0, 0
                 interval_steps, interval_time = 0, 0.0
             if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
