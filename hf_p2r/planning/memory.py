@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.p2r import P2RConfig, P2RForCausalLM
+from ..models.p2r import P2RConfig, P2RForCausalLM, P2RMoeConfig, P2RMoeForCausalLM
 
 GiB = 2**30
 
@@ -92,9 +92,10 @@ class ParameterTensor:
 
 
 def parameter_tensors(config: P2RConfig) -> list[ParameterTensor]:
-    """Every parameter of `P2RForCausalLM(config)` (tied ones once), built on the meta device: nothing allocated."""
+    """Every parameter of `P2RForCausalLM(config)` (`P2RMoeForCausalLM` for a `P2RMoeConfig`; tied ones once), built
+    on the meta device: nothing allocated."""
     with torch.device("meta"):
-        model = P2RForCausalLM(config)
+        model = (P2RMoeForCausalLM if isinstance(config, P2RMoeConfig) else P2RForCausalLM)(config)
     plan = model.tp_plan
     tensors = []
     for name, parameter in model.named_parameters():
@@ -108,6 +109,14 @@ def parameter_tensors(config: P2RConfig) -> list[ParameterTensor]:
         match = _BLOCK.match(name)
         tensors.append(ParameterTensor(name, tuple(parameter.shape), int(match[1]) if match else None, tp_dim))
     return tensors
+
+
+def active_numel(tensor: ParameterTensor, config: P2RConfig) -> float:
+    """Elements of `tensor` one token computes with: of a sparse layer's experts, `num_experts_per_tok` of
+    `num_experts`; every other tensor in full. FLOPs follow this, memory follows `tensor.numel`."""
+    if isinstance(config, P2RMoeConfig) and ".mlp.experts." in tensor.name:
+        return tensor.numel * config.num_experts_per_tok / config.num_experts
+    return tensor.numel
 
 
 def dp_shard_numel(shape: tuple[int, ...], dp: int) -> int:
@@ -249,7 +258,13 @@ def layer_activation_bytes(config: P2RConfig, tokens: int, tp: int, precision: P
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     q, kv = heads * head_dim, config.num_key_value_heads * head_dim
     norms = 2 * (4 * hidden + 4 + 2 * a * hidden)
-    split = a * (2 * q + 2 * kv + 4 * config.intermediate_size) + 4 * heads
+    mlp = 4 * config.intermediate_size
+    if isinstance(config, P2RMoeConfig):
+        # A sparse layer: each of a token's k experts saves its input copy and its 4 intermediate tensors; the router
+        # its logits (fp32). The larger of a sparse and a dense layer (when there is one) is counted for every layer.
+        sparse = config.num_experts_per_tok * (hidden + 4 * config.moe_intermediate_size) + 4 * config.num_experts // a
+        mlp = max(sparse, mlp if not all(config.sparse_depths) else 0)
+    split = a * (2 * q + 2 * kv + mlp) + 4 * heads
     return tokens * (norms + split // tp)
 
 

@@ -27,13 +27,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.p2r import P2RConfig
+from ..models.p2r import P2RConfig, P2RMoeConfig
 from .memory import (
     GiB,
     Layout,
     Memory,
     ParameterTensor,
     Precision,
+    active_numel,
     head_activation_bytes,
     layer_activation_bytes,
     logits_bytes,
@@ -232,11 +233,12 @@ def read_config(path: str | os.PathLike) -> PlanInput:
     if not isinstance(values, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(values).__name__}")
     model_type = values.get("model_type")
-    if model_type not in (P2RConfig.model_type, "llama"):
-        raise ValueError(f"{file}: model_type must be 'p2r' or 'llama', got {model_type!r}")
+    config_class = {P2RConfig.model_type: P2RConfig, "llama": P2RConfig, P2RMoeConfig.model_type: P2RMoeConfig}
+    if model_type not in config_class:
+        raise ValueError(f"{file}: model_type must be 'p2r', 'p2r_moe' or 'llama', got {model_type!r}")
     values = {key: value for key, value in values.items() if key not in ("model_type", "architectures", "auto_map")}
     try:
-        return PlanInput(P2RConfig.from_dict(values))
+        return PlanInput(config_class[model_type].from_dict(values))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{file}: {str(error).strip().splitlines()[-1].strip()}") from None
 
@@ -301,7 +303,7 @@ def _buffer_bytes(units: dict, layout: Layout, p: Precision, uses: Counter, offl
 
 
 def _compute_seconds(config, tensors, layout, tokens_per_step, seq_len, micro_batches, hardware) -> float:
-    block_numel = sum(t.numel for t in tensors if t.block is not None) // config.num_blocks
+    block_numel = sum(active_numel(t, config) for t in tensors if t.block is not None) / config.num_blocks
     head = config.vocab_size * config.hidden_size
     heads = config.num_attention_heads
     q = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)

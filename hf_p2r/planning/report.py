@@ -1,7 +1,7 @@
 """The table `hf-p2r plan` prints."""
 
 from ..models.p2r import P2RConfig
-from .memory import GiB, parameter_tensors
+from .memory import GiB, active_numel, parameter_tensors
 from .plan import Estimate, Hardware, Workload
 
 COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "tok/s")
@@ -68,8 +68,16 @@ def format_plan(
             if config.share_layers
             else f"{config.num_hidden_layers} blocks"
         )
-        parameters = sum(t.numel for t in parameter_tensors(config))
-        lines += ["", f"{name} model: {what}, {_count(parameters)} parameters; {fitting} of {len(estimates)} fit"]
+        tensors = parameter_tensors(config)
+        parameters = _count(sum(t.numel for t in tensors))
+        if getattr(config, "num_experts", 0):
+            # Memory follows all the experts, FLOPs the k a token is routed to.
+            active = _count(round(sum(active_numel(t, config) for t in tensors)))
+            parameters = f"{parameters} parameters ({active} active per token: top-{config.num_experts_per_tok} of "
+            parameters += f"{config.num_experts} experts)"
+        else:
+            parameters += " parameters"
+        lines += ["", f"{name} model: {what}, {parameters}; {fitting} of {len(estimates)} fit"]
         lines.append(format_rows(estimates if fitting else estimates[:3], top))
     return "\n".join(lines)
 

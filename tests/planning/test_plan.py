@@ -177,5 +177,5 @@ def test_plan_command_bad_input_is_one_line(tmp_path, capsys, argv, message):
 
 def test_bad_model_type_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type must be 'p2r' or 'llama', got 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type must be 'p2r', 'p2r_moe' or 'llama', got 'gpt2'"):
         read_config(tmp_path)
