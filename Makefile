@@ -30,18 +30,26 @@ test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
 
 # Declared = tested: the floors pyproject declares (requirements/floors.txt), then the newest releases it allows.
+# `make -j2 compat` runs the two test passes side by side; the installs stay one after the other (each writes the
+# editable install's metadata into this folder).
 compat: compat-floors compat-newest
 
-compat-floors:
-	rm -rf .venv-floors && $(PYTHON) -m venv .venv-floors
-	.venv-floors/bin/python -m pip install --quiet -c requirements/floors.txt -e ".[dev]"
+compat-floors: .venv-floors/.installed
 	.venv-floors/bin/python -m pytest -q $(COMPAT_TESTS)
 
+compat-newest: .venv-newest/.installed
+	.venv-newest/bin/python -m pytest -q $(COMPAT_TESTS)
+
+.venv-floors/.installed: pyproject.toml requirements/floors.txt
+	rm -rf .venv-floors && $(PYTHON) -m venv .venv-floors
+	.venv-floors/bin/python -m pip install --quiet -c requirements/floors.txt -e ".[dev]"
+	touch $@
+
 # PIP_CONSTRAINT=/dev/null lifts a site-wide pip cap (some machines cap torch at the wheels on their disk).
-compat-newest:
+.venv-newest/.installed: pyproject.toml | .venv-floors/.installed
 	rm -rf .venv-newest && $(PYTHON) -m venv .venv-newest
 	PIP_CONSTRAINT=/dev/null .venv-newest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev]"
-	.venv-newest/bin/python -m pytest -q $(COMPAT_TESTS)
+	touch $@
 
 # A fresh resolution of pyproject's ranges, written to $(LOCK); run `make test` on it before committing.
 lock:
