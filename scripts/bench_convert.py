@@ -81,7 +81,14 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_convert", help="checkpoints, outputs")
     parser.add_argument("--mergekit-venv", type=Path, default=REPO / "runs" / "bench_convert" / "mergekit-venv")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "convert", help="writes OUT.json + OUT.md")
+    parser.add_argument("--report-only", action="store_true", help="rewrite OUT.md from OUT.json; measure nothing")
     args = parser.parse_args()
+    if args.report_only:
+        report = json.loads(args.out.with_suffix(".json").read_text())
+        report["summary"] = _summary(report["results"], [int(key[1:]) for key in report["summary"] if key[0] == "L"])
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(_markdown(report))
+        return
 
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -590,7 +597,9 @@ def _causes(report: dict) -> dict[str, list[str]]:
         # hf-p2r copies with copy_file_range, as cp 9 does: what is left is CPU and start-up, or the machine's load
         writes = (
             f" Both copy inside the kernel ({cp_version}: copy_file_range); CPU time hf-p2r {ours['cpu_s']} s vs cp "
-            f"{cp['cpu_s']} s; hf-p2r's first byte is written {ours.get('first_byte_s')} s after it starts"
+            f"{cp['cpu_s']} s (hf-p2r's extra CPU is Python's start-up and the config and model card, whose "
+            "huggingface_hub imports take ~0.5 s of CPU: written while the kernel copies, they cost no wall time "
+            f"when a core is free); hf-p2r's first byte is written {ours.get('first_byte_s')} s after it starts"
             + (f"; dd (read()/write() in user space) takes {dd['wall_s']} s" if dd else "")
             + f"; load average {_load_range([r for r in report['results'] if r['layers'] == int(key[1:])])} "
             "during these runs."
@@ -609,6 +618,23 @@ def _causes(report: dict) -> dict[str, list[str]]:
         if row.get("conversion_only_vs_cp", 0) > 1.1:
             causes.setdefault("conversion without interpreter start and imports <= 1.1 x cp", []).append(
                 f"{key}: conversion {ours['convert_s']} s vs cp {cp['wall_s']} s.{writes}"
+            )
+    for key, row in _depth_rows(summary):
+        runs = [r for r in report["results"] if r["layers"] == int(key[1:])]
+        load = f"load average {_load_range(runs)} on {report['machine']['cores']} cores"
+        if HELP in row and row[HELP]["wall_s"] >= 0.3:
+            help_ = row[HELP]
+            causes.setdefault("hf-p2r --help < 0.3 s", []).append(
+                f"{key}: {help_['wall_s']} s (fastest {help_['wall_s_range'][0]} s) for {help_['cpu_s']} s of CPU time "
+                f"(interpreter start and imports, no torch): the rest is waiting for a core ({load})."
+            )
+        ours = row.get("hf-p2r")
+        if ours and ours.get("first_byte_s") is not None and ours["first_byte_s"] >= 0.5:
+            starts = sorted(r["first_byte_s"] for r in runs if r["tool"] == "hf-p2r" and r.get("first_byte_s"))
+            causes.setdefault("hf-p2r convert start-up (process start to first byte written) < 0.5 s", []).append(
+                f"{key}: median {ours['first_byte_s']} s (fastest {starts[0]} s), of which imports "
+                f"{ours['import_s']} s; the rest starts the interpreter, reads config.json and the headers and plans "
+                f"the shards ({load})."
             )
     anon_target = "peak anon <= 300 MB (with and without --dtype)"
     for key, row in _depth_rows(summary):
