@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 from transformers import MixtralConfig
-from transformers.core_model_loading import revert_weight_conversion
 
 from ..models.p2r.configuration_p2r_moe import P2RMoeConfig
 from ..models.p2r.modeling_p2r_moe import P2RMoeForCausalLM
@@ -82,17 +81,14 @@ def export_mixtral(
 
     The weights are written under the names transformers writes for Mixtral (`block_sparse_moe.gate.weight`,
     `block_sparse_moe.experts.<e>.w1/w2/w3.weight`), by `hf_p2r.checkpoint.save_model`, whose options `save_kwargs`
-    are (`max_shard_size`, `tokenizer`, `progress`); no model code is written.
+    are (`max_shard_size`, `tokenizer`, `state_dict`, `progress`); no model code is written.
 
     ```python
     >>> export_mixtral(pseudo.delink(), "mixtral_out")
     >>> MixtralForCausalLM.from_pretrained("mixtral_out")   # same logits, no hf_p2r needed
     ```
     """
-    config = mixtral_config(model.config)
-    # transformers' own reverse of the load-time conversion (3-D experts -> one tensor per expert and projection).
-    state_dict = revert_weight_conversion(model, model.state_dict())
-    return save_model(model, save_directory, state_dict=state_dict, config=config, overwrite=overwrite, **save_kwargs)
+    return save_model(model, save_directory, config=mixtral_config(model.config), overwrite=overwrite, **save_kwargs)
 
 
 __all__ = ["export_mixtral", "mixtral_config"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
 from .headers import parse_size
@@ -58,6 +59,9 @@ def save_model(
     model_class = _model_class(model)
     if state_dict is None:
         state_dict = model.state_dict()
+    # The names `save_pretrained` writes: transformers' reverse of its load-time conversions (a MoE model's 3-D
+    # experts as one tensor per expert, Mixtral's layout); the identity for models without any.
+    state_dict = revert_weight_conversion(model, dict(state_dict))
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     tensors = {name: t for name, t in state_dict.items() if not (name in tied and tied[name] in state_dict)}
     if config is None:
