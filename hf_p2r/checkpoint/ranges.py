@@ -2,9 +2,11 @@
 
 Each output shard is the header safetensors would write (`headers.build_header`) followed by byte ranges of the
 source files, copied by the kernel: `os.copy_file_range` (what `cp` uses; no byte passes through this process), and
-on filesystems with reflinks (XFS, btrfs) `FICLONERANGE` for the block-aligned part of a range, which shares the
-source's blocks instead of copying them. Where the kernel or filesystem refuses both, ranges are copied with
-pread/pwrite. No torch: a delinked checkpoint is mostly copies of its pseudo blocks, so converting one needs no tensor.
+on filesystems with reflinks (XFS, btrfs) `FICLONERANGE` for the block-aligned part of a range, which shares blocks
+instead of copying them: a block's later copies are cloned from its first copy in the same shard when their offsets
+line up (the layers of a block whose size is a multiple of the filesystem block: all but the first are not written).
+Where the kernel or filesystem refuses both, ranges are copied with pread/pwrite. No torch: a delinked checkpoint is
+mostly copies of its pseudo blocks, so converting one needs no tensor.
 """
 
 import contextlib
@@ -72,32 +74,34 @@ def copying(
     total = sum(t.nbytes for t in tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, disable=None if progress else True) as bar, _Copier() as copier:
         for filename, names in shards.files.items():
-            copier.shard(folder / filename, {name: tensors[name] for name in names}, header, bar)
+            copier.shard(folder / filename, {name: tensors[name] for name in names}, header)
         files = [folder / filename for filename in shards.files] + write_index(folder, shards)
-        with ThreadPoolExecutor(max(1, min(workers or min(os.cpu_count() or 1, 4), len(copier.tasks)))) as pool:
-            futures = [pool.submit(copier.copy, *task) for task in copier.tasks]
+        with ThreadPoolExecutor(max(1, min(workers or min(os.cpu_count() or 1, 4), len(copier.shards)))) as pool:
+            futures = [pool.submit(copier.copy_shard, *shard, bar) for shard in copier.shards]
             try:
                 yield files
                 for future in futures:
                     future.result()
-            except BaseException:  # the block or a copy failed, or Ctrl-C: start no further copies
+            except BaseException:  # the block or a copy failed, or Ctrl-C: stop after the ranges being copied
+                copier.stop.set()
                 for future in futures:
                     future.cancel()
                 raise
 
 
 class _Copier:
-    """The copies of a checkpoint, one task per output range; files stay open until the end."""
+    """The copies of a checkpoint, shard by shard; files stay open until the end."""
 
     def __init__(self):
-        self.tasks: list[tuple] = []  # arguments of `copy`
+        self.shards: list[tuple] = []  # arguments of `copy_shard`: path, fd, [(output offset, source)], bytes
         self.fds: dict[Path, int] = {}
         self.reflinks = True  # until the filesystem says otherwise
-        self.lock = threading.Lock()
+        self.stop = threading.Event()
 
-    def shard(self, path: Path, tensors: dict[str, TensorInfo], header: dict, bar) -> None:
+    def shard(self, path: Path, tensors: dict[str, TensorInfo], header: dict) -> None:
         raw, offsets = build_header({name: (t.dtype, t.shape) for name, t in tensors.items()}, header)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # mode 0666 less the umask, like open()
+        # Readable too: a later copy of a tensor may be cloned from an earlier one in this file.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # mode 0666 less the umask, like open()
         self.fds[path] = fd
         _write_all(fd, raw, 0, path)
         size = sum(t.nbytes for t in tensors.values())
@@ -105,29 +109,39 @@ class _Copier:
             os.ftruncate(fd, len(raw) + size)  # its final size now: the header describes the file
         except OSError as error:
             raise OSError(error.errno, error.strerror, str(path)) from None
-        pending = [size, len(tensors)]  # bytes, and ranges left: the bar moves once per shard, as `write_checkpoint`'s
-        for name, info in tensors.items():
-            source = self._open(info.file)
-            self.tasks.append((fd, path, offsets[name], source, info.offset, info.nbytes, bar, pending))
+        ranges = sorted(((offsets[name], info) for name, info in tensors.items()), key=lambda r: r[0])  # in order
+        self.shards.append((path, fd, ranges, size))
 
     def _open(self, path: Path) -> int:
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY)
         return self.fds[path]
 
-    def copy(self, out: int, path: Path, out_offset: int, source: int, offset: int, nbytes: int, bar, pending) -> None:
-        try:
+    def copy_shard(self, path: Path, out: int, ranges: list[tuple[int, TensorInfo]], size: int, bar) -> None:
+        """Copy the ranges of one shard, front to back. Where the filesystem has reflinks, a tensor this shard already
+        holds at an offset that lines up with the new one (the L copies of a block whose size is a multiple of the
+        filesystem block) is cloned from that earlier copy: only the first copy's blocks are written."""
+        block = os.fstat(out).st_blksize or 4096
+        earlier: dict[tuple, list[int]] = {}  # (source file, offset, bytes) -> where this shard already holds them
+        for out_offset, info in ranges:
+            if self.stop.is_set():
+                return
+            key = (info.file, info.offset, info.nbytes)
+            source, offset = self._open(info.file), info.offset
+            if self.reflinks:
+                done = next((done for done in earlier.get(key, ()) if (out_offset - done) % block == 0), None)
+                if done is not None:
+                    source, offset = out, done
             try:
-                copy_range(source, offset, out, out_offset, nbytes, reflink=self.reflinks)
-            except _NoReflinks:
-                self.reflinks = False
-                copy_range(source, offset, out, out_offset, nbytes, reflink=False)
-        except OSError as error:
-            raise OSError(error.errno, error.strerror, str(path)) from None
-        with self.lock:
-            pending[1] -= 1
-            if pending[1] == 0:
-                bar.update(pending[0])
+                try:
+                    copy_range(source, offset, out, out_offset, info.nbytes, reflink=self.reflinks)
+                except _NoReflinks:
+                    self.reflinks = False
+                    copy_range(self._open(info.file), info.offset, out, out_offset, info.nbytes, reflink=False)
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, str(path)) from None
+            earlier.setdefault(key, []).append(out_offset)
+        bar.update(size)  # once per shard, as `write_checkpoint`'s bar
 
     def __enter__(self) -> "_Copier":
         return self

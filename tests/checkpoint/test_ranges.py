@@ -4,6 +4,7 @@ plan (names, shapes, delink map) the same as the model's."""
 import errno
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -119,8 +120,6 @@ def test_copy_range_clones_the_aligned_middle_and_copies_the_rest(tmp_path, monk
     clones, block = [], os.fstat(out).st_blksize
 
     def fake_ioctl(fd, request, arg):
-        import struct
-
         src_fd, src_offset, length, dst_offset = struct.unpack("qQQQ", arg)
         clones.append((src_offset, length, dst_offset))
         os.pwrite(fd, os.pread(src_fd, length, src_offset), dst_offset)
@@ -186,3 +185,29 @@ def test_write_checkpoint_and_copy_checkpoint_plan_the_same_shards(tmp_path):
         assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
     with CheckpointReader(tmp_path / "b") as reader:
         assert all(torch.equal(reader.get(name), tensors[name]) for name in tensors)
+
+
+def test_later_copies_of_a_block_are_cloned_from_the_first_where_offsets_line_up(tmp_path, monkeypatch):
+    """With reflinks, the L copies of a tensor whose size is a multiple of the filesystem block are cloned from its
+    first copy in the shard (the source's offsets line up only by chance). The ioctl is simulated."""
+    (tmp_path / "src").mkdir(), (tmp_path / "out").mkdir()
+    block = os.statvfs(tmp_path).f_bsize
+    write_checkpoint(tmp_path / "src", {"w": torch.arange(3 * block // 4, dtype=torch.float32)}, progress=False)
+    source = read_weights(tmp_path / "src")["w"]
+    clones = []
+
+    def fake_ioctl(fd, request, arg):
+        src_fd, src_offset, length, dst_offset = struct.unpack("qQQQ", arg)
+        clones.append((src_fd == fd, src_offset, dst_offset, length))
+        os.pwrite(fd, os.pread(src_fd, length, src_offset), dst_offset)
+
+    monkeypatch.setattr(ranges_module.fcntl, "ioctl", fake_ioctl)
+    ranges_module.copy_checkpoint(tmp_path / "out", {f"layers.{i}.w": source for i in range(4)}, max_shard_size=10**9)
+    from_output = [clone for clone in clones if clone[0]]
+    assert len(from_output) >= 2, clones  # copies 2..4 (their head and tail ranges copied, the middle cloned)
+    assert all((dst - src) % (3 * block) == 0 for _, src, dst, _ in from_output)
+    with CheckpointReader(tmp_path / "out") as reader:
+        assert all(
+            torch.equal(reader.get(f"layers.{i}.w"), torch.arange(3 * block // 4, dtype=torch.float32))
+            for i in range(4)
+        )
