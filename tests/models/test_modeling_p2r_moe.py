@@ -348,3 +348,13 @@ def test_remote_code_folder_loads_without_hf_p2r(tmp_path, input_ids):
     assert result.returncode == 0, result.stderr[-2000:]
     module, pseudo_blocks, real_blocks = result.stdout.split()
     assert module.startswith("transformers_modules.") and (pseudo_blocks, real_blocks) == ("2", "8")
+
+
+def test_base_model_forward_shows_the_dense_signature():
+    """transformers reads the forward's parameters (its main input, `inputs_embeds`, the cache argument)."""
+    import inspect
+
+    from hf_p2r import P2RModel, P2RMoeModel
+
+    assert inspect.signature(P2RMoeModel.forward) == inspect.signature(P2RModel.forward)
+    assert list(inspect.signature(P2RMoeModel.forward).parameters)[1] == P2RMoeModel.main_input_name

@@ -11,6 +11,7 @@ In memory the names are transformers' Mixtral's (`mlp.gate.weight`, `mlp.experts
 layouts load. Like `modeling_p2r`, this file imports nothing from `hf_p2r` outside its folder (remote code).
 """
 
+import functools
 import math
 
 import torch
@@ -194,6 +195,9 @@ class P2RMoeModel(P2RMoePreTrainedModel, P2RModel):
 
         self.post_init()
 
+    # P2RModel's signature, not (*args, **kwargs): transformers reads the forward's parameters (main input,
+    # inputs_embeds, the cache) to decide what to pass and test.
+    @functools.wraps(P2RModel.forward)
     def forward(self, *args, **kwargs) -> MoeModelOutputWithPast:
         outputs = super().forward(*args, **kwargs)
         return outputs if isinstance(outputs, tuple) else MoeModelOutputWithPast(**outputs)
