@@ -98,7 +98,7 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
     results = []
     for layers in args.layers:
-        _check_disk(work, 2.2 * _output_bytes(sources["weights"], layers))
+        _check_disk(work, 3.2 * _output_bytes(sources["weights"], layers))  # at most three outputs at a time
         src, dst, copy, merged = work / f"pseudo-{layers}", work / f"real-{layers}", work / "cp-copy", work / "merged"
         for _ in range(args.repeat):
             for path in (dst, copy, merged):
@@ -214,7 +214,11 @@ def _link_weights(weights: Path, folder: Path) -> None:
 
 
 def _output_bytes(weights: Path, layers: int) -> int:
-    return weights.stat().st_size * layers  # generous: one block is most of the file
+    """Bytes of the real checkpoint: the one-block source's tensors, the block's L times."""
+    from hf_p2r.checkpoint.headers import read_weights
+
+    sizes = [(".layers." in name, info.nbytes) for name, info in read_weights(weights.parent).items()]
+    return sum(nbytes * (layers if in_block else 1) for in_block, nbytes in sizes)
 
 
 def _check_disk(work: Path, needed: float) -> None:
