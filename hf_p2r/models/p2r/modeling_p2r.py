@@ -11,7 +11,6 @@ import functools
 import inspect
 import math
 import os
-import re
 from collections.abc import Callable
 
 import torch
@@ -41,7 +40,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, delink_sources, validate_layout
-from .sharing_p2r import delink_names
+from .sharing_p2r import LAYER_KEY, delink_names
 
 logger = logging.get_logger(__name__)
 
@@ -71,7 +70,6 @@ def accepts_past_key_values(forward: Callable) -> Callable:
     return forward_with_old_name
 
 
-_LAYER_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<block>\d+)\.(?P<rest>.+)$")
 # transformers' paged attention kernels index their cache by the module's `layer_idx`, i.e. by block, not by depth.
 _PAGED_PSEUDO_ERROR = (
     "paged attention (continuous batching: `generate_batch`, `init_continuous_batching`; `paged|` attention "
@@ -374,12 +372,12 @@ def _stored_config_dict(config_class: type[P2RConfig], pretrained_model_name_or_
 def _check_loaded_blocks(source, model: PreTrainedModel, loading_info: dict) -> None:
     """Raise if the checkpoint has blocks and they are not exactly the config's: no layer weight may be initialised at
     random or dropped. Other keys are left to transformers (initialised or ignored, and reported)."""
-    layer_keys = {key for key in model.state_dict() if _LAYER_KEY.match(key)}
+    layer_keys = {key for key in model.state_dict() if LAYER_KEY.match(key)}
     missing = sorted(key for key in loading_info["missing_keys"] if key in layer_keys)
-    unexpected = sorted(key for key in loading_info["unexpected_keys"] if _LAYER_KEY.match(key))
+    unexpected = sorted(key for key in loading_info["unexpected_keys"] if LAYER_KEY.match(key))
     if not unexpected and (not missing or len(missing) == len(layer_keys)):
         return  # every block loaded, or the checkpoint has none (e.g. `state_dict={}`) and all are initialised
-    stored = {int(_LAYER_KEY.match(key)["block"]) for key in (layer_keys - set(missing)) | set(unexpected)}
+    stored = {int(LAYER_KEY.match(key)["block"]) for key in (layer_keys - set(missing)) | set(unexpected)}
     problems = []
     for kind, names in (("missing keys", missing), ("unexpected keys", unexpected)):
         if names:
