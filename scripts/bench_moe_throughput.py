@@ -99,29 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     for runner in runners:
         runner.model.set_attn_implementation(args.attn)
         runner.model.set_experts_implementation(args.experts)
-        for _ in range(args.warmup):
-            runner.step()
-        runner.tokens_per_s.clear()
-
-    for round_idx in range(args.rounds):
-        for runner in runners[round_idx % 3 :] + runners[: round_idx % 3]:
-            runner.run(args.steps)
-        rates = ", ".join(f"{r.name} {r.tokens_per_s[-1]:,.0f} tok/s" for r in runners)
-        print(f"round {round_idx + 1}/{args.rounds}: {rates}", flush=True)
-
-    by_name = {r.name: r for r in runners}
-
-    def ratios(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(by_name[a].tokens_per_s, by_name[b].tokens_per_s)]
-
-    def summary(values: list[float], target: str) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values), "target": target}
+    by_name = bench_throughput.interleave(runners, args.rounds, args.steps, args.warmup)
 
     state = {name: bench_throughput.training_state_bytes(r.model, r.optimizer) for name, r in by_name.items()}
-    real_model = by_name["p2r_moe_real"].model
-    block = sum(p.numel() for p in real_model.model.layers[0].parameters())
-    non_layer = sum(p.numel() for p in real_model.parameters()) - block * dims["num_hidden_layers"]
-    expected = (non_layer + args.num_unique_layers * block) / (non_layer + dims["num_hidden_layers"] * block)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": bench_throughput.machine(),
@@ -140,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "tokens_per_s_median": {name: statistics.median(r.tokens_per_s) for name, r in by_name.items()},
         "tokens_per_s": {name: r.tokens_per_s for name, r in by_name.items()},
-        "ratio_real_vs_mixtral": summary(ratios("p2r_moe_real", "mixtral"), ">= 1.00"),
-        "ratio_pseudo_vs_real": summary(ratios("p2r_moe_pseudo", "p2r_moe_real"), ">= 0.98"),
+        "ratio_real_vs_mixtral": bench_throughput.ratio_summary(by_name, "p2r_moe_real", "mixtral", ">= 1.00"),
+        "ratio_pseudo_vs_real": bench_throughput.ratio_summary(by_name, "p2r_moe_pseudo", "p2r_moe_real", ">= 0.98"),
         "training_state_bytes": state,
         "state_ratio_pseudo_vs_real": {
             "measured": state["p2r_moe_pseudo"]["total"] / state["p2r_moe_real"]["total"],
-            "expected": expected,
+            "expected": bench_throughput.expected_state_ratio(by_name["p2r_moe_real"].model, args.num_unique_layers),
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

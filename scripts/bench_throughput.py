@@ -124,6 +124,36 @@ class Runner:
         return rate
 
 
+def interleave(runners: list[Runner], rounds: int, steps: int, warmup: int) -> dict[str, Runner]:
+    """Warm every runner up untimed, then time `steps` steps of each per round, the order rotating round by round so
+    no model always runs first (caches, clock boost); returns the runners by name."""
+    for runner in runners:
+        for _ in range(warmup):
+            runner.step()
+        runner.tokens_per_s.clear()
+    for round_idx in range(rounds):
+        shift = round_idx % len(runners)
+        for runner in runners[shift:] + runners[:shift]:
+            runner.run(steps)
+        rates = ", ".join(f"{r.name} {r.tokens_per_s[-1]:,.0f} tok/s" for r in runners)
+        print(f"round {round_idx + 1}/{rounds}: {rates}", flush=True)
+    return {runner.name: runner for runner in runners}
+
+
+def ratio_summary(by_name: dict[str, Runner], a: str, b: str, target: str) -> dict:
+    """Median, min and max over rounds of the per-round tokens/s ratio a / b."""
+    values = [x / y for x, y in zip(by_name[a].tokens_per_s, by_name[b].tokens_per_s)]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "target": target}
+
+
+def expected_state_ratio(real_model: torch.nn.Module, num_unique_layers: int) -> float:
+    """Pseudo/real training-state ratio: (non-layer params + k blocks) / (non-layer params + L blocks)."""
+    depth = len(real_model.model.layers)
+    block = sum(p.numel() for p in real_model.model.layers[0].parameters())
+    non_layer = sum(p.numel() for p in real_model.parameters()) - block * depth
+    return (non_layer + num_unique_layers * block) / (non_layer + depth * block)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -159,35 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for runner in runners:
         runner.model.set_attn_implementation(args.attn)
-        for _ in range(args.warmup):
-            runner.step()
-        runner.tokens_per_s.clear()
+    by_name = interleave(runners, args.rounds, args.steps, args.warmup)
 
-    for round_idx in range(args.rounds):
-        # Rotate the order so no model always runs first (caches, clock boost).
-        for runner in runners[round_idx % 3 :] + runners[: round_idx % 3]:
-            runner.run(args.steps)
-        rates = {r.name: r.tokens_per_s[-1] for r in runners}
-        print(
-            f"round {round_idx + 1}/{args.rounds}: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
-            flush=True,
-        )
-
-    by_name = {r.name: r for r in runners}
-
-    def ratios(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(by_name[a].tokens_per_s, by_name[b].tokens_per_s)]
-
-    real_vs_llama, pseudo_vs_real = ratios("p2r_real", "llama"), ratios("p2r_pseudo", "p2r_real")
     state = {name: training_state_bytes(r.model, r.optimizer) for name, r in by_name.items()}
-
-    # Expected pseudo/real state ratio: (non-layer params + k blocks) / (non-layer params + L blocks).
-    real_model = by_name["p2r_real"].model
-    block = sum(p.numel() for p in real_model.model.layers[0].parameters())
-    non_layer = sum(p.numel() for p in real_model.parameters()) - block * dims["num_hidden_layers"]
-    expected_state_ratio = (non_layer + args.num_unique_layers * block) / (
-        non_layer + dims["num_hidden_layers"] * block
-    )
 
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -206,22 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "tokens_per_s_median": {name: statistics.median(r.tokens_per_s) for name, r in by_name.items()},
         "tokens_per_s": {name: r.tokens_per_s for name, r in by_name.items()},
-        "ratio_real_vs_llama": {
-            "median": statistics.median(real_vs_llama),
-            "min": min(real_vs_llama),
-            "max": max(real_vs_llama),
-            "target": ">= 1.00",
-        },
-        "ratio_pseudo_vs_real": {
-            "median": statistics.median(pseudo_vs_real),
-            "min": min(pseudo_vs_real),
-            "max": max(pseudo_vs_real),
-            "target": ">= 0.98",
-        },
+        "ratio_real_vs_llama": ratio_summary(by_name, "p2r_real", "llama", ">= 1.00"),
+        "ratio_pseudo_vs_real": ratio_summary(by_name, "p2r_pseudo", "p2r_real", ">= 0.98"),
         "training_state_bytes": state,
         "state_ratio_pseudo_vs_real": {
             "measured": state["p2r_pseudo"]["total"] / state["p2r_real"]["total"],
-            "expected": expected_state_ratio,
+            "expected": expected_state_ratio(by_name["p2r_real"].model, args.num_unique_layers),
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
