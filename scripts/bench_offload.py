@@ -243,7 +243,7 @@ def setup(name: str, dims: dict, device: str):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        from hf_p2r.parallel import fully_shard_p2r
+        from hf_p2r.distributed import fully_shard_p2r
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device == "cuda" else None
         fully_shard_p2r(

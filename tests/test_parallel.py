@@ -1,8 +1,8 @@
-"""hf_p2r.parallel's argument checks (the two-process behaviour is in tests/distributed/test_fsdp2.py)."""
+"""hf_p2r.distributed's argument checks (the two-process behaviour is in tests/distributed/test_fsdp2.py)."""
 
 import pytest
 
-from hf_p2r.parallel import delink_fully_sharded, gather_shared_once
+from hf_p2r.distributed import delink_fully_sharded, gather_shared_once
 
 from .conftest import tiny_model
 

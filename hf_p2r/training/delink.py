@@ -136,7 +136,7 @@ def delink_in_training(
     resets `accelerator.step`, the gradient-accumulation counter, which is 0 modulo the accumulation steps between
     optimizer steps), so that afterwards Accelerate knows only the delinked pair.
 
-    - FSDP2: the sharded model is delinked without gathering it (`hf_p2r.parallel.delink_fully_sharded`: each rank
+    - FSDP2: the sharded model is delinked without gathering it (`hf_p2r.distributed.delink_fully_sharded`: each rank
       copies its own shards), then sharded like the old one; the optimizer state is carried shard by shard.
     - DeepSpeed: the full fp32 weights are gathered, the model is delinked and a new engine is built; the optimizer
       state restarts (`optimizer_carry: reset`, checked up front).
@@ -150,7 +150,7 @@ def delink_in_training(
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        from ..parallel import delink_fully_sharded, gather_shared_once
+        from ..distributed import delink_fully_sharded, gather_shared_once
 
         before = _Before.of(model)
         new_model, mapping = delink_fully_sharded(
@@ -161,7 +161,7 @@ def delink_in_training(
         accelerator.free_memory()
         return *accelerator.prepare(new_model, new_optimizer), None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        from ..parallel import gather_deepspeed_model
+        from ..distributed import gather_deepspeed_model
 
         plain = gather_deepspeed_model(model).delink(num_unique_layers)  # a collective: every rank calls it
         accelerator.free_memory()

@@ -25,8 +25,8 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from ..distributed import gather_shared_once
 from ..models.p2r import P2RForCausalLM, P2RMoeConfig, P2RMoeForCausalLM
-from ..parallel import gather_shared_once
 from .checkpointing import (
     CHECKPOINTS,
     TrainState,

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from hf_p2r.parallel import gather_deepspeed_model
+from hf_p2r.distributed import gather_deepspeed_model
 
 from ..conftest import tiny_model
 from . import spawn

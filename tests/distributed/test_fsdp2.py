@@ -1,6 +1,6 @@
 """FSDP2 (torch's `fully_shard`, gloo, two CPU processes) on a pseudo model, through delink, against one process.
 
-Accelerate enables FSDP only on accelerators (on CPU its plugin is ignored), so these tests call `hf_p2r.parallel`
+Accelerate enables FSDP only on accelerators (on CPU its plugin is ignored), so these tests call `hf_p2r.distributed`
 and Accelerate's own wrapping function (`fsdp2_prepare_model`) directly; `accelerate launch` with
 `configs/accelerate/fsdp2.yaml` is left to the GPU checks.
 """
@@ -19,7 +19,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from hf_p2r.parallel import delink_fully_sharded, fully_shard_p2r, gather_shared_once
+from hf_p2r.distributed import delink_fully_sharded, fully_shard_p2r, gather_shared_once
 from hf_p2r.planning import PRECISIONS, Layout, model_state_bytes, parameter_tensors
 from hf_p2r.training.delink import _Before, carry_optimizer_state
 

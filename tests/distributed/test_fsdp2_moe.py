@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from hf_p2r.parallel import delink_fully_sharded, fully_shard_p2r
+from hf_p2r.distributed import delink_fully_sharded, fully_shard_p2r
 
 from ..models.test_modeling_p2r_moe import moe_model
 from . import spawn

@@ -62,7 +62,7 @@ def test_pseudo_and_real_compute_the_same_activations_and_flops():
 
 
 def test_gather_shared_once_keeps_the_shared_blocks_whole():
-    """Under FSDP2 a shared block stays gathered all step (hf_p2r.parallel.gather_shared_once): its full weights and
+    """Under FSDP2 a shared block stays gathered all step (hf_p2r.distributed.gather_shared_once): its full weights and
     gradients are buffers, and it is gathered once per micro-batch instead of once forward and once backward."""
     pseudo, real = pseudo_and_real(tiny_config(), num_unique_layers=1)
     layout = Layout(dp=4, zero=3)

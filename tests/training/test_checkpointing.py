@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from hf_p2r import P2RForCausalLM
 from hf_p2r.checkpoint import writer as writer_module
-from hf_p2r.parallel import fully_shard_p2r
+from hf_p2r.distributed import fully_shard_p2r
 from hf_p2r.training.checkpointing import save_model
 from hf_p2r.training.data import byte_level_tokenizer
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .compat import reshard_after_backward
-from .models.p2r import P2RPreTrainedModel, delink_sources
+from ..compat import reshard_after_backward
+from ..models.p2r import P2RPreTrainedModel, delink_sources
 
 
 def fully_shard_p2r(
