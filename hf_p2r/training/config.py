@@ -174,11 +174,18 @@ class TrainArguments:
     per_device_batch_size: int = field(default=16, metadata={"help": "Blocks per micro-batch per process."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
-    lr_scheduler: Literal["cosine", "linear", "constant"] = field(
-        default="cosine", metadata={"help": "Decay over pseudo_steps + real_steps, after warmup_steps."}
+    lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = field(
+        default="cosine",
+        metadata={
+            "help": "Decay over pseudo_steps + real_steps, after warmup_steps; wsd: warmup-stable-decay, the peak "
+            "rate until the last lr_decay_fraction of the run, then a 1-sqrt decay to the floor."
+        },
+    )
+    lr_decay_fraction: float = field(
+        default=0.2, metadata={"help": "wsd: the fraction of the run (all steps) spent decaying, in (0, 1]."}
     )
     warmup_steps: int = field(default=20, metadata={"help": "Linear warm-up at the start of the run."})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final learning rate / peak (cosine, linear)."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final learning rate / peak (cosine, linear, wsd)."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices and embeddings only)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
@@ -228,6 +235,7 @@ class TrainArguments:
         check_range("save_total_limit", self.save_total_limit, low=1)
         check_range("learning_rate", self.learning_rate, low=0.0, strict_low=True)
         check_range("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        check_range("lr_decay_fraction", self.lr_decay_fraction, low=0.0, high=1.0, strict_low=True)
         check_range("weight_decay", self.weight_decay, low=0.0)
         check_range("adam_beta1", self.adam_beta1, low=0.0, high=1.0, strict_high=True)
         check_range("adam_beta2", self.adam_beta2, low=0.0, high=1.0, strict_high=True)
@@ -235,10 +243,20 @@ class TrainArguments:
         check_range("max_grad_norm", self.max_grad_norm, low=0.0)
         if self.pseudo_steps + self.real_steps == 0:
             raise ValueError("real_steps: pseudo_steps + real_steps must be at least 1")
+        if self.lr_scheduler == "wsd" and self.warmup_steps + self.decay_steps > self.total_steps:
+            raise ValueError(
+                f"lr_decay_fraction: warm-up ({self.warmup_steps} steps) and decay ({self.decay_steps}) must fit in "
+                f"the run ({self.total_steps} steps), got {self.lr_decay_fraction}"
+            )
 
     @property
     def total_steps(self) -> int:
         return self.pseudo_steps + self.real_steps
+
+    @property
+    def decay_steps(self) -> int:
+        """Steps of the wsd schedule's decay (at least 1): the last `lr_decay_fraction` of the run."""
+        return max(1, round(self.lr_decay_fraction * self.total_steps))
 
     @property
     def offload_spec(self) -> str | float | list[int] | None:

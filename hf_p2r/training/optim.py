@@ -4,12 +4,15 @@ The learning rate is a pure function of the step (and of the delink steps), set 
 update: nothing to save or rebuild when the optimizer is replaced at a delink, and a resumed run gets it right.
 """
 
+import functools
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers import get_wsd_schedule
 
 from .config import TrainArguments
 from .offload import GranularOffload, measure_activation_bytes
@@ -95,12 +98,17 @@ def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -
     """Learning rate of the update from `step` to `step + 1` (steps count from 0).
 
     Linear warm-up over `warmup_steps`, then `lr_scheduler` decay to `min_lr_ratio * learning_rate` at the last step;
-    the schedule runs over the whole run (pseudo and real steps). With `lr_after_delink="rewarm"` the rate is also
-    ramped up linearly over `rewarm_steps` after each step in `delink_steps`.
+    the schedule runs over the whole run (pseudo and real steps). `wsd` holds the peak until the last
+    `lr_decay_fraction` of the run (transformers' `get_wsd_schedule`, 1-sqrt decay): the delinks fall in its stable
+    phase, and runs that differ before the decay are compared after the same anneal. With `lr_after_delink="rewarm"`
+    the rate is also ramped up linearly over `rewarm_steps` after each step in `delink_steps`.
     """
     peak, warmup = args.learning_rate, args.warmup_steps
     if step < warmup:
         lr = peak * (step + 1) / warmup
+    elif args.lr_scheduler == "wsd":
+        # The decay's last factor (min_lr_ratio) lands on the last step, as cosine's and linear's do.
+        lr = peak * _wsd_factor(warmup, args.decay_steps, args.total_steps - 1, args.min_lr_ratio)(step)
     else:
         progress = (step - warmup) / max(1, args.total_steps - 1 - warmup)
         decay = {
@@ -115,3 +123,18 @@ def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -
         if since:
             lr *= min(1.0, (min(since) + 1) / args.rewarm_steps)
     return lr
+
+
+@functools.cache
+def _wsd_factor(warmup: int, decay: int, last_step: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """transformers' WSD factor of a step (its warm-up unused: every schedule here shares the one above)."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule = get_wsd_schedule(
+        probe,
+        num_warmup_steps=warmup,
+        num_decay_steps=decay,
+        num_training_steps=last_step,
+        decay_type="1-sqrt",
+        min_lr_ratio=min_lr_ratio,
+    )
+    return schedule.lr_lambdas[0]

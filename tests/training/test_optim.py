@@ -107,3 +107,32 @@ def test_resume_refuses_another_shared_lr_scale(tmp_path):
     assert read_state(tmp_path, saved) == TrainState()
     with pytest.raises(ValueError, match=r"different run \(shared_lr_scale='none' there, 'depth' now\)$"):
         read_state(tmp_path, parse_config([]))
+
+
+def test_wsd_warms_up_holds_the_peak_then_decays_to_the_floor():
+    args = TrainArguments(
+        learning_rate=2.0, warmup_steps=4, pseudo_steps=10, real_steps=10, lr_scheduler="wsd", lr_decay_fraction=0.25
+    )
+    rates = [learning_rate_at(step, args, [10]) for step in range(20)]
+    assert rates[:4] == [0.5, 1.0, 1.5, 2.0]  # the same warm-up as every schedule
+    decay = args.decay_steps
+    assert decay == 5
+    assert rates[4 : 19 - decay + 1] == [2.0] * (19 - decay - 3)  # stable: the peak, through the delink at step 10
+    # 1-sqrt decay over the last 5 steps, to min_lr_ratio * peak at the last step.
+    assert rates[19 - decay + 2] == pytest.approx(2.0 * (0.1 + 0.9 * (1 - math.sqrt(2 / 5))))
+    assert rates[19] == pytest.approx(0.2)
+    assert all(a > b for a, b in zip(rates[14:], rates[15:]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(lr_decay_fraction=0.0), "lr_decay_fraction"),
+        (dict(lr_decay_fraction=1.5), "lr_decay_fraction"),
+        (dict(lr_decay_fraction=0.9, warmup_steps=5), "lr_decay_fraction"),  # 5 + 18 > 20 steps
+        (dict(lr_scheduler="step"), "lr_scheduler"),
+    ],
+)
+def test_wsd_bad_values_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        TrainArguments(pseudo_steps=10, real_steps=10, **{"lr_scheduler": "wsd", **overrides})
