@@ -7,7 +7,7 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 
 from huggingface_hub.serialization._base import parse_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
-__all__ = ["in_backward", "parse_size_to_int", "reshard_after_backward"]
+__all__ = ["in_backward", "parse_size_to_int", "pipeline_order", "reshard_after_backward"]
 
 
 def reshard_after_backward(module) -> bool:
@@ -31,3 +31,23 @@ def in_backward() -> bool:
     import torch
 
     return torch._C._current_graph_task_id() != -1
+
+
+def pipeline_order(schedule: str, stages: int, microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """torch.distributed.pipelining's own compute actions of `schedule` (a `get_schedule_class` name: "GPipe",
+    "1F1B", "Interleaved1F1B", ...) for `stages` ranks, as (kind, stage, micro-batch) per rank, in the order each
+    rank runs them; REDUCE_GRAD and idle steps left out.
+
+    The schedule classes expose their order as `pipeline_order` (a list of `_Action`) only once built on a stage;
+    `_schedule_visualizer.get_schedule_ops` builds them on a mocked `PipelineStage` (no process group needed).
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    return [
+        [
+            (a.computation_type.value, a.stage_index, a.microbatch_index)
+            for a in rank
+            if a is not None and a.microbatch_index is not None and a.is_compute_op
+        ]
+        for rank in get_schedule_ops(schedule, stages, microbatches)
+    ]
