@@ -44,8 +44,30 @@ HEAVY = ["torch", "transformers"]
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], ["convert", "--help"], ["convert", "only-src"], ["convert", "a", "b", "--target", "gguf"], ["nope"]],
-    ids=["help", "convert help", "missing argument", "bad choice", "unknown command"],
+    [
+        ["--help"],
+        ["convert", "--help"],
+        ["convert", "only-src"],
+        ["convert", "a", "b", "--target", "gguf"],
+        ["nope"],
+        ["plan", "--help"],
+        ["plan", "--config", "c", "--gpus", "8", "--precision", "fp4"],
+        ["plan", "--config", "c", "--gpus", "8", "--gpu-memory", "lots"],
+        ["push", "--help"],
+        ["env", "--help"],
+    ],
+    ids=[
+        "help",
+        "convert help",
+        "missing argument",
+        "bad choice",
+        "unknown command",
+        "plan help",
+        "plan bad choice",
+        "plan bad size",
+        "push help",
+        "env help",
+    ],
 )
 def test_help_and_argument_errors_import_neither_torch_nor_transformers(args):
     code = f"""

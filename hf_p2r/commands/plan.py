@@ -26,8 +26,7 @@ HELP = "memory per GPU and estimated step time of parallel layouts (DDP, ZeRO, F
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..planning.memory import PRECISIONS
-    from ..planning.plan import Hardware
+    from ..planning.assumptions import PRECISIONS, Hardware  # torch-free: --help and argument errors answer at once
 
     assumptions = ", ".join(f"{f.name}={f.default:g}" for f in dataclasses.fields(Hardware) if f.name not in _FLAGS)
     parser = subparsers.add_parser(
@@ -66,8 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planning.memory import PRECISIONS
-    from ..planning.plan import Hardware, Workload, plan, pseudo_and_real, read_config
+    from ..planning.assumptions import PRECISIONS, Hardware
+    from ..planning.plan import Workload, plan, pseudo_and_real, read_config
     from ..planning.report import format_plan
 
     for name in ("gpus", "gpus_per_node", "seq_len", "micro_batch", "global_batch", "max_tp", "max_pp", "top"):
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _assumptions(items: list[str]) -> dict:
-    from ..planning.plan import Hardware
+    from ..planning.assumptions import Hardware
 
     fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name not in _FLAGS}
     values = {}

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.p2r import P2RConfig, P2RForCausalLM, P2RMoeConfig, P2RMoeForCausalLM
-
-GiB = 2**30
+from .assumptions import PRECISIONS, GiB, Precision
 
 # Where TP splits a weight, by the style names of transformers' `ALL_PARALLEL_STYLES`; other styles replicate.
 _TP_DIM = {
@@ -34,35 +33,6 @@ _TP_DIM = {
     "embedding_colwise": 1,
 }
 _BLOCK = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per element of a training recipe.
-
-    `optimizer` counts every optimizer byte per parameter element, including an fp32 master copy when the weights
-    are kept in low precision; `optimizer_per_tensor` is AdamW's `step` counter (one fp32 scalar per parameter
-    tensor in torch's AdamW; Megatron and DeepSpeed keep one per group, so 0 there).
-    """
-
-    name: str
-    weight: int
-    grad: int
-    optimizer: int
-    optimizer_per_tensor: int
-    activation: int
-    description: str
-
-
-PRECISIONS = {
-    p.name: p
-    for p in (
-        Precision("mixed", 2, 4, 12, 0, 2, "bf16 weights, fp32 grads, fp32 master + Adam (Megatron, DeepSpeed)"),
-        Precision("amp", 4, 4, 8, 4, 2, "fp32 weights and Adam, bf16 compute (Accelerate bf16, FSDP2 fp32 shards)"),
-        Precision("fp32", 4, 4, 8, 4, 4, "fp32 everything (torch AdamW)"),
-        Precision("bf16", 2, 2, 4, 4, 2, "bf16 everything, Adam moments in bf16 (torch AdamW)"),
-    )
-}
 
 
 @dataclass(frozen=True)

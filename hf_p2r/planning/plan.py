@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.p2r import P2RConfig, P2RMoeConfig
+from .assumptions import Hardware
 from .memory import (
-    GiB,
     Layout,
     Memory,
     ParameterTensor,
@@ -46,22 +46,6 @@ from .memory import (
 )
 
 OFFLOAD_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)  # granular offload: share of the stored blocks in CPU memory
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """The machine, and the named assumptions of the cost model (defaults: 8 x H100 80GB nodes)."""
-
-    gpu_memory: int = 80 * 10**9
-    cpu_memory: int | None = None  # per node; None: not checked
-    gpus_per_node: int = 8
-    peak_flops: float = 989e12  # dense bf16 FLOP/s per GPU (H100 SXM)
-    mfu: float = 0.40  # share of peak the matmuls reach (Frontier reports 32-38% end to end)
-    intra_node_bandwidth: float = 150e9  # bytes/s per GPU a collective achieves over NVLink
-    inter_node_bandwidth: float = 25e9  # bytes/s per GPU across nodes (200 Gb/s InfiniBand per GPU)
-    pcie_bandwidth: float = 25e9  # bytes/s per GPU between host and device
-    cpu_adam_params_per_second: float = 1e9  # CPU Adam updates per second, per node
-    reserved_gpu_bytes: int = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
 
 
 @dataclass(frozen=True)
