@@ -2,8 +2,8 @@
 
 Each subcommand lives in `hf_p2r/commands/<name>.py` and exposes `register(subparsers)`, which adds its parser and
 sets `func` (called with the parsed arguments; returns an exit code or None), and `HELP`, its line in `hf-p2r --help`.
-Only the command being run builds its parser, and heavy imports happen inside `func`: `hf-p2r --help`, `hf-p2r convert
---help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and `hf-p2r convert`
+Only the command being run builds its parser, and heavy imports happen inside `func`: `hf-p2r --help`, every
+command's `--help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and `hf-p2r convert`
 needs them only for a dtype cast or `--verify`. Expected user errors print one line on stderr and exit 1, without a
 traceback.
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="hf-p2r", description="Pseudo-to-Real pretraining tools.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # The others only show their help line: building `plan`'s parser loads the planner (and torch) for its choices.
+    # The others only show their help line.
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     for name, command in COMMANDS.items():
         if name == chosen:
