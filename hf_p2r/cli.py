@@ -3,9 +3,9 @@
 Each subcommand lives in `hf_p2r/commands/<name>.py` and exposes `register(subparsers)`, which adds its parser and
 sets `func` (called with the parsed arguments; returns an exit code or None), and `HELP`, its line in `hf-p2r --help`.
 Only the command being run builds its parser, and heavy imports happen inside `func`: `hf-p2r --help`, every
-command's `--help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and `hf-p2r convert`
-needs them only for a dtype cast or `--verify`. Expected user errors print one line on stderr and exit 1, without a
-traceback.
+command's `--help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and
+`hf-p2r convert` needs them only for a dtype cast or `--verify`. Expected user errors print one line on stderr and
+exit 1, without a traceback.
 
 SIGTERM and SIGHUP (`kill`, `timeout`, a SLURM job ending, a closed terminal) stop a command like Ctrl-C does: the
 partial output is removed, one line is printed and the exit status is 128 + the signal number.
