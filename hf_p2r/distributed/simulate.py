@@ -121,10 +121,11 @@ def simulate(
     costs: list[StageCost],
     microbatches: int,
     *,
-    p2p: float = 0.0,
+    p2p: float | list[float] = 0.0,
     schedule: str = "",
 ) -> Simulation:
-    """Replay `actions` (one list per rank) with `costs` (one per stage) and `p2p` seconds per send between ranks.
+    """Replay `actions` (one list per rank) with `costs` (one per stage) and `p2p` seconds per send between ranks
+    (one figure, or one per boundary: `p2p[s]` between stages s and s + 1, either way).
 
     `microbatches` is the number per optimizer step. Lists with U actions (2BW) are a stream of steps: the step
     time is the mean interval between stage 0's updates, leaving out the first and the last step (pipeline fill and
@@ -135,6 +136,10 @@ def simulate(
     if sorted(rank_of) != list(range(len(costs))):
         raise ValueError(f"the actions run stages {sorted(rank_of)}, but there are {len(costs)} stage costs")
     last = len(costs) - 1
+    if isinstance(p2p, (int, float)):
+        p2p = [float(p2p)] * last
+    elif len(p2p) != last:
+        raise ValueError(f"p2p: expected one latency per stage boundary ({last}), got {len(p2p)}")
     end: dict[tuple[str, int, int], float] = {}
     free = [0.0] * len(actions)
     position = [0] * len(actions)
@@ -183,7 +188,7 @@ def simulate(
 
 
 def simulate_schedule(
-    schedule: str, costs: list[StageCost], microbatches: int, *, p2p: float = 0.0, batches: int = 6
+    schedule: str, costs: list[StageCost], microbatches: int, *, p2p: float | list[float] = 0.0, batches: int = 6
 ) -> Simulation:
     """`simulate` of `schedule_actions(schedule, len(costs), microbatches)`: one stage per rank; 2BW over `batches`."""
     actions = schedule_actions(schedule, len(costs), microbatches, batches if schedule == "2bw" else 1)
@@ -218,7 +223,7 @@ def _check(stages: int, microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be at least 1, got {microbatches}")
 
 
-def _ready_time(action: Action, end: dict, rank_of: dict, last: int, p2p: float) -> float | None:
+def _ready_time(action: Action, end: dict, rank_of: dict, last: int, p2p: list[float]) -> float | None:
     """When the inputs of `action` exist on its rank, or None if one has not been computed yet."""
     kind, stage, mb = action
     if kind == FORWARD:
@@ -238,7 +243,10 @@ def _ready_time(action: Action, end: dict, rank_of: dict, last: int, p2p: float)
     for need in needs:
         if need not in end:
             return None
-        ready = max(ready, end[need] + (p2p if rank_of[need[1]] != rank_of[stage] else 0.0))
+        if rank_of[need[1]] != rank_of[stage]:
+            ready = max(ready, end[need] + p2p[min(need[1], stage)])
+        else:
+            ready = max(ready, end[need])
     return ready
 
 

@@ -123,3 +123,12 @@ def test_torchs_interleaved_schedule_runs_in_the_simulator():
     result = simulate(actions, [StageCost(0.5, 1.0)] * 4, 4)
     busy = 4 * 2 * 1.5  # per rank: 4 micro-batches x 2 stages x (f + b)
     assert busy < result.step_time < busy + 3.0  # some bubble, less than the one-stage-per-rank 1F1B's (d - 1)(f + b)
+
+
+def test_latency_per_boundary():
+    """A slow link between two nodes delays only the sends that cross it."""
+    costs = uniform(4)
+    one_slow = simulate_schedule("gpipe", costs, 4, p2p=[0.0, 1.0, 0.0])
+    assert one_slow.step_time == simulate_schedule("gpipe", costs, 4).step_time + 2 * 1.0
+    with pytest.raises(ValueError, match=r"one latency per stage boundary \(3\), got 2"):
+        simulate_schedule("gpipe", costs, 4, p2p=[0.0, 1.0])
