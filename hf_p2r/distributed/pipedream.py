@@ -1,0 +1,237 @@
+"""PipeDream-2BW (Narayanan et al., arXiv 2006.09503) as a schedule over torch's `PipelineStage`: 1F1B without
+pipeline flushes, two weight versions per stage, one optimizer step every m >= d micro-batches.
+
+The update rule is W(t+1) = W(t) - nu * grad f_t(W(t-1)): batch t's m micro-batches run forward and backward on the
+weights of one step earlier, their gradients are summed (coalesced, scaled by 1/m: the mean over the micro-batches)
+into one optimizer step applied to the newest weights; any optimizer (Adam included) sees grad f_t(W(t-1)) where plain
+training would see grad f_t(W(t)). W(-1) = W(0).
+
+How a stage keeps it exact with two versions. The micro-batches stream through the stage in 1F1B order across
+optimizer steps (`step()` calls) with no flush: at stage s of d, w = d - s micro-batches are in flight, so `step(t)`
+runs batch t's m forwards and the backwards of micro-batches tm - w ... tm + m - 1 - w (the tail of batch t-1 first).
+Two sets of parameter tensors (A, B) alternate by batch parity: batch t runs on set t mod 2, installed in the stage's
+module before its first forward, so its graphs hold set t mod 2 and its weight gradients accumulate there. At the end
+of `step(t)` batch t-1 is complete on this stage (w <= m), so set (t-1) mod 2 is free: it takes the values of set
+t mod 2 (W(t-1)), and the optimizer steps it with batch t-1's gradient (computed on W(t-2)): it now holds W(t), which
+batch t+1 will run on, while batch t's in-flight micro-batches keep W(t-1) in the other set. Hence never more than two
+versions of a weight (`live_versions` counts them from the autograd graphs), and the update needs no third copy: the
+optimizer's state follows its parameter from one set to the other.
+
+`drain()` finishes the in-flight micro-batches and applies the last batch's update, without changing the rule (the
+next batch still runs on W(t-1)): call it before a checkpoint, a delink or the end of training. Sends are never waited
+for before `drain()` (a stage may send a gradient that its peer receives in the next `step()` call), and the
+collectives of an update (replica reduction, gradient norm) run at the end of `step()`, where every stage is.
+"""
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from .pipeline import model_name
+
+
+class SchedulePipeDream2BW(PipelineScheduleSingle):
+    """PipeDream-2BW over one `PipelineStage` per process; `attach` gives it the pipeline and its optimizer."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable):
+        super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        if n_microbatches < stage.num_stages:
+            raise ValueError(
+                f"num_microbatches: PipeDream-2BW needs m >= d (m={n_microbatches}, d={stage.num_stages})"
+            )
+        self.m = n_microbatches
+        # Micro-batch g uses the stage's infrastructure slot g mod 2m (fewer than m are ever in flight).
+        self._n_microbatches = 2 * n_microbatches
+        self._warmup = stage.num_stages - stage.stage_index
+        self._in_flight: deque[int] = deque()
+        self._losses: dict[int, torch.Tensor] = {}
+        self._sends: list[dist.Work] = []
+        self.batches = 0  # batches started
+        self.updated = 0  # batches whose update is applied
+        self.observer: Callable[[], None] | None = None  # called after every forward and backward (tests)
+
+    def attach(self, pipeline, optimizer_factory, max_grad_norm: float | None) -> None:
+        """Create the second weight version and the optimizer (over the first; it follows the updated set)."""
+        self.pipeline, self.max_grad_norm = pipeline, max_grad_norm
+        self.optimizer_factory = optimizer_factory
+        first = dict(self._stage.submod.named_parameters())
+        self.versions = [first, _clone(first)]
+        self.optimizer = optimizer_factory(list(first.values()))
+        self._optimizer_set = 0
+
+    # --- the schedule ---------------------------------------------------------------------------------------------
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """Batch `self.batches`: its m forwards interleaved 1F1B with the backwards that are due, then the update of
+        the previous batch. On the last stage `losses` receives this batch's m micro-batch losses."""
+        stage, m = self._stage, self.m
+        stage.has_backward = True
+        if args or kwargs:
+            args_split, kwargs_split = split_args_kwargs_into_chunks(args, kwargs, m)
+        else:
+            args_split, kwargs_split = [()] * m, [{}] * m
+        targets = list(torch.tensor_split(target, m)) if target is not None else [None] * m
+        if not self._stage_forward_initialized:
+            self._initialize_stage(args_split[0], kwargs_split[0], targets[0])
+            for param in stage.submod.parameters():
+                param.grad = None  # metadata inference ran a backward
+        batch = self.batches
+        self._install(batch % 2)
+        for index in range(m):
+            if len(self._in_flight) >= self._warmup:
+                self._backward(self._in_flight.popleft())
+            self._forward(batch * m + index, args_split[index], kwargs_split[index], targets[index])
+        self.batches += 1
+        if losses is not None and stage.is_last:
+            losses.clear()
+            losses.extend(self._losses[batch * m + index].detach() for index in range(m))
+        if batch >= 1 and self.updated < batch:
+            self._update(batch - 1)
+
+    def drain(self) -> None:
+        """Run the in-flight backwards, wait for every send, apply the last batch's update (a flush that keeps the
+        update rule)."""
+        while self._in_flight:
+            self._backward(self._in_flight.popleft())
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+        if self.batches and self.updated < self.batches:
+            if self.updated < self.batches - 1:
+                self._update(self.batches - 2)
+            self._update(self.batches - 1)
+
+    def _slot(self, micro_batch: int) -> int:
+        return micro_batch % self._n_microbatches
+
+    def _forward(self, micro_batch: int, args, kwargs, target) -> None:
+        stage, slot = self._stage, self._slot(micro_batch)
+        for info in stage.args_recv_info[slot]:
+            if info.buffer is not None:
+                info.buffer.grad = None  # the slot's previous micro-batch left its input gradient there
+        _wait(stage.get_fwd_recv_ops(slot))
+        output = stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
+        if stage.is_last:
+            self._losses[micro_batch] = self._compute_loss(output, target)
+        self._sends.extend(_start(stage.get_fwd_send_ops(slot)))
+        self._in_flight.append(micro_batch)
+        self._observe()
+
+    def _backward(self, micro_batch: int) -> None:
+        stage, slot = self._stage, self._slot(micro_batch)
+        _wait(stage.get_bwd_recv_ops(slot))
+        stage.backward_one_chunk(slot, loss=self._losses.pop(micro_batch, None), last_backward=False)
+        self._sends.extend(_start(stage.get_bwd_send_ops(slot)))
+        self._sends = [work for work in self._sends if not work.is_completed()]
+        self._observe()
+
+    def _observe(self) -> None:
+        if self.observer is not None:
+            self.observer()
+
+    # --- the versions ---------------------------------------------------------------------------------------------
+    def _install(self, index: int) -> None:
+        """Make set `index` the module's parameters (the next forwards run on it)."""
+        module = self._stage.submod
+        for name, param in self.versions[index].items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, param)
+
+    def _update(self, batch: int) -> None:
+        """W(batch + 1) = W(batch) - step(grad f_batch(W(batch - 1))), into the set batch ran on (now free)."""
+        updated, newest = self.versions[batch % 2], self.versions[(batch + 1) % 2]
+        for param in updated.values():
+            if param.grad is not None:
+                param.grad.div_(self.m)  # the mean over the micro-batches, as the flush schedules' scale_grads
+        named = {model_name(name, self.pipeline.config.tie_word_embeddings): param for name, param in updated.items()}
+        self.pipeline.reduce_replicas(named)
+        if self.max_grad_norm:
+            self.pipeline.clip_grad_norm_(self.max_grad_norm, named)
+        with torch.no_grad():
+            for name, param in updated.items():
+                param.copy_(newest[name])
+        self._point_optimizer_at(batch % 2)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updated = batch + 1
+
+    def _point_optimizer_at(self, index: int) -> None:
+        """The optimizer steps set `index`: its parameter slots and per-parameter state move there."""
+        if index == self._optimizer_set:
+            return
+        old, new = self.versions[self._optimizer_set], self.versions[index]
+        swap = {id(old[name]): new[name] for name in old}
+        for group in self.optimizer.param_groups:
+            group["params"] = [swap[id(param)] for param in group["params"]]
+        for name in old:
+            if old[name] in self.optimizer.state:
+                self.optimizer.state[new[name]] = self.optimizer.state.pop(old[name])
+        self._optimizer_set = index
+
+    def current_weights(self) -> dict[str, torch.Tensor]:
+        """The newest weights W(updated) after `drain()` (stage names)."""
+        return {name: param.detach() for name, param in self.versions[(self.updated - 1) % 2].items()}
+
+    def live_versions(self) -> int:
+        """The most versions of one weight alive now: distinct tensors per weight among the installed parameters,
+        the two sets, the optimizer's parameters and every parameter the in-flight micro-batches' autograd graphs
+        reach (counted per shape and position, so a leaked copy anywhere on those paths shows)."""
+        tensors: set[int] = set()
+        tensors.update(id(param) for param in self._stage.submod.parameters())
+        for version in self.versions:
+            tensors.update(id(param) for param in version.values())
+        for group in self.optimizer.param_groups:
+            tensors.update(id(param) for param in group["params"])
+        for outputs, _ in self._stage.fwd_cache.values():
+            tensors.update(_graph_leaves(outputs))
+        return -(-len(tensors) // len(self.versions[0]))
+
+    # --- the delink -----------------------------------------------------------------------------------------------
+    def delinked(self, mapping_stage: dict[str, str]) -> None:
+        """After `delink_stages` changed the module (drained first): both sets follow the new layout. The installed
+        set is the module's; the other is delinked alike (each new weight a copy of the weight its depth ran)."""
+        installed = (self.batches - 1) % 2  # the last update went into the set the last batch ran on
+        other = self.versions[1 - installed]
+        module_params = dict(self._stage.submod.named_parameters())
+        self.versions[installed] = module_params
+        self.versions[1 - installed] = {
+            name: nn.Parameter(other[source].detach().clone(), requires_grad=other[source].requires_grad)
+            for name, source in mapping_stage.items()
+        }
+        self._optimizer_set = installed
+
+
+def _clone(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    return {
+        name: nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad) for name, param in params.items()
+    }
+
+
+def _start(ops: list[dist.P2POp]) -> list[dist.Work]:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(ops: list[dist.P2POp]) -> None:
+    for work in _start(ops):
+        work.wait()
+
+
+def _graph_leaves(outputs) -> set[int]:
+    """ids of the leaf tensors (parameters and received activations) the autograd graph of `outputs` reaches."""
+    seen, leaves = set(), set()
+    stack = [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, nn.Parameter):
+            leaves.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves

@@ -1,0 +1,510 @@
+"""Pipeline parallelism for P2R models on `torch.distributed.pipelining`: stages by depth, the split, the schedules,
+shared blocks across stages, and the delink of a pipelined model.
+
+A P2R model is cut by depth into `d` stages (`num_stages = pipeline_parallel_size * virtual stages per process`): the
+first holds the embeddings, the last the final norm and the head, and each holds the blocks its depths run. Each stage
+is a `P2RPipelineStage` module built from the model (the model file knows nothing about pipelines, like transformers'
+own models: its `_pp_plan` only names the head) and wrapped in torch's `PipelineStage`; torch's schedules (GPipe, 1F1B,
+interleaved 1F1B, interleaved zero bubble) or `SchedulePipeDream2BW` (`pipedream.py`) drive them.
+
+transformers' `apply_pipeline_parallelism` replaces the layers a process does not own by `PipelineIdentityLayer` and
+runs the whole forward on every process, one after the other, with no micro-batches: nothing of it is reused here but
+the idea of keeping a contiguous range of depths per stage.
+
+Pseudo models:
+- `sequence`: a block's depths are contiguous, so the automatic split cuts only between blocks and every block lives
+  on one stage (a manual `pipeline_split` that cuts through a block is refused).
+- `cycle`: every stage runs the shared blocks, so every stage holds a replica of the blocks its depths use. A
+  replicated parameter's gradients are summed over the processes that hold it before the optimizer step (Megatron
+  does this for the word embeddings tied across its first and last stage, and so does this module for a tied head),
+  so the replicas take the same step and stay bitwise equal. The sum over the stages is what one process gets:
+  autograd sums a shared block's gradient over all the depths that ran it.
+
+The delink (`delink_stages`) happens in each process on its own blocks: depth i gets its own copy of the block it ran,
+a replica becoming that stage's real block; no replica is left, so the gradient reduction stops by itself.
+
+Costs for the automatic split (`piece_costs`): training FLOPs per token (6 per parameter of a matrix product, plus the
+attention scores, 12 * seq * hidden per layer) and bytes of parameters, gradients and Adam state (16 per fp32
+parameter). The embedding lookup costs no FLOPs; the head costs 6 * hidden * vocab per token, so a big vocabulary
+makes the last stage heavy and the split gives it fewer layers. The split minimises the largest stage's FLOPs, then
+its bytes.
+"""
+
+import copy
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.masking_utils import create_causal_mask
+
+from ..models.p2r import P2RForCausalLM
+from ..models.p2r.modeling_p2r import CACHE_KWARG
+
+logger = logging.getLogger(__name__)
+
+# pipeline_schedule values: torch's classes, then PipeDream-2BW (pipedream.py).
+TORCH_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+SCHEDULES = (*TORCH_SCHEDULES, "2bw")
+# Schedules that run several (virtual) stages per process.
+VIRTUAL_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class PieceCost:
+    """One piece of the model for the split: training FLOPs per token and bytes of training state."""
+
+    name: str
+    flops: float
+    bytes: float
+
+
+def piece_costs(config, seq_len: int, bytes_per_param: int = 16) -> tuple[PieceCost, list[PieceCost], PieceCost]:
+    """(embeddings, one cost per depth, norm + head) of a P2R config; see the module docstring for the model.
+
+    A depth's bytes are its block's: a pseudo model's stage holds each of its blocks once however many of its depths
+    run it (`stage_cost` counts them so).
+    """
+    hidden, vocab = config.hidden_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    attention = hidden * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    layer_params = attention + 3 * hidden * config.intermediate_size + 2 * hidden
+    layer_flops = 6 * (layer_params - 2 * hidden) + 12 * seq_len * hidden
+    embed = PieceCost("embeddings", 0.0, float(vocab * hidden * bytes_per_param))
+    head_params = (0 if config.tie_word_embeddings else vocab * hidden) + hidden
+    head = PieceCost("head", float(6 * hidden * vocab), float(head_params * bytes_per_param))
+    layers = [PieceCost(f"layer {depth}", float(layer_flops), float(layer_params * bytes_per_param)) for depth in
+              range(config.num_hidden_layers)]  # fmt: skip
+    return embed, layers, head
+
+
+def stage_cost(config, costs, start: int, end: int, first: bool, last: bool) -> tuple[float, float]:
+    """(FLOPs per token, bytes) of the stage running depths [start, end)."""
+    embed, layers, head = costs
+    flops = sum(layers[depth].flops for depth in range(start, end))
+    blocks = {config.block_of_depth[depth] for depth in range(start, end)}
+    nbytes = len(blocks) * (layers[0].bytes if layers else 0.0)
+    if first:
+        flops, nbytes = flops + embed.flops, nbytes + embed.bytes
+    if last:
+        flops, nbytes = flops + head.flops, nbytes + head.bytes
+    return flops, nbytes
+
+
+def allowed_cuts(config) -> list[int]:
+    """Depths where a stage may start: every depth, except inside a block of a `sequence` pseudo model."""
+    order = config.block_of_depth
+    if config.share_layers and config.sharing_pattern == "sequence":
+        return [depth for depth in range(1, len(order)) if order[depth] != order[depth - 1]]
+    return list(range(1, len(order)))
+
+
+def balanced_split(config, num_stages: int, seq_len: int) -> list[int]:
+    """Layers per stage, contiguous, minimising the largest stage's (FLOPs, bytes); ValueError if impossible."""
+    depth = config.num_hidden_layers
+    cuts = [0, *allowed_cuts(config), depth]
+    if num_stages > len(cuts) - 1:
+        kind = "blocks (sequence pseudo model)" if len(cuts) - 1 < depth else "layers"
+        raise ValueError(
+            f"pipeline_parallel_size: {num_stages} stages need at least as many {kind}, the model has {len(cuts) - 1}"
+        )
+    costs = piece_costs(config, seq_len)
+    # best[s][j]: the smallest largest-stage cost of s stages covering depths [0, cuts[j]); choice: the previous cut.
+    infinite = (float("inf"), float("inf"))
+    best = [[infinite] * len(cuts) for _ in range(num_stages + 1)]
+    choice = [[0] * len(cuts) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for stages in range(1, num_stages + 1):
+        for j in range(1, len(cuts)):
+            for i in range(j):
+                if best[stages - 1][i] == infinite:
+                    continue
+                cost = stage_cost(config, costs, cuts[i], cuts[j], i == 0, stages == num_stages and j == len(cuts) - 1)
+                candidate = max(best[stages - 1][i], cost)
+                if candidate < best[stages][j]:
+                    best[stages][j], choice[stages][j] = candidate, i
+    bounds, j = [], len(cuts) - 1
+    for stages in range(num_stages, 0, -1):
+        i = choice[stages][j]
+        bounds.append(cuts[j] - cuts[i])
+        j = i
+    return bounds[::-1]
+
+
+def check_split(config, split: Sequence[int], num_stages: int) -> list[int]:
+    """A manual `pipeline_split` (layers per stage) checked against the model; ValueError naming the field."""
+    split = [int(count) for count in split]
+    if len(split) != num_stages or any(count < 1 for count in split) or sum(split) != config.num_hidden_layers:
+        raise ValueError(
+            f"pipeline_split: {split} must give {num_stages} stages at least one layer each, "
+            f"{config.num_hidden_layers} layers in all"
+        )
+    allowed = set(allowed_cuts(config))
+    starts = [sum(split[:stage]) for stage in range(1, num_stages)]
+    inside = [start for start in starts if start not in allowed]
+    if inside:
+        raise ValueError(
+            f"pipeline_split: {split} starts a stage inside a shared block (at depth {inside[0]}) of this sequence "
+            "pseudo model; a block's depths stay on one stage"
+        )
+    return split
+
+
+def explain_split(config, split: Sequence[int], seq_len: int, manual: bool) -> str:
+    """One log line: the split, how it was chosen, each stage's layers, FLOPs share and training-state bytes."""
+    costs = piece_costs(config, seq_len)
+    parts, start = [], 0
+    stage_costs = []
+    for stage, count in enumerate(split):
+        end = start + count
+        stage_costs.append(stage_cost(config, costs, start, end, stage == 0, stage == len(split) - 1))
+        parts.append((start, end))
+        start = end
+    total = sum(flops for flops, _ in stage_costs) or 1.0
+    stages = "; ".join(
+        f"stage {stage}: depths {begin}-{end - 1}{' + embeddings' if stage == 0 else ''}"
+        f"{' + head' if stage == len(split) - 1 else ''}, {100 * flops / total:.0f}% FLOPs, {nbytes / 2**20:.1f} MiB"
+        for stage, ((begin, end), (flops, nbytes)) in enumerate(zip(parts, stage_costs, strict=True))
+    )
+    how = (
+        "manual (pipeline_split)"
+        if manual
+        else "automatic: the largest stage's training FLOPs per token (then bytes) made smallest, the head's "
+        f"{costs[2].flops / max(costs[1][0].flops, 1):.2f} layers of FLOPs counted"
+        + (", cuts between blocks only (sequence)" if config.share_layers and config.sharing_pattern == "sequence"
+           else "")  # fmt: skip
+    )
+    return f"pipeline split {list(split)} ({how}): {stages}"
+
+
+class P2RPipelineStage(nn.Module):
+    """The part of a `P2RForCausalLM` that runs depths `depths`: the embeddings if `first`, the blocks those depths
+    run (a pseudo model's shared blocks once each), the final norm and head if `last`.
+
+    It holds the model's own modules (no copy); its parameter names are the model's with the `model.` prefix dropped
+    (`model_name` maps them back). `forward` takes input ids on the first stage, hidden states elsewhere, and returns
+    hidden states, or logits on the last stage. Training only: no cache, no padding mask (full blocks of tokens).
+    """
+
+    def __init__(self, model: P2RForCausalLM, depths: range, first: bool, last: bool, config=None):
+        super().__init__()
+        self.config = config if config is not None else model.config
+        self.depths = list(depths)
+        base = model.model
+        self.embed_tokens = base.embed_tokens if first else None
+        blocks = sorted({self.config.block_of_depth[depth] for depth in self.depths})
+        self.layers = nn.ModuleDict({str(block): base.layers[block] for block in blocks})
+        self.norm = base.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.rotary_emb = base.rotary_emb
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(hidden_states)
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden_states, attention_mask=None, position_ids=position_ids,
+            **{CACHE_KWARG: None},
+        )  # fmt: skip
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        order = self.config.block_of_depth
+        for depth in self.depths:
+            hidden_states = self.layers[str(order[depth])](
+                hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                position_ids=position_ids, layer_idx=depth,
+            )  # fmt: skip
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(hidden_states))
+        return hidden_states
+
+    def replica_keys(self) -> dict[str, list[str]]:
+        """{replication key: parameter names}: a block's key is `layers.<block>`; a head tied to the embeddings shares
+        the embeddings' key. Pieces with the same key on several processes are replicas of one parameter."""
+        keys: dict[str, list[str]] = {}
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
+            if key == "lm_head" and self.config.tie_word_embeddings:
+                key = "embed_tokens"
+            keys.setdefault(key, []).append(name)
+        return keys
+
+
+def model_name(stage_name: str, tied: bool = False) -> str:
+    """A `P2RPipelineStage` parameter name -> the `P2RForCausalLM` one (`tied`: a head tied to the embeddings goes by
+    the embeddings' name, as in the model's `named_parameters()` and checkpoints)."""
+    if stage_name.startswith("lm_head."):
+        return "model.embed_tokens.weight" if tied and stage_name == "lm_head.weight" else stage_name
+    return f"model.{stage_name}"
+
+
+def stage_depths(split: Sequence[int]) -> list[range]:
+    bounds = [sum(split[:stage]) for stage in range(len(split) + 1)]
+    return [range(bounds[stage], bounds[stage + 1]) for stage in range(len(split))]
+
+
+def causal_lm_loss(vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss the last stage computes per micro-batch: transformers' causal LM loss (shifted labels, token mean),
+    what `P2RForCausalLM(input_ids, labels=input_ids).loss` computes."""
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ForCausalLMLoss(logits, labels, vocab_size)
+
+    return loss_fn
+
+
+class Pipeline:
+    """This process's stages of a pipelined P2R model, their schedule, and the reduction of replicated parameters.
+
+    Build it with `build_pipeline`. `step(input_ids)` runs one optimizer step's micro-batches (forward and backward)
+    and sums the replicas' gradients; the caller then steps its optimizer over `parameters()` (for `2bw`, the schedule
+    steps it: see `pipedream.py`).
+    """
+
+    def __init__(self, model, modules, stages, schedule, group, split, schedule_name, num_microbatches, config):
+        self.modules: list[P2RPipelineStage] = modules
+        self.stages: list[PipelineStage] = stages
+        self.schedule = schedule
+        self.group = group
+        self.split = split
+        self.schedule_name = schedule_name
+        self.num_microbatches = num_microbatches
+        self.config = config  # this process's copy: the stages' layout (changes at the delink)
+        self.model_config = model.config
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._replicas = _replica_groups(self)
+
+    @property
+    def is_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def is_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This process's parameters, each once, under the model's names."""
+        seen = set()
+        for module in self.modules:
+            for name, param in module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield model_name(name, self.config.tie_word_embeddings), param
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [param for _, param in self.named_parameters()]
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch (split into `num_microbatches`); on the last stage, returns the mean loss
+        over the micro-batches (None elsewhere). Gradients hold the mean over the micro-batches, replicas summed."""
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            self.schedule.step(input_ids, target=input_ids if self.is_last else None, losses=losses)
+        else:
+            self.schedule.step(target=input_ids if self.is_last else None, losses=losses)
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.div_(self.num_microbatches)  # the mean over the micro-batches
+        self.reduce_replicas()
+        return torch.stack(losses).mean().detach() if losses else None
+
+    def reduce_replicas(self, params: dict[str, nn.Parameter] | None = None) -> None:
+        """Sum the gradients of replicated parameters over the processes holding them (one coalesced all-reduce per
+        group of processes). `params` ({model name: parameter}, default this process's) lets 2BW reduce a version."""
+        params = dict(self.named_parameters()) if params is None else params
+        for names, group in self._replicas:
+            grads = [params[name].grad if params[name].grad is not None else torch.zeros_like(params[name])
+                     for name in names]  # fmt: skip
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for name, grad in zip(names, grads, strict=True):
+                params[name].grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
+                offset += grad.numel()
+
+    def clip_grad_norm_(self, max_norm: float, params: dict[str, nn.Parameter] | None = None) -> torch.Tensor:
+        """Clip the gradients of the whole pipelined model to `max_norm` (replicas counted once); returns the norm."""
+        params = dict(self.named_parameters()) if params is None else params
+        owned = self._owned_names(params)
+        square = torch.zeros((), dtype=torch.float64)
+        for name in owned:
+            grad = params[name].grad
+            if grad is not None:
+                square += grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(square, group=self.group)
+        norm = square.sqrt()
+        coefficient = max_norm / (float(norm) + 1e-6)
+        if coefficient < 1:
+            for param in params.values():
+                if param.grad is not None:
+                    param.grad.mul_(coefficient)
+        return norm.float()
+
+    def _owned_names(self, params) -> list[str]:
+        """Names whose gradient this process counts in the norm: a replica is counted by the lowest rank holding it."""
+        counted_elsewhere = set()
+        for names, group in self._replicas:
+            if min(dist.get_process_group_ranks(group)) != dist.get_rank():
+                counted_elsewhere.update(names)
+        return [name for name in params if name not in counted_elsewhere]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's weights under the model's names (a tied head under the embeddings' name)."""
+        return {name: param.detach() for name, param in self.named_parameters()}
+
+    def refresh(self) -> None:
+        """Recompute the replica groups after the stages' layout changed (the delink)."""
+        self._replicas = _replica_groups(self)
+
+
+def _replica_groups(pipeline: Pipeline) -> list[tuple[list[str], dist.ProcessGroup]]:
+    """[(model names of this process's replicated parameters, process group of the ranks holding them)].
+
+    Every process computes every stage's keys from the split and the config (the same on all), so all create the
+    same groups in the same order, as `new_group` requires.
+    """
+    config, split = pipeline.config, pipeline.split
+    depths = stage_depths(split)
+    ranks = dist.get_process_group_ranks(pipeline.group)
+    holders: dict[str, set[int]] = {}
+    for stage, stage_range in enumerate(depths):
+        rank = ranks[stage % len(ranks)]
+        keys = {f"layers.{config.block_of_depth[depth]}" for depth in stage_range}
+        if stage == 0:
+            keys.add("embed_tokens")
+        if stage == len(split) - 1:
+            keys.update({"norm", "embed_tokens" if config.tie_word_embeddings else "lm_head"})
+        for key in keys:
+            holders.setdefault(key, set()).add(rank)
+    local = {}
+    for module in pipeline.modules:
+        for key, names in module.replica_keys().items():
+            local.setdefault(key, set()).update(model_name(name, config.tie_word_embeddings) for name in names)
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    result = []
+    for key in sorted(holders):
+        members = tuple(sorted(holders[key]))
+        if len(members) < 2:
+            continue
+        if members not in groups:
+            groups[members] = dist.new_group(list(members))  # collective: every process, same order
+        if key in local:
+            result.append((sorted(local[key]), groups[members]))
+    return result
+
+
+def build_pipeline(
+    model: P2RForCausalLM,
+    *,
+    schedule: str = "1f1b",
+    num_microbatches: int = 4,
+    split: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    virtual_stages: int = 2,
+    seq_len: int = 128,
+    device: torch.device | str = "cpu",
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    max_grad_norm: float | None = None,
+) -> Pipeline:
+    """This process's part of `model` as pipeline stages driven by `schedule` over the processes of `group`.
+
+    Every process passes the same model (same weights: built with the same seed or loaded), the same arguments; each
+    keeps its stages' pieces (the rest of `model` can be dropped). `split`: layers per stage (manual, checked); None
+    balances them (`balanced_split`) and logs the choice. Interleaved schedules run `virtual_stages` stages per
+    process (stage s on process s mod size). `2bw` needs `optimizer_factory` (it steps the optimizer itself).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    config = model.config
+    if getattr(config, "num_experts", 0):
+        raise ValueError("pipeline_parallel_size: mixture-of-experts P2R models are not supported in a pipeline yet")
+    group = group if group is not None else dist.group.WORLD
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    per_process = virtual_stages if schedule in VIRTUAL_SCHEDULES else 1
+    num_stages = size * per_process
+    if schedule == "2bw" and num_microbatches < size:
+        raise ValueError(
+            f"num_microbatches: PipeDream-2BW needs m >= d micro-batches per optimizer step (m={num_microbatches}, "
+            f"d={size}): with fewer, more than two weight versions would be in flight"
+        )
+    if split is None:
+        split = balanced_split(config, num_stages, seq_len)
+        manual = False
+    else:
+        split = check_split(config, split, num_stages)
+        manual = True
+    if rank == 0:
+        logger.info(explain_split(config, split, seq_len, manual))
+    stage_config = copy.deepcopy(config)  # this process's layout; the blocks keep the model's config (attention)
+    depths = stage_depths(split)
+    indices = list(range(rank, num_stages, size))
+    modules = [P2RPipelineStage(model, depths[i], i == 0, i == num_stages - 1, stage_config) for i in indices]
+    device = torch.device(device)
+    stages = [PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices,
+                                                                                               strict=True)]  # fmt: skip
+    loss_fn = causal_lm_loss(config.vocab_size)
+    if schedule == "2bw":
+        from .pipedream import SchedulePipeDream2BW
+
+        if optimizer_factory is None:
+            raise ValueError("pipeline_schedule: 2bw steps the optimizer itself; pass optimizer_factory")
+        runner = SchedulePipeDream2BW(stages[0], num_microbatches, loss_fn)
+    else:
+        # Gradients are scaled by 1/m in `Pipeline.step`, once per parameter: torch scales per stage, which would
+        # scale a block shared by two virtual stages of one process twice.
+        runner = TORCH_SCHEDULES[schedule](
+            stages if schedule in VIRTUAL_SCHEDULES else stages[0], num_microbatches, loss_fn=loss_fn,
+            scale_grads=False,
+        )  # fmt: skip
+    pipeline = Pipeline(model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config)
+    if schedule == "2bw":
+        runner.attach(pipeline, optimizer_factory, max_grad_norm)
+    return pipeline
+
+
+def delink_stages(pipeline: Pipeline) -> dict[str, str]:
+    """Delink this process's stages in place (every depth its own block, the real model) and return
+    {new model name: old model name} for the parameters, to carry optimizer state.
+
+    Depth i's block is the block it ran: the first depth of a block on this process keeps the block itself, the others
+    get copies (as `P2RPreTrainedModel.delink`, per process). A cycle replica thereby becomes this stage's own real
+    blocks, and with no parameter left on two processes the gradient reduction stops.
+    """
+    config = pipeline.config
+    if not config.share_layers:
+        raise ValueError("this pipelined model is already real (share_layers=False): there is nothing to delink")
+    order = config.block_of_depth
+    taken: dict[int, nn.Module] = {}
+    mapping: dict[str, str] = {}
+    for module in pipeline.modules:
+        layers = {}
+        for depth in module.depths:
+            block = module.layers[str(order[depth])]
+            if order[depth] in taken:
+                block = copy.deepcopy(block, {id(block.self_attn.config): block.self_attn.config})
+            taken[order[depth]] = block
+            block.self_attn.layer_idx = depth
+            layers[str(depth)] = block
+            for name, _ in block.named_parameters():
+                mapping[f"model.layers.{depth}.{name}"] = f"model.layers.{order[depth]}.{name}"
+        module.layers = nn.ModuleDict(layers)
+    for name, _ in pipeline.named_parameters():
+        mapping.setdefault(name, name)
+    config.share_layers, config.num_unique_layers = False, config.num_hidden_layers
+    pipeline.refresh()
+    return mapping
