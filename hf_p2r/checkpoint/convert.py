@@ -1,11 +1,16 @@
 """Pseudo -> real conversion on disk: every depth gets its own copy of its block's weights, streamed.
 
 The conversion is planned from config.json (read as JSON) and the safetensors headers, without torch or
-transformers: which block each new block copies comes from `delink_names`, the function the model's own
-`delink_parameter_map` uses, so a converted checkpoint and `model.delink()` agree by construction. The output shards
-are then written by the kernel, header + byte ranges of the source (`ranges.py`). Only a dtype cast, which changes
-the bytes, goes through torch (`writer.py`: the source memory-mapped, cast tensor by tensor), and `verify` reopens
-the output with torch.
+transformers, for dense (`p2r`) and mixture-of-experts (`p2r_moe`) checkpoints alike: which block each new block
+copies comes from `delink_names`, the function the model's own `delink_parameter_map` uses, so a converted checkpoint
+and `model.delink()` agree by construction. The output shards are then written by the kernel, header + byte ranges of
+the source (`ranges.py`). Only a dtype cast, which changes the bytes, goes through torch (`writer.py`: the source
+memory-mapped, cast tensor by tensor), and `verify` reopens the output with torch.
+
+A MoE checkpoint holds its experts as transformers writes Mixtral's (`save_pretrained` reverses the load-time merge of
+the 3-D expert parameters): `block_sparse_moe.experts.<e>.w1/w2/w3.weight` and `block_sparse_moe.gate.weight` per
+sparse layer, so its layers are copied like any other tensors, and the same files are a Mixtral checkpoint once
+config.json says so (`target="mixtral"`).
 """
 
 import copy
@@ -17,7 +22,15 @@ import types
 from pathlib import Path
 from typing import Literal
 
-from ..models.p2r.sharing_p2r import LAYER_KEY, delink_names, delink_sources, validate_layout
+from ..models.p2r.sharing_p2r import (
+    LAYER_KEY,
+    block_of_depth,
+    delink_names,
+    delink_sources,
+    sparse_depths,
+    validate_layout,
+    validate_moe,
+)
 from .headers import FLOAT_CODES, TensorInfo, parse_size, read_weights
 from .io import CONFIG_NAME, atomic_directory, read_config_dict
 from .ranges import copying
@@ -52,6 +65,20 @@ _SHAPE_FIELDS = {
     "tie_word_embeddings": False,
 }
 _LAYOUT_DEFAULTS = {"share_layers": False, "num_unique_layers": None, "sharing_pattern": "cycle"}
+# The MoE fields of a `p2r_moe` config.json, with `P2RMoeConfig`'s defaults (None: `intermediate_size`, and no dense
+# depths).
+MOE_FIELDS = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": None,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": None,
+    "norm_topk_prob": True,
+    "num_expert_groups": 1,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+TARGETS = ("p2r", "llama", "mixtral")
 
 
 def convert_pseudo_to_real(
@@ -61,7 +88,7 @@ def convert_pseudo_to_real(
     num_unique_layers: int | None = None,
     max_shard_size: int | str = "5GB",
     dtype=None,
-    target: Literal["p2r", "llama"] = "p2r",
+    target: Literal["p2r", "llama", "mixtral"] = "p2r",
     overwrite: bool = False,
     verify: bool = False,
     progress: bool = True,
@@ -69,15 +96,16 @@ def convert_pseudo_to_real(
     """Convert the pseudo checkpoint folder `src` into a real one in `dst` (or, with `num_unique_layers=k'`, into a
     pseudo one with more blocks); returns `dst`.
 
-    The output loads with `from_pretrained` and equals the delinked model tensor for tensor: as `P2RForCausalLM`
-    (`target="p2r"`, config with `share_layers=False`), or as a vanilla `LlamaForCausalLM` (`target="llama"`, real
-    only). Weights are streamed: each output shard (at most `max_shard_size`, e.g. "5GB" or a number of bytes) is the
-    header safetensors would write followed by byte ranges of the source, copied by the kernel (`copy_file_range`,
-    reflinks where the filesystem has them), so anonymous memory stays constant whatever the model size and the
-    files are byte for byte what safetensors writes. `dtype` (float32, float16, bfloat16 or float64, a name or a
-    `torch.dtype`) casts the weights, through torch. generation_config.json, tokenizer files and named chat templates
-    (and, for `target="p2r"` from a source with remote code, the model code) are carried over, and README.md is a model
-    card recording where the checkpoint came from.
+    The output loads with `from_pretrained` and equals the delinked model tensor for tensor: as `P2RForCausalLM` or
+    `P2RMoeForCausalLM` (`target="p2r"`, config with `share_layers=False`), as a vanilla `LlamaForCausalLM`
+    (`target="llama"`, dense, real only), or as a vanilla `MixtralForCausalLM` (`target="mixtral"`, MoE, real only;
+    models without a Mixtral equivalent, such as expert prototyping, are refused). Weights are streamed: each output
+    shard (at most `max_shard_size`, e.g. "5GB" or a number of bytes) is the header safetensors would write followed by
+    byte ranges of the source, copied by the kernel (`copy_file_range`, reflinks where the filesystem has them), so
+    anonymous memory stays constant whatever the model size and the files are byte for byte what safetensors writes.
+    `dtype` (float32, float16, bfloat16 or float64, a name or a `torch.dtype`) casts the weights, through torch.
+    generation_config.json, tokenizer files and named chat templates (and, for `target="p2r"` from a source with remote
+    code, the model code) are carried over, and README.md is a model card recording where the checkpoint came from.
 
     `src` is only read. The output is built in a temporary folder beside `dst` and renamed into place at the end: on
     any error (bad input, disk full, Ctrl-C) `dst` is left as it was. A non-empty `dst` is refused unless `overwrite`.
@@ -97,14 +125,15 @@ def convert_pseudo_to_real(
             f"{src / CONFIG_NAME}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
             f"delink (use hf_p2r.export_llama({str(src)!r}, dst) for a vanilla Llama copy)"
         )
-    if target not in ("p2r", "llama"):
-        raise ValueError(f"target must be 'p2r' or 'llama', got {target!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be 'p2r', 'llama' or 'mixtral', got {target!r}")
     blocks = config["num_hidden_layers"] if num_unique_layers is None else num_unique_layers
-    if target == "llama" and blocks != config["num_hidden_layers"]:
+    if target != "p2r" and blocks != config["num_hidden_layers"]:
         raise ValueError(
-            f"target='llama' needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
+            f"target={target!r} needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
             f"not num_hidden_layers ({config['num_hidden_layers']})"
         )
+    check_target(src, config, target)
     return rewrite_checkpoint(
         src,
         dst,
@@ -119,13 +148,37 @@ def convert_pseudo_to_real(
     )
 
 
+def check_target(src: Path, config: dict, target: str) -> None:
+    """A vanilla target must exist for the model: Llama for dense models, Mixtral for MoE models (and only those MoE
+    models Mixtral can express: `mixtral_fields`' checks). One `ValueError` naming config.json and the field."""
+    path, moe = src / CONFIG_NAME, config["model_type"] == "p2r_moe"
+    if target == "llama" and moe:
+        raise ValueError(
+            f"{path}: model_type is 'p2r_moe' (experts): target='llama' is for dense models; use 'mixtral'"
+        )
+    if target == "mixtral" and not moe:
+        raise ValueError(
+            f"{path}: model_type is 'p2r' (a dense model, no experts): target='mixtral' is for MoE models; use 'llama'"
+        )
+    if target == "mixtral":
+        from .mixtral import mixtral_fields
+
+        try:
+            mixtral_fields(config)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+
 def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
-    """The config.json of a P2R checkpoint folder as a dict, with the fields the weights depend on checked (and the
-    sharing fields filled in, as `P2RConfig` fills them): errors name the file and the problem. No transformers."""
+    """The config.json of a P2R checkpoint folder (dense or MoE) as a dict, with the fields the weights depend on
+    checked (and the sharing and MoE fields filled in, as `P2RConfig` / `P2RMoeConfig` fill them): errors name the file
+    and the problem. No transformers."""
     config = read_config_dict(folder)
     path = Path(folder) / CONFIG_NAME
-    if config.get("model_type") != "p2r":
-        raise ValueError(f"{path}: model_type is {config.get('model_type')!r}, not 'p2r': not a P2R checkpoint")
+    if config.get("model_type") not in ("p2r", "p2r_moe"):
+        raise ValueError(
+            f"{path}: model_type is {config.get('model_type')!r}, not 'p2r' or 'p2r_moe': not a P2R checkpoint"
+        )
     for field in ("num_hidden_layers", *_SHAPE_FIELDS):
         value = config.get(field, _SHAPE_FIELDS.get(field))
         flag = field in ("attention_bias", "mlp_bias", "tie_word_embeddings")
@@ -135,15 +188,27 @@ def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
             wanted = "true or false" if flag else "a positive integer"
             raise ValueError(f"{path}: {field} must be {wanted}, got {value!r}")
     layout = types.SimpleNamespace(**{**_LAYOUT_DEFAULTS, **config})
+    moe = {}
+    if config["model_type"] == "p2r_moe":
+        moe = {field: config.get(field, default) for field, default in MOE_FIELDS.items()}
+        if moe["moe_intermediate_size"] is None:
+            moe["moe_intermediate_size"] = config.get("intermediate_size", _SHAPE_FIELDS["intermediate_size"])
+        if moe["mlp_only_layers"] is None:
+            moe["mlp_only_layers"] = []
+        for flag in ("norm_topk_prob", "output_router_logits"):
+            if not isinstance(moe[flag], bool):
+                raise ValueError(f"{path}: {flag} must be true or false, got {moe[flag]!r}")
     try:
         validate_layout(layout)
+        if moe:
+            validate_moe(types.SimpleNamespace(**{**vars(layout), **moe}))
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
-    return {**config, "share_layers": layout.share_layers, "num_unique_layers": layout.num_unique_layers}
+    return {**config, **moe, "share_layers": layout.share_layers, "num_unique_layers": layout.num_unique_layers}
 
 
 def read_p2r_config(folder: str | os.PathLike):
-    """The `P2RConfig` of a checkpoint folder, with errors that name the file and the problem."""
+    """The `P2RConfig` of a (dense) checkpoint folder, with errors that name the file and the problem."""
     from huggingface_hub.errors import StrictDataclassError
 
     from ..models.p2r import P2RConfig
@@ -158,9 +223,12 @@ def read_p2r_config(folder: str | os.PathLike):
 
 
 def parameter_shapes(config: dict, num_blocks: int) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the weights a P2R (or Llama) checkpoint of `config` with `num_blocks` layer blocks stores, in
-    the order the model's `state_dict()` lists them, tied aliases left out (what `save_pretrained` writes). Plain
-    Python: tests/checkpoint/test_convert.py checks it against the model built on the meta device."""
+    """{name: shape} of the weights a P2R (or Llama, or Mixtral) checkpoint of `config` with `num_blocks` layer blocks
+    stores, in the order `save_pretrained` writes them, tied aliases left out. Dense models: the order of the model's
+    `state_dict()`. MoE models: transformers' reverse conversion (`revert_weight_conversion`) sorts the state dict by
+    name (numbers as numbers) and writes each sparse layer's 3-D experts as one tensor per expert and projection.
+    Plain Python: tests/checkpoint/test_ranges.py (dense) and test_convert_moe.py (MoE) check it against the model
+    built on the meta device."""
     c = {**_SHAPE_FIELDS, **config}
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c["head_dim"] or hidden // heads
@@ -185,7 +253,54 @@ def parameter_shapes(config: dict, num_blocks: int) -> dict[str, tuple[int, ...]
     shapes["model.norm.weight"] = (hidden,)
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], hidden)
+    if c.get("model_type") == "p2r_moe":
+        return _moe_parameter_shapes(c, num_blocks, shapes)
     return shapes
+
+
+def _moe_parameter_shapes(c: dict, num_blocks: int, dense: dict) -> dict[str, tuple[int, ...]]:
+    """`parameter_shapes` of a MoE model, from the dense model's (`dense`): each sparse block's MLP replaced by its
+    router and experts, as `save_pretrained` writes them."""
+    moe = {field: c.get(field, default) for field, default in MOE_FIELDS.items()}
+    experts, hidden = moe["num_experts"], c["hidden_size"]
+    size = moe["moe_intermediate_size"] or c["intermediate_size"]
+    depths = sparse_depths(c["num_hidden_layers"], moe["decoder_sparse_step"], moe["mlp_only_layers"] or [])
+    blocks = block_of_depth(c["num_hidden_layers"], num_blocks, c.get("sharing_pattern", "cycle"))
+    sparse = {block: depths[depth] for depth, block in enumerate(blocks)}  # the depths of a block agree
+    # (name in memory, [(name on disk, shape)]): sorted by the names in memory, as transformers sorts them
+    entries = []
+    for name, shape in dense.items():
+        match = LAYER_KEY.match(name)
+        if match and sparse[int(match["block"])] and match["rest"].startswith("mlp."):
+            continue
+        entries.append((name, [(name, shape)]))
+    for block in (block for block in range(num_blocks) if sparse[block]):
+        prefix = f"model.layers.{block}."
+        moe_prefix = f"{prefix}block_sparse_moe."
+        w = {n: [(f"{moe_prefix}experts.{e}.{n}.weight", (size, hidden)) for e in range(experts)] for n in ("w1", "w3")}
+        entries += [
+            (
+                f"{prefix}mlp.experts.down_proj",
+                [(f"{moe_prefix}experts.{e}.w2.weight", (hidden, size)) for e in range(experts)],
+            ),
+            (f"{prefix}mlp.experts.gate_up_proj", w["w1"] + w["w3"]),  # merged [w1; w3] per expert in memory
+            (f"{prefix}mlp.gate.weight", [(f"{moe_prefix}gate.weight", (experts, hidden))]),
+        ]
+    entries.sort(key=lambda entry: _natural_key(entry[0]))
+    return {name: shape for _, tensors in entries for name, shape in tensors}
+
+
+def _natural_key(name: str) -> list[tuple]:
+    """transformers' `dot_natural_key` (the order in which it saves a converted state dict): dotted parts compared as
+    numbers when they are digits (layers.2 before layers.10), as text otherwise."""
+    key = []
+    for part in name.split("."):
+        if part.isdigit():
+            key.append((0, int(part)))
+        else:
+            text = part.rstrip("0123456789")
+            key.append((1, text, int(part[len(text) :])) if text != part else (1, part))
+    return key
 
 
 def rewrite_checkpoint(
@@ -194,7 +309,7 @@ def rewrite_checkpoint(
     config: dict,
     *,
     num_blocks: int,
-    target: Literal["p2r", "llama"],
+    target: Literal["p2r", "llama", "mixtral"],
     max_shard_size: int,
     dtype: str | None,
     overwrite: bool,
@@ -260,10 +375,11 @@ def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, prove
     render_model_card(tmp, model_id=model_id, provenance=provenance).save(tmp / "README.md")
 
 
-def output_config(config: dict, num_blocks: int, *, target: Literal["p2r", "llama"], dtype: str) -> dict:
+def output_config(config: dict, num_blocks: int, *, target: Literal["p2r", "llama", "mixtral"], dtype: str) -> dict:
     """The config.json of the output: the source's with the sharing fields (and `dtype`) of `num_blocks` blocks; for
-    `target="llama"`, without P2R's fields. Written as transformers writes a config (sorted keys, indent 2), so a
-    source saved by transformers gives the file `save_pretrained` would write (a test checks it)."""
+    `target="llama"`, without P2R's fields; for `target="mixtral"`, Mixtral's fields (`mixtral_fields`). Written as
+    transformers writes a config (sorted keys, indent 2), so a source saved by transformers gives the file
+    `save_pretrained` would write (a test checks it)."""
     out = copy.deepcopy(config)
     out.pop("torch_dtype", None)  # the old name of `dtype`
     out.update(share_layers=num_blocks < config["num_hidden_layers"], num_unique_layers=num_blocks, dtype=dtype)
@@ -272,6 +388,10 @@ def output_config(config: dict, num_blocks: int, *, target: Literal["p2r", "llam
         out = {key: value for key, value in out.items() if key not in NOT_LLAMA}
         out.update(architectures=["LlamaForCausalLM"], model_type="llama")
         out["transformers_version"] = _transformers_version() or config.get("transformers_version")
+    elif target == "mixtral":
+        from .mixtral import mixtral_fields
+
+        out = {**mixtral_fields(out), "model_type": "mixtral", "transformers_version": out["transformers_version"]}
     return out
 
 
@@ -348,6 +468,14 @@ def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expe
             f"{src}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
             f"{'pseudo' if share else 'real'} model with {num_blocks} (share_layers={share}, "
             f"num_unique_layers={config['num_unique_layers']}, num_hidden_layers={config['num_hidden_layers']})"
+        )
+    if fused := sorted(
+        name for name in weights if name.endswith((".mlp.experts.down_proj", ".mlp.experts.gate_up_proj"))
+    ):
+        raise ValueError(
+            f"{weights[fused[0]].file}: holds 3-D experts ({fused[0]}), the names of the model in memory; the "
+            "converter reads checkpoints as save_pretrained writes them (one tensor per expert, Mixtral's names): "
+            "load the model and save it with save_pretrained"
         )
     if missing := sorted(expected.keys() - weights.keys()):
         raise ValueError(f"{src}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")

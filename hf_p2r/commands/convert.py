@@ -10,7 +10,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
         help=HELP,
-        description="Delink a pseudo checkpoint on disk: every layer gets its own copy of its block's weights. "
+        description="Delink a pseudo checkpoint (dense or mixture-of-experts) on disk: every layer gets its own copy "
+        "of its block's weights (experts and router included). "
         "Each output shard is a safetensors header followed by byte ranges of the source, copied by the kernel "
         "(copy_file_range, or reflinks on XFS and btrfs), so the model is never in memory and torch is loaded only "
         "for --dtype casts and --verify.",
@@ -36,9 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", metavar="DTYPE", help="cast the weights to float32, float16, bfloat16 or float64")
     parser.add_argument(
         "--target",
-        choices=("p2r", "llama"),
+        choices=("p2r", "llama", "mixtral"),
         default="p2r",
-        help="p2r: a P2R checkpoint (default); llama: a vanilla LlamaForCausalLM checkpoint",
+        help="p2r: a P2R checkpoint, dense or MoE (default); llama: a vanilla LlamaForCausalLM checkpoint (dense "
+        "models); mixtral: a vanilla MixtralForCausalLM checkpoint (MoE models without expert prototyping or dense "
+        "layers)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     parser.add_argument("--verify", action="store_true", help="reopen the output and check it against the source")

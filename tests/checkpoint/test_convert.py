@@ -292,7 +292,7 @@ def test_bad_sharded_input(tmp_path):
         (dict(num_unique_layers=3), "pseudo: num_unique_layers=3 cannot be reached from 2"),
         (dict(num_unique_layers=1), "pseudo: num_unique_layers must be an integer with 2 < num_unique_layers"),
         (dict(num_unique_layers=4, target="llama"), "target='llama' needs the real model"),
-        (dict(target="gguf"), "target must be 'p2r' or 'llama'"),
+        (dict(target="gguf"), "target must be 'p2r', 'llama' or 'mixtral', got 'gguf'"),
     ],
 )
 def test_bad_options(tmp_path, kwargs, message):

@@ -13,10 +13,15 @@ import subprocess
 import sys
 import textwrap
 
-from ..conftest import tiny_model
+import pytest
 
-# One block of 1 M parameters (4.2 MB in float32): 8 layers write 34 MB, 32 layers 134 MB.
+from ..conftest import tiny_model
+from ..models.test_modeling_p2r_moe import moe_model
+
+# One block of 1 M parameters (4.2 MB in float32): 8 layers write 34 MB, 32 layers 134 MB. The MoE block (4 experts of
+# width 256, a router) is as large, in 13 tensors where the MLP has 3.
 SHAPE = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)
+MODELS = {"dense": (tiny_model, {}), "moe": (moe_model, dict(num_experts=4, moe_intermediate_size=256))}
 TOLERANCE_MB = 16  # allocator and thread noise; 24 layers more are 100 MB
 
 _CHILD = textwrap.dedent("""
@@ -70,9 +75,11 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_peak_memory_does_not_grow_with_depth(tmp_path):
+@pytest.mark.parametrize("kind", MODELS)
+def test_peak_memory_does_not_grow_with_depth(tmp_path, kind):
+    build, fields = MODELS[kind]
     for layers in (8, 32):
-        model = tiny_model(share_layers=True, num_unique_layers=1, num_hidden_layers=layers, **SHAPE)
+        model = build(share_layers=True, num_unique_layers=1, num_hidden_layers=layers, **SHAPE, **fields)
         model.save_pretrained(tmp_path / f"pseudo-{layers}")
     result = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

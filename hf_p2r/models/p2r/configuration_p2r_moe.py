@@ -2,7 +2,8 @@
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_p2r import P2RConfig, block_of_depth
+from .configuration_p2r import P2RConfig
+from .sharing_p2r import sparse_depths, validate_moe
 
 
 @strict
@@ -85,10 +86,7 @@ class P2RMoeConfig(P2RConfig):
     @property
     def sparse_depths(self) -> list[bool]:
         """Whether each depth 0..L-1 runs a sparse (router + experts) layer."""
-        return [
-            depth not in self.mlp_only_layers and (depth + 1) % self.decoder_sparse_step == 0
-            for depth in range(self.num_hidden_layers)
-        ]
+        return sparse_depths(self.num_hidden_layers, self.decoder_sparse_step, self.mlp_only_layers)
 
     @property
     def sparse_blocks(self) -> list[bool]:
@@ -97,53 +95,6 @@ class P2RMoeConfig(P2RConfig):
         for depth, block in enumerate(self.block_of_depth):
             sparse[block] = self.sparse_depths[depth]
         return sparse
-
-
-def _positive_int(config, name: str) -> int:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def validate_moe(config) -> None:
-    """Check the MoE fields of `config` together and against its sharing; raises `ValueError` naming the field.
-
-    Called by `P2RMoeConfig.__post_init__` and again by `P2RMoeModel.__init__` (fields may be assigned later).
-    """
-    experts, top_k = _positive_int(config, "num_experts"), _positive_int(config, "num_experts_per_tok")
-    groups = _positive_int(config, "num_expert_groups")
-    _positive_int(config, "moe_intermediate_size")
-    _positive_int(config, "decoder_sparse_step")
-    if top_k > experts:
-        raise ValueError(f"num_experts_per_tok ({top_k}) must be at most num_experts ({experts})")
-    if groups > 1 and (experts % groups or top_k != groups):
-        raise ValueError(
-            f"num_expert_groups={groups} (expert prototyping: one top-1 routing per group) needs num_experts "
-            f"({experts}) divisible by it and num_experts_per_tok equal to it (got {top_k})"
-        )
-    depth = config.num_hidden_layers
-    bad = [layer for layer in config.mlp_only_layers if isinstance(layer, bool) or layer not in range(depth)]
-    if bad:
-        raise ValueError(f"mlp_only_layers must list depths in 0..{depth - 1}, got {bad}")
-    if not config.router_aux_loss_coef >= 0:
-        raise ValueError(f"router_aux_loss_coef must be >= 0, got {config.router_aux_loss_coef!r}")
-    sparse = config.sparse_depths
-    if not any(sparse):
-        raise ValueError(
-            f"no layer is sparse (decoder_sparse_step={config.decoder_sparse_step}, "
-            f"mlp_only_layers={config.mlp_only_layers}, num_hidden_layers={depth}); use P2RConfig for a dense model"
-        )
-    kinds: dict[int, bool] = {}
-    blocks = block_of_depth(depth, config.num_blocks, config.sharing_pattern)
-    for layer, block in enumerate(blocks):
-        if kinds.setdefault(block, sparse[layer]) != sparse[layer]:
-            raise ValueError(
-                f"decoder_sparse_step={config.decoder_sparse_step} / mlp_only_layers={config.mlp_only_layers} make "
-                f"block {block} sparse at some depths and dense at others (num_unique_layers="
-                f"{config.num_unique_layers}, sharing_pattern={config.sharing_pattern!r}); every depth that runs a "
-                "block must agree"
-            )
 
 
 __all__ = ["P2RMoeConfig", "validate_moe"]

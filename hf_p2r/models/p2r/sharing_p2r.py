@@ -1,8 +1,9 @@
-"""Which block each depth runs, and which block each new block copies when a model is delinked.
+"""Which block each depth runs, which block each new block copies when a model is delinked, and (MoE models) which
+depths are sparse.
 
-Plain Python, no torch and no transformers: the model (`configuration_p2r`, `modeling_p2r`) and the on-disk converter
-(`hf_p2r.checkpoint`, which moves bytes without importing either) both use these functions, so a converted checkpoint
-and `model.delink()` agree by construction.
+Plain Python, no torch and no transformers: the model (`configuration_p2r`, `configuration_p2r_moe`, `modeling_p2r`)
+and the on-disk converter (`hf_p2r.checkpoint`, which moves bytes without importing either) both use these functions,
+so a converted checkpoint and `model.delink()` agree by construction.
 """
 
 import re
@@ -105,3 +106,59 @@ def validate_layout(config) -> None:
                 f"(share_layers=False) has num_unique_layers == num_hidden_layers ({depth})"
             )
         config.num_unique_layers = depth
+
+
+def sparse_depths(num_hidden_layers: int, decoder_sparse_step: int, mlp_only_layers: Iterable[int]) -> list[bool]:
+    """Whether each depth 0..L-1 of a MoE model runs a sparse (router + experts) layer: depth d is sparse when (d + 1)
+    is a multiple of `decoder_sparse_step` and d is not in `mlp_only_layers` (Qwen2/3-MoE's convention)."""
+    dense = set(mlp_only_layers)
+    return [depth not in dense and (depth + 1) % decoder_sparse_step == 0 for depth in range(num_hidden_layers)]
+
+
+def _positive_int(config, name: str) -> int:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def validate_moe(config) -> None:
+    """Check the MoE fields of `config` together and against its sharing; raises `ValueError` naming the field.
+
+    Called by `P2RMoeConfig.__post_init__`, again by `P2RMoeModel.__init__` (fields may be assigned later), and by the
+    converter on a config.json (`config` is then any object with the fields as attributes, after `validate_layout`).
+    """
+    experts, top_k = _positive_int(config, "num_experts"), _positive_int(config, "num_experts_per_tok")
+    groups = _positive_int(config, "num_expert_groups")
+    _positive_int(config, "moe_intermediate_size")
+    _positive_int(config, "decoder_sparse_step")
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be at most num_experts ({experts})")
+    if groups > 1 and (experts % groups or top_k != groups):
+        raise ValueError(
+            f"num_expert_groups={groups} (expert prototyping: one top-1 routing per group) needs num_experts "
+            f"({experts}) divisible by it and num_experts_per_tok equal to it (got {top_k})"
+        )
+    depth = config.num_hidden_layers
+    layers = config.mlp_only_layers
+    if not isinstance(layers, list) or any(isinstance(n, bool) or n not in range(depth) for n in layers):
+        raise ValueError(f"mlp_only_layers must list depths in 0..{depth - 1}, got {layers!r}")
+    coef = config.router_aux_loss_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+        raise ValueError(f"router_aux_loss_coef must be >= 0, got {coef!r}")
+    sparse = sparse_depths(depth, config.decoder_sparse_step, layers)
+    if not any(sparse):
+        raise ValueError(
+            f"no layer is sparse (decoder_sparse_step={config.decoder_sparse_step}, "
+            f"mlp_only_layers={layers}, num_hidden_layers={depth}); use P2RConfig for a dense model"
+        )
+    kinds: dict[int, bool] = {}
+    num_blocks = config.num_unique_layers if config.share_layers else depth
+    for layer, block in enumerate(block_of_depth(depth, num_blocks, config.sharing_pattern)):
+        if kinds.setdefault(block, sparse[layer]) != sparse[layer]:
+            raise ValueError(
+                f"decoder_sparse_step={config.decoder_sparse_step} / mlp_only_layers={layers} make "
+                f"block {block} sparse at some depths and dense at others (num_unique_layers="
+                f"{config.num_unique_layers}, sharing_pattern={config.sharing_pattern!r}); every depth that runs a "
+                "block must agree"
+            )
