@@ -5,11 +5,15 @@ source files, copied by the kernel: `os.copy_file_range` (what `cp` uses; no byt
 on filesystems with reflinks (XFS, btrfs) `FICLONERANGE` for the block-aligned part of a range, which shares blocks
 instead of copying them: a block's later copies are cloned from its first copy in the same shard when their offsets
 line up (the layers of a block whose size is a multiple of the filesystem block: all but the first are not written).
-Where the kernel or filesystem refuses both, ranges are copied with pread/pwrite. No torch: a delinked checkpoint is
-mostly copies of its pseudo blocks, so converting one needs no tensor.
+Where the kernel or filesystem refuses both, ranges are copied with pread/pwrite. Where ranges are copied, not cloned,
+a shard's blocks are first allocated in one call (`fallocate`): a full disk fails before anything is copied, and the
+filesystem lays the shard out in long extents instead of allocating block by block as the pages are written back
+(measured faster than letting it allocate on write back, and faster than `cp`, which does not preallocate). No torch:
+a delinked checkpoint is mostly copies of its pseudo blocks, so converting one needs no tensor.
 """
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -72,7 +76,8 @@ def copying(
     shards = plan_shards({name: (info.dtype, info.shape) for name, info in tensors.items()}, max_shard_size)
     header = {"format": "pt", **(metadata or {})}
     total = sum(t.nbytes for t in tensors.values())
-    with tqdm(total=total, unit="B", unit_scale=True, disable=None if progress else True) as bar, _Copier() as copier:
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=None if progress else True)
+    with bar, _Copier(folder) as copier:
         for filename, names in shards.files.items():
             copier.shard(folder / filename, {name: tensors[name] for name in names}, header)
         files = [folder / filename for filename in shards.files] + write_index(folder, shards)
@@ -92,10 +97,10 @@ def copying(
 class _Copier:
     """The copies of a checkpoint, shard by shard; files stay open until the end."""
 
-    def __init__(self):
+    def __init__(self, folder: Path):
         self.shards: list[tuple] = []  # arguments of `copy_shard`: path, fd, [(output offset, source)], bytes
         self.fds: dict[Path, int] = {}
-        self.reflinks = True  # until the filesystem says otherwise
+        self.reflinks = can_clone(folder)  # and until the filesystem says otherwise
         self.stop = threading.Event()
 
     def shard(self, path: Path, tensors: dict[str, TensorInfo], header: dict) -> None:
@@ -121,8 +126,12 @@ class _Copier:
         """Copy the ranges of one shard, front to back. Where the filesystem has reflinks, a tensor this shard already
         holds at an offset that lines up with the new one (the L copies of a block whose size is a multiple of the
         filesystem block) is cloned from that earlier copy: only the first copy's blocks are written."""
-        block = os.fstat(out).st_blksize or 4096
+        stat = os.fstat(out)
+        block, end = stat.st_blksize or 4096, stat.st_size
         earlier: dict[tuple, list[int]] = {}  # (source file, offset, bytes) -> where this shard already holds them
+        allocated = False  # the blocks from here to the end, once we know they will be copied, not cloned
+        if ranges and not self.reflinks and not self.stop.is_set():
+            allocated = self._allocate(path, out, ranges[0][0], end)
         for out_offset, info in ranges:
             if self.stop.is_set():
                 return
@@ -137,11 +146,19 @@ class _Copier:
                     copy_range(source, offset, out, out_offset, info.nbytes, reflink=self.reflinks)
                 except _NoReflinks:
                     self.reflinks = False
+                    allocated = allocated or self._allocate(path, out, out_offset, end)
                     copy_range(self._open(info.file), info.offset, out, out_offset, info.nbytes, reflink=False)
             except OSError as error:
                 raise OSError(error.errno, error.strerror, str(path)) from None
             earlier.setdefault(key, []).append(out_offset)
         bar.update(size)  # once per shard, as `write_checkpoint`'s bar
+
+    @staticmethod
+    def _allocate(path: Path, out: int, start: int, end: int) -> bool:
+        try:
+            return allocate(out, start, end - start)
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
 
     def __enter__(self) -> "_Copier":
         return self
@@ -149,6 +166,56 @@ class _Copier:
     def __exit__(self, *exc) -> None:
         for fd in self.fds.values():
             os.close(fd)
+
+
+def allocate(fd: int, offset: int, nbytes: int) -> bool:
+    """Allocate the blocks of `nbytes` from `offset` of the open file `fd` (`fallocate(2)`, mode 0: the size does not
+    change inside the file); raises OSError (ENOSPC: the disk is full). Where the filesystem cannot, nothing is done
+    (glibc's `posix_fallocate` would instead write a byte into every block). Returns True."""
+    if nbytes <= 0:
+        return True
+    if _fallocate(fd, 0, offset, nbytes) != 0:
+        code = ctypes.get_errno()
+        if code not in _UNSUPPORTED:
+            raise OSError(code, os.strerror(code))
+    return True
+
+
+def can_clone(folder: Path) -> bool:
+    """Whether the filesystem of `folder` clones blocks between files (FICLONERANGE of one block between two scratch
+    files, removed again)."""
+    block = os.statvfs(folder).f_bsize or 4096
+    first, second = folder / ".clone-probe-source", folder / ".clone-probe"
+    fds = []
+    try:
+        fds.append(os.open(first, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        fds.append(os.open(second, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        _write_all(fds[0], bytes(block), 0)
+        fcntl.ioctl(fds[1], _FICLONERANGE, struct.pack("qQQQ", fds[0], 0, block, 0))
+        return True
+    except OSError as error:
+        if error.errno in _UNSUPPORTED:
+            return False
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for path in (first, second):
+            path.unlink(missing_ok=True)
+
+
+def _libc_fallocate():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = getattr(libc, "fallocate64", None) or libc.fallocate
+    except (OSError, AttributeError):  # not Linux: nothing to allocate with
+        return lambda *args: 0
+    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    function.restype = ctypes.c_int
+    return function
+
+
+_fallocate = _libc_fallocate()
 
 
 class _NoReflinks(Exception):

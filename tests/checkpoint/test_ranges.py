@@ -211,3 +211,80 @@ def test_later_copies_of_a_block_are_cloned_from_the_first_where_offsets_line_up
             torch.equal(reader.get(f"layers.{i}.w"), torch.arange(3 * block // 4, dtype=torch.float32))
             for i in range(4)
         )
+
+
+def test_copied_shards_are_allocated_before_the_copy(tmp_path, monkeypatch):
+    """Without reflinks a shard's data blocks are allocated in one fallocate before its ranges are copied (from the
+    first copied range to the end of the file); with reflinks, nothing is allocated (clones share blocks)."""
+    src = tmp_path / "pseudo"
+    tiny_model(share_layers=True, num_unique_layers=2).save_pretrained(src)
+    calls = []
+    real = ranges_module._fallocate
+
+    def spy(fd, mode, offset, nbytes):
+        calls.append((os.fstat(fd).st_size, offset, nbytes))
+        return real(fd, mode, offset, nbytes)
+
+    monkeypatch.setattr(ranges_module, "_fallocate", spy)
+
+    def refuse(*args):
+        raise OSError(errno.EOPNOTSUPP, "no reflinks here")
+
+    monkeypatch.setattr(ranges_module.fcntl, "ioctl", refuse)
+    convert_pseudo_to_real(src, tmp_path / "real", max_shard_size=200_000, progress=False)
+    shards = sorted((tmp_path / "real").glob("model-*.safetensors"))
+    assert len(shards) > 1 and len(calls) == len(shards)  # one call per shard
+    for size, offset, nbytes in calls:
+        assert offset + nbytes == size and offset < size  # the rest of the shard, after its header
+
+    def clone(fd, request, arg):  # a filesystem with reflinks
+        src_fd, src_offset, length, dst_offset = struct.unpack("qQQQ", arg)
+        os.pwrite(fd, os.pread(src_fd, length, src_offset), dst_offset)
+
+    calls.clear()
+    monkeypatch.setattr(ranges_module.fcntl, "ioctl", clone)
+    convert_pseudo_to_real(src, tmp_path / "cloned", max_shard_size=200_000, progress=False)
+    assert calls == []
+    for path in shards:  # the same files either way
+        assert path.read_bytes() == (tmp_path / "cloned" / path.name).read_bytes()
+
+
+def test_allocate_reserves_the_blocks_and_reports_a_full_disk(tmp_path, monkeypatch):
+    path = tmp_path / "shard"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        assert os.fstat(fd).st_blocks == 0  # sparse
+        ranges_module.allocate(fd, 4096, (1 << 20) - 4096)
+        if os.fstat(fd).st_blocks == 0:
+            pytest.skip("this filesystem cannot fallocate")
+        assert os.fstat(fd).st_blocks * 512 >= (1 << 20) - 4096 and os.fstat(fd).st_size == 1 << 20
+
+        def full(*args):
+            ranges_module.ctypes.set_errno(errno.ENOSPC)
+            return -1
+
+        monkeypatch.setattr(ranges_module, "_fallocate", full)
+        with pytest.raises(OSError) as info:
+            ranges_module.allocate(fd, 0, 1 << 20)
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_stops_the_conversion_before_any_copy(tmp_path, monkeypatch):
+    src = tmp_path / "pseudo"
+    tiny_model(share_layers=True, num_unique_layers=2).save_pretrained(src)
+    copies = []
+    monkeypatch.setattr(ranges_module.fcntl, "ioctl", lambda *a: (_ for _ in ()).throw(OSError(errno.EOPNOTSUPP, "")))
+    monkeypatch.setattr(ranges_module, "_copy_bytes", lambda *args: copies.append(args))
+
+    def full(*args):
+        ranges_module.ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(ranges_module, "_fallocate", full)
+    with pytest.raises(OSError, match="No space left on device: .*model.safetensors"):
+        convert_pseudo_to_real(src, tmp_path / "real", progress=False)
+    assert copies == [] and not (tmp_path / "real").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".real")]  # no temporary folder left
