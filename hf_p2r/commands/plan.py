@@ -58,7 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num-unique-layers", type=int, help="k of the pseudo model when --config is a real model")
     parser.add_argument("--max-tp", type=int, help="largest tensor-parallel degree (default: GPUs per node)")
-    parser.add_argument("--max-pp", type=int, default=1, help="largest pipeline degree, for sizing (default 1)")
+    parser.add_argument(
+        "--max-pp", type=int, default=1, help="largest pipeline degree; each under gpipe, 1f1b and 2bw (default 1)"
+    )
     parser.add_argument("--top", type=int, default=10, help="rows per model (default 10)")
     parser.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE", help="override an assumption")
     parser.set_defaults(func=run)

@@ -11,6 +11,7 @@ import types
 _EXPORTS = {
     "assumptions": ("GiB", "PRECISIONS", "Hardware", "Precision"),
     "memory": (
+        "PIPELINE_SCHEDULES",
         "Layout",
         "Memory",
         "ParameterTensor",
@@ -21,7 +22,7 @@ _EXPORTS = {
         "saved_activation_bytes",
         "stage_tensors",
     ),
-    "plan": ("Estimate", "Workload", "candidate_layouts", "estimate", "plan"),
+    "plan": ("Estimate", "Workload", "candidate_layouts", "estimate", "plan", "stage_seconds"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -103,7 +103,8 @@ class Layout:
     `zero`: 0 = DDP (everything replicated), 1 = optimizer state sharded over DP (ZeRO-1, Megatron's distributed
     optimizer), 2 = + gradients (ZeRO-2), 3 = + weights (ZeRO-3 / FSDP2). `offload`: fraction of the blocks whose
     model states live in CPU memory (granular offload; 1.0 also moves embeddings and head, as FSDP2's
-    `CPUOffloadPolicy` does). `recompute`: activation checkpointing of every decoder layer.
+    `CPUOffloadPolicy` does). `recompute`: activation checkpointing of every decoder layer. `schedule`: the pipeline
+    schedule when `pp > 1` (`PIPELINE_SCHEDULES`, the trainer's `pipeline_schedule` values).
     """
 
     dp: int
@@ -112,6 +113,7 @@ class Layout:
     zero: int = 0
     offload: float = 0.0
     recompute: bool = False
+    schedule: str = "1f1b"
 
     @property
     def gpus(self) -> int:
@@ -124,6 +126,35 @@ class Layout:
     @property
     def sharding(self) -> str:
         return ("ddp", "zero1", "zero2", "fsdp2/zero3")[self.zero]
+
+
+# The pipeline schedules the planner sizes (the trainer's `pipeline_schedule` values), and what each keeps per stage:
+# GPipe the activations of all m micro-batches; 1F1B (PipeDream-Flush) those of at most d - s on stage s; PipeDream-2BW
+# (arXiv 2006.09503) 1F1B's activations and two weight versions (the one in-flight micro-batches started with, and
+# the newest), with no flush, so no bubble in steady state.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw")
+
+
+def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage `stage` of `stages` holds at once, at most, under `schedule`."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule in ("1f1b", "2bw"):
+        return min(stages - stage, microbatches)
+    raise ValueError(f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+
+
+def weight_versions(schedule: str, stages: int) -> int:
+    """Copies of its weights a pipeline stage holds: two under 2BW (in a pipeline), one otherwise."""
+    return 2 if schedule == "2bw" and stages > 1 else 1
+
+
+def pipeline_bubble(schedule: str, stages: int, microbatches: int) -> float:
+    """Idle share of a step with equal stages: (d - 1) / (m + d - 1) for the flush schedules, none for 2BW in steady
+    state (no flush: the next batch's forwards fill the drain)."""
+    if stages == 1 or schedule == "2bw":
+        return 0.0
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 @dataclass(frozen=True)
@@ -270,6 +301,7 @@ def saved_activation_bytes(
 
 __all__ = [
     "GiB",
+    "PIPELINE_SCHEDULES",
     "PRECISIONS",
     "Layout",
     "Memory",
@@ -278,14 +310,17 @@ __all__ = [
     "Stage",
     "dp_shard_numel",
     "head_activation_bytes",
+    "in_flight_microbatches",
     "layer_activation_bytes",
     "logits_bytes",
     "model_state_bytes",
     "parameter_tensors",
+    "pipeline_bubble",
     "pipeline_stages",
     "saved_activation_bytes",
     "offload_working_set_bytes",
     "stage_tensors",
+    "weight_versions",
 ]
 
 

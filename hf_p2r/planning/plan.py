@@ -10,7 +10,11 @@ model.
 Cost model (every assumption is a field of `Hardware`, overridable from the command line):
 - compute: 6 N FLOPs per token for the N matmul parameters of the *real* depth (a pseudo model computes all L
   depths) plus 12 L h s for attention scores (PaLM's count), 8 N + 16 L h s with recomputation, at
-  `mfu * peak_flops`, stretched by the pipeline bubble (m + pp - 1) / m for m micro-batches per pipeline;
+  `mfu * peak_flops`, stretched by the pipeline bubble: divided by 1 - (pp - 1) / (m + pp - 1) for m micro-batches
+  per pipeline under GPipe and 1F1B (flushed every step), by 1 under PipeDream-2BW (no flush: no bubble in steady
+  state); `hf_p2r.distributed.simulate` replays the schedules themselves (`stage_seconds` gives it the stage times);
+- memory of a pipeline stage follows its schedule: GPipe holds the activations of all m micro-batches, 1F1B and 2BW
+  those of at most pp - s on stage s, and 2BW two versions of the stage's weights;
 - communication: ring collectives move 2 (n-1)/n of a buffer for an all-reduce and (n-1)/n for a reduce-scatter
   or all-gather; a group inside a node uses `intra_node_bandwidth`, one that spans nodes `inter_node_bandwidth`
   (ranks are placed TP innermost, then DP, then PP, as in Megatron);
@@ -30,19 +34,23 @@ from pathlib import Path
 from ..models.p2r import P2RConfig, P2RMoeConfig
 from .assumptions import Hardware
 from .memory import (
+    PIPELINE_SCHEDULES,
     Layout,
     Memory,
     ParameterTensor,
     Precision,
     active_numel,
     head_activation_bytes,
+    in_flight_microbatches,
     layer_activation_bytes,
     logits_bytes,
     model_state_bytes,
     offload_working_set_bytes,
     parameter_tensors,
+    pipeline_bubble,
     pipeline_stages,
     stage_tensors,
+    weight_versions,
 )
 
 OFFLOAD_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)  # granular offload: share of the stored blocks in CPU memory
@@ -72,6 +80,8 @@ class Estimate:
     fits: bool
     engine: str
     tokens_per_step: int = field(repr=False)
+    microbatches: int = 1  # per pipeline and optimizer step
+    bubble: float = 0.0  # idle share of the step (pipeline schedules; `pipeline_bubble`)
 
     @property
     def step_seconds(self) -> float:
@@ -109,14 +119,16 @@ def estimate(
         units = _unit_numels(held, layout.tp)
         stage_memory.buffers = _buffer_bytes(units, layout, p, uses, offloaded)
 
-        in_flight = min(layout.pp - index, micro_batches)
+        stage_memory.weights *= weight_versions(layout.schedule, layout.pp)  # 2BW: |W| more per stage
+        in_flight = in_flight_microbatches(layout.schedule, layout.pp, index, micro_batches)
         layer = layer_activation_bytes(config, tokens, layout.tp, p)
         per_micro_batch = len(stage.depths) * (tokens * a * hidden if layout.recompute else layer)
         stage_memory.activations = in_flight * per_micro_batch + (layer if layout.recompute else 0)
         if stage.first:
             stage_memory.activations += in_flight * 8 * tokens  # input ids
         if stage.last:
-            stage_memory.activations += head_activation_bytes(config, tokens, p) + logits_bytes(config, tokens, p)
+            head = head_activation_bytes(config, tokens, p) + logits_bytes(config, tokens, p)
+            stage_memory.activations += in_flight * head
 
         comm = max(comm, _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardware, stage))
         offload = max(offload, _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware))
@@ -128,17 +140,69 @@ def estimate(
         hardware.cpu_memory is None or cpu_per_node <= hardware.cpu_memory
     )
     tokens_per_step = workload.global_batch * workload.seq_len
-    compute = _compute_seconds(config, tensors, layout, tokens_per_step, workload.seq_len, micro_batches, hardware)
-    return Estimate(model, layout, memory, cpu_per_node, compute, comm, offload, fits, _engine(layout), tokens_per_step)
+    bubble = pipeline_bubble(layout.schedule, layout.pp, micro_batches)
+    compute = _compute_seconds(config, tensors, layout, tokens_per_step, workload.seq_len, hardware) / (1 - bubble)
+    engine = _engine(layout, micro_batches, workload.micro_batch)
+    return Estimate(
+        model,
+        layout,
+        memory,
+        cpu_per_node,
+        compute,
+        comm,
+        offload,
+        fits,
+        engine,
+        tokens_per_step,
+        micro_batches,
+        bubble,
+    )
+
+
+def runnable(layout: Layout, microbatches: int) -> bool:
+    """Whether the trainer runs `layout` with `microbatches` per pipeline: torch's `Schedule1F1B` needs m >= d, and
+    2BW too (with fewer, more than two weight versions would be in flight)."""
+    return layout.pp == 1 or layout.schedule == "gpipe" or microbatches >= layout.pp
+
+
+def stage_seconds(
+    config: P2RConfig, tensors: list[ParameterTensor], layout: Layout, workload: Workload, hardware: Hardware
+) -> dict:
+    """Per-stage seconds of one micro-batch's forward and backward (with recomputation: one more forward) by the cost
+    model's FLOP count at `mfu * peak_flops` per GPU, and the send between neighbouring stages (one micro-batch's
+    activations at the bandwidth of the link it crosses; ranks placed TP, then DP, then PP): the inputs of
+    `hf_p2r.distributed.simulate`. Returns {"stages": [(forward, backward), ...], "p2p": [seconds per boundary]}."""
+    tokens = workload.micro_batch * workload.seq_len
+    rate = hardware.peak_flops * hardware.mfu * layout.tp
+    per_depth = _forward_flops_per_token(config, tensors, workload.seq_len)
+    head = 2 * config.vocab_size * config.hidden_size
+    times = []
+    for stage in pipeline_stages(config, layout.pp):
+        forward = tokens * (len(stage.depths) * per_depth + (head if stage.last else 0)) / rate
+        times.append((forward, (3 if layout.recompute else 2) * forward))
+    volume = tokens * config.hidden_size * workload.precision.activation
+    group, per_node = layout.tp * layout.dp, hardware.gpus_per_node
+    p2p = [
+        volume
+        / (
+            hardware.intra_node_bandwidth
+            if s * group // per_node == (s + 1) * group // per_node
+            else hardware.inter_node_bandwidth
+        )
+        for s in range(layout.pp - 1)
+    ]
+    return {"stages": times, "p2p": p2p}
 
 
 def candidate_layouts(config: P2RConfig, gpus: int, hardware: Hardware, max_tp: int, max_pp: int) -> list[Layout]:
-    """The layouts the engines run (and, with `max_pp > 1`, pipeline layouts for sizing).
+    """The layouts the engines run.
 
     TP degrees divide a node and the attention heads; PP degrees divide the depth. TP composes with FSDP2 (Accelerate's
     `ParallelismConfig(dp_shard_size, tp_size)`); ZeRO-1/2 are DeepSpeed's; granular offload of some blocks is
     hf-p2r's `GranularOffload`, which runs in one process (one GPU: the trainer refuses it otherwise); full offload
-    is FSDP2's `CPUOffloadPolicy` or DeepSpeed's ZeRO-3 offload.
+    is FSDP2's `CPUOffloadPolicy` or DeepSpeed's ZeRO-3 offload. Pipelines (`max_pp > 1`) are the trainer's
+    (`hf_p2r.distributed.pipeline`): each schedule of `PIPELINE_SCHEDULES`, replicated (DDP) or FSDP2-sharded over
+    `dp` pipelines, without TP or offload and not for mixture-of-experts models, which it does not pipeline.
     """
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layouts = []
@@ -149,6 +213,15 @@ def candidate_layouts(config: P2RConfig, gpus: int, hardware: Hardware, max_tp: 
             if pp > max_pp or config.num_hidden_layers % pp:
                 continue
             dp = gpus // (tp * pp)
+            if pp > 1:
+                if tp == 1 and not getattr(config, "num_experts", 0):
+                    layouts += [
+                        Layout(dp, 1, pp, zero, 0.0, recompute, schedule)
+                        for schedule in PIPELINE_SCHEDULES
+                        for zero in ((0, 3) if dp > 1 else (0,))
+                        for recompute in (False, True)
+                    ]
+                continue
             zeros = (0,) if dp == 1 else (3,) if tp > 1 else (0, 1, 2, 3)
             for zero in zeros:
                 if zero == 0 and dp == tp == pp == 1:  # granular: whole blocks, so k blocks give at most k + 1 choices
@@ -181,6 +254,7 @@ def plan(
         estimate(config, layout, workload, hardware, tensors, model)
         for layout in candidate_layouts(config, gpus, hardware, max_tp, max_pp)
     ]
+    estimates = [e for e in estimates if runnable(e.layout, e.microbatches)]
     return sorted(estimates, key=lambda e: (not e.fits, e.step_seconds if e.fits else e.memory.total))
 
 
@@ -286,15 +360,20 @@ def _buffer_bytes(units: dict, layout: Layout, p: Precision, uses: Counter, offl
     return 0
 
 
-def _compute_seconds(config, tensors, layout, tokens_per_step, seq_len, micro_batches, hardware) -> float:
+def _forward_flops_per_token(config, tensors, seq_len) -> float:
+    """Forward FLOPs per token of one depth: 2 per (active) block parameter, and 4 q s for the attention scores."""
     block_numel = sum(active_numel(t, config) for t in tensors if t.block is not None) / config.num_blocks
-    head = config.vocab_size * config.hidden_size
     heads = config.num_attention_heads
     q = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    layers = config.num_hidden_layers * (2 * block_numel + 4 * q * seq_len)  # forward FLOPs per token
+    return 2 * block_numel + 4 * q * seq_len
+
+
+def _compute_seconds(config, tensors, layout, tokens_per_step, seq_len, hardware) -> float:
+    """Seconds of the step's FLOPs spread evenly over the GPUs, before the pipeline bubble."""
+    head = config.vocab_size * config.hidden_size
+    layers = config.num_hidden_layers * _forward_flops_per_token(config, tensors, seq_len)
     flops_per_token = 3 * layers + 6 * head + (layers if layout.recompute else 0)
-    seconds = flops_per_token * tokens_per_step / (layout.gpus * hardware.peak_flops * hardware.mfu)
-    return seconds * (micro_batches + layout.pp - 1) / micro_batches
+    return flops_per_token * tokens_per_step / (layout.gpus * hardware.peak_flops * hardware.mfu)
 
 
 def _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardware, stage) -> float:
@@ -346,9 +425,21 @@ def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware)
     return micro_batches * traffic / hardware.pcie_bandwidth + numel / cpu_rate
 
 
-def _engine(layout: Layout) -> str:
+def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1) -> str:
     if layout.pp > 1:
-        return "sizing only: no HF engine trains with PP"
+        # The trainer's fields (scripts/train.py --config), launched with torchrun: its batch per pipeline is split
+        # into `num_microbatches` micro-batches of `micro_batch` sequences.
+        fields = [
+            f"pipeline_parallel_size: {layout.pp}",
+            f"pipeline_schedule: {layout.schedule}",
+            f"num_microbatches: {microbatches}",
+            f"per_device_batch_size: {microbatches * micro_batch}",
+        ]
+        if layout.dp > 1:
+            fields.append(f"data_parallel_size: {layout.dp}")
+        if layout.recompute:
+            fields.append("activation_checkpointing: true")
+        return ", ".join(fields) + (" (FSDP2 in each stage)" if layout.zero == 3 else "")
     if layout.tp > 1:
         if layout.dp > 1:
             return f"Accelerate ParallelismConfig(dp_shard_size={layout.dp}, tp_size={layout.tp})"
@@ -377,4 +468,6 @@ __all__ = [
     "plan",
     "pseudo_and_real",
     "read_config",
+    "runnable",
+    "stage_seconds",
 ]

@@ -4,15 +4,16 @@ from ..models.p2r import P2RConfig
 from .memory import GiB, active_numel, parameter_tensors
 from .plan import Estimate, Hardware, Workload
 
-COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "tok/s")
+COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "bubble")
+COLUMNS += ("tok/s",)
 
 
 def layout_name(estimate: Estimate) -> str:
-    """E.g. 'dp8 tp8 fsdp2/zero3 offload50% recompute'."""
+    """E.g. 'dp8 tp8 fsdp2/zero3 offload50% recompute', 'dp2 pp4 2bw ddp'."""
     layout = estimate.layout
     parts = [f"dp{layout.dp}"]
     parts += [f"tp{layout.tp}"] if layout.tp > 1 else []
-    parts += [f"pp{layout.pp}"] if layout.pp > 1 else []
+    parts += [f"pp{layout.pp}", layout.schedule] if layout.pp > 1 else []
     parts.append(layout.sharding)
     parts += [f"offload{layout.offload:.0%}"] if layout.offload else []
     parts += ["recompute"] if layout.recompute else []
@@ -28,7 +29,7 @@ def format_rows(estimates: list[Estimate], top: int) -> str:
         fits = "" if e.fits else " (does not fit)"
         rows.append(
             [str(rank), layout_name(e) + fits, *gib, f"{e.cpu_per_node / GiB:.0f}", f"{e.step_seconds:.3g}"]
-            + [f"{e.tokens_per_second:.3g}", e.engine]
+            + [f"{e.bubble:.0%}", f"{e.tokens_per_second:.3g}", e.engine]
         )
     header = [*COLUMNS, "engine"]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
@@ -56,7 +57,8 @@ def format_plan(
         f"assumed: {hardware.peak_flops / 1e12:.0f} TFLOP/s peak at {hardware.mfu:.0%} MFU, "
         f"{hardware.intra_node_bandwidth / 1e9:.0f} GB/s in a node, {hardware.inter_node_bandwidth / 1e9:.0f} GB/s "
         f"across nodes, {hardware.pcie_bandwidth / 1e9:.0f} GB/s PCIe, {hardware.reserved_gpu_bytes / GiB:.0f} GiB "
-        "reserved per GPU; memory in GiB on the most loaded GPU, step time assumes no overlap",
+        "reserved per GPU; memory in GiB on the most loaded GPU, step time assumes no overlap; bubble: a pipeline's "
+        "idle share, (pp - 1) / (m + pp - 1) flushed (gpipe, 1f1b), none for 2bw in steady state",
         *notes,
     ]
     for name, estimates in results.items():

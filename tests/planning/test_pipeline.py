@@ -1,0 +1,154 @@
+"""Pipeline layouts in the planner: memory per stage by schedule against the schedule simulator's in-flight counts,
+the bubble against (d - 1) / (m + d - 1), stage times against the planner's own step time, and the trainer fields it
+prints."""
+
+import dataclasses
+import re
+from fractions import Fraction
+
+import pytest
+
+from hf_p2r.distributed.simulate import StageCost, simulate_schedule
+from hf_p2r.planning import PRECISIONS, Hardware, Layout, Workload, estimate, parameter_tensors, plan
+from hf_p2r.planning.memory import (
+    head_activation_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    model_state_bytes,
+    pipeline_stages,
+    stage_tensors,
+)
+from hf_p2r.planning.plan import stage_seconds
+
+from ..conftest import tiny_config
+
+STAGES, MICROBATCHES, MICRO_BATCH, SEQ = 4, 8, 2, 32
+
+
+def workload(microbatches: int = MICROBATCHES, dp: int = 1) -> Workload:
+    return Workload(SEQ, MICRO_BATCH, microbatches * MICRO_BATCH * dp, PRECISIONS["mixed"])
+
+
+def stage_activations(config, precision) -> list[int]:
+    """Bytes one micro-batch leaves saved on each of the `STAGES` stages (layers, input ids on the first, head and
+    logits on the last), from the per-layer counts tests/planning/test_memory.py checks against autograd."""
+    tokens = MICRO_BATCH * SEQ
+    per_layer = layer_activation_bytes(config, tokens, 1, precision)
+    per_stage = config.num_hidden_layers // STAGES
+    head = head_activation_bytes(config, tokens, precision) + logits_bytes(config, tokens, precision)
+    return [
+        per_stage * per_layer + (8 * tokens if s == 0 else 0) + (head if s == STAGES - 1 else 0) for s in range(STAGES)
+    ]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+def test_stage_memory_follows_the_schedule(schedule):
+    """The planner's most loaded stage = the simulator's peak in-flight micro-batches x bytes per micro-batch, plus
+    the weight versions the simulator counts."""
+    config, precision = tiny_config(), PRECISIONS["mixed"]
+    tensors = parameter_tensors(config)
+    weights = [
+        model_state_bytes(stage_tensors(tensors, stage, False), Layout(dp=1), precision).weights
+        for stage in pipeline_stages(config, STAGES)
+    ]
+    per_microbatch = stage_activations(config, precision)
+    costs = [StageCost(1.0, 2.0, weights=w, activations=a) for w, a in zip(weights, per_microbatch)]
+    simulated = simulate_schedule(schedule, costs, MICROBATCHES)
+    expected = {"gpipe": [MICROBATCHES] * STAGES, "1f1b": [4, 3, 2, 1], "2bw": [4, 3, 2, 1]}[schedule]
+    assert simulated.peak_in_flight == expected
+
+    planned = estimate(config, Layout(dp=1, pp=STAGES, schedule=schedule), workload(), Hardware(), tensors)
+    activations = [n * a for n, a in zip(simulated.peak_in_flight, per_microbatch)]
+    loaded = max(range(STAGES), key=lambda s: planned_total(config, tensors, schedule, s, activations[s]))
+    assert planned.memory.activations == activations[loaded]
+    assert planned.memory.weights == simulated.peak_versions[loaded] * weights[loaded]
+
+
+def planned_total(config, tensors, schedule, stage, activations) -> int:
+    """Model states and activations of one stage: the planner reports the most loaded stage, this finds which."""
+    held = stage_tensors(tensors, pipeline_stages(config, STAGES)[stage], False)
+    states = model_state_bytes(held, Layout(dp=1), PRECISIONS["mixed"])
+    return states.model_states + (states.weights if schedule == "2bw" else 0) + activations
+
+
+def test_2bw_keeps_two_weight_versions_and_1f1bs_activations():
+    config, tensors = tiny_config(), parameter_tensors(tiny_config())
+    flush, two_bw = (
+        estimate(config, Layout(dp=1, pp=STAGES, schedule=s), workload(), Hardware(), tensors).memory
+        for s in ("1f1b", "2bw")
+    )
+    assert two_bw.weights == 2 * flush.weights
+    assert (two_bw.grads, two_bw.optimizer, two_bw.activations) == (flush.grads, flush.optimizer, flush.activations)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 2), (4, 8), (8, 8), (8, 24)])
+def test_bubble_and_step_time_follow_the_schedule(stages, microbatches):
+    config = tiny_config(num_hidden_layers=8 * 2)
+    by_schedule = {
+        s: estimate(config, Layout(dp=1, pp=stages, schedule=s), workload(microbatches), Hardware())
+        for s in ("gpipe", "1f1b", "2bw")
+    }
+    flush = Fraction(stages - 1, microbatches + stages - 1)
+    assert by_schedule["gpipe"].bubble == by_schedule["1f1b"].bubble == pytest.approx(float(flush), abs=1e-15)
+    assert by_schedule["2bw"].bubble == 0
+    ratio = by_schedule["1f1b"].compute_seconds / by_schedule["2bw"].compute_seconds
+    assert ratio == pytest.approx(float(Fraction(microbatches + stages - 1, microbatches)))
+    # The simulator, fed the planner's stage times, agrees on equal stages (no head: tie the pace to the blocks).
+    times = stage_seconds(
+        config, parameter_tensors(config), Layout(dp=1, pp=stages), workload(microbatches), Hardware()
+    )
+    middle = times["stages"][0]
+    simulated = simulate_schedule("1f1b", [StageCost(*middle)] * stages, microbatches)
+    assert simulated.bubble == pytest.approx(float(flush))
+
+
+def test_stage_seconds_add_up_to_the_planners_compute_time():
+    config, hardware = tiny_config(), Hardware(gpus_per_node=2)
+    layout = Layout(dp=1, pp=STAGES, schedule="2bw")
+    times = stage_seconds(config, parameter_tensors(config), layout, workload(), hardware)
+    planned = estimate(config, layout, workload(), hardware)
+    busy = sum(f + b for f, b in times["stages"]) * MICROBATCHES
+    assert busy / STAGES == pytest.approx(planned.compute_seconds)
+    activations = MICRO_BATCH * SEQ * config.hidden_size * PRECISIONS["mixed"].activation
+    intra, inter = activations / hardware.intra_node_bandwidth, activations / hardware.inter_node_bandwidth
+    assert times["p2p"] == pytest.approx([intra, inter, intra])  # 2 GPUs per node: stages 1 | 2 cross nodes
+
+
+def test_schedules_that_need_m_at_least_d_are_not_offered_below():
+    config, hardware = tiny_config(), Hardware(gpus_per_node=4)
+    few = [e.layout for e in plan(config, 4, workload(microbatches=2), hardware, max_pp=4) if e.layout.pp == 4]
+    assert {layout.schedule for layout in few} == {"gpipe"}
+    enough = [e.layout for e in plan(config, 4, workload(microbatches=4), hardware, max_pp=4) if e.layout.pp == 4]
+    assert {layout.schedule for layout in enough} == {"gpipe", "1f1b", "2bw"}
+    assert all(layout.tp == 1 and layout.offload == 0 for layout in enough)
+
+
+def test_pipeline_layouts_name_the_trainer_fields_that_run_them():
+    config, hardware = tiny_config(), Hardware(gpus_per_node=8)
+    estimates = [e for e in plan(config, 8, workload(dp=2), hardware, max_pp=4) if e.layout.pp > 1]
+    assert estimates
+    for e in estimates:
+        fields = dict(re.findall(r"(\w+): (\w+)", e.engine))
+        assert fields["pipeline_parallel_size"] == str(e.layout.pp)
+        assert fields["pipeline_schedule"] == e.layout.schedule
+        assert fields["num_microbatches"] == str(e.microbatches)
+        assert fields["per_device_batch_size"] == str(e.microbatches * MICRO_BATCH)
+        assert fields.get("data_parallel_size", "1") == str(e.layout.dp)
+        assert fields.get("activation_checkpointing") == ("true" if e.layout.recompute else None)
+
+
+def test_printed_pipeline_fields_are_trainer_fields():
+    """Every field a pipeline layout prints is a field of the trainer's config (scripts/train.py --config)."""
+    from hf_p2r.training import config as trainer_config
+
+    names = {
+        f.name
+        for cls in vars(trainer_config).values()
+        if dataclasses.is_dataclass(cls)
+        for f in dataclasses.fields(cls)
+    }
+    if "pipeline_parallel_size" not in names:
+        pytest.skip("the trainer has no pipeline fields yet")
+    layout = Layout(dp=2, pp=4, schedule="2bw", recompute=True)
+    engine = estimate(tiny_config(), layout, workload(dp=2), Hardware()).engine
+    assert set(re.findall(r"(\w+): ", engine)) <= names
