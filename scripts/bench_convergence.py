@@ -310,11 +310,12 @@ def machine() -> dict:
 
 
 def report_stem(preset: str) -> str:
-    return "convergence" if preset == "cpu" else f"convergence_{preset}"
+    """convergence_carry.* (the optimizer-carry study at L = 8) for the CPU preset: convergence.* is the sweep page."""
+    return "convergence_carry" if preset == "cpu" else f"convergence_{preset}"
 
 
 def write_report(result: dict, out: Path) -> None:
-    """convergence.{json,md,png} for the CPU preset, convergence_<preset>.* for the others."""
+    """convergence_carry.{json,md,png} for the CPU preset, convergence_<preset>.* for the others."""
     out.mkdir(parents=True, exist_ok=True)
     stem = report_stem(result["preset_name"])
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -576,6 +577,674 @@ def _parameters(run_dir: Path) -> int:
     return total
 
 
+# Sweeps (issue 13): when does P2R pay off? The learning-rate schedule, the depth, the growth schedule and the delink
+# point, each on two corpora; every P2R run compared seed by seed with a scratch run of its group (same corpus,
+# depth and schedule). `--sweep NAME` runs one and writes convergence_NAME.json; `--report` builds convergence.md
+# (findings, tables) and its plots from every sweep file present.
+SWEEPS = ("schedule", "depth", "growth", "best")
+CORPORA = {
+    "stdlib": "the standard library's Python sources (code; the trainer's built-in corpus)",
+    "prose": "English prose made by the benchmark from Python's own documentation: pydoc's topics "
+    "(pydoc_data.topics) and the docstrings of the standard library, one document per topic or module",
+}
+# Training state per parameter, fp32: the weight, its gradient and AdamW's two moments.
+STATE_BYTES_PER_PARAMETER = 16
+SWEEP_DEFAULTS = {
+    "schedule": {"schedulers": ["cosine", "wsd"], "depths": [8], "fractions": [1 / 3]},
+    "depth": {"schedulers": ["wsd"], "depths": [8, 16, 32], "fractions": [1 / 3]},
+    "growth": {"schedulers": ["wsd"], "depths": [8], "fractions": [1 / 6, 1 / 3, 1 / 2]},
+    # The recommended configuration (--only) at every seed, on both corpora: what the target is judged on.
+    "best": {"schedulers": ["wsd"], "depths": [8], "fractions": [1 / 3]},
+}
+TARGET = 1.5
+
+
+def prose_corpus(folder: Path, max_bytes: int) -> Path:
+    """A folder of .txt documents of English prose, about `max_bytes` of them, made from what every Python ships:
+    pydoc's help topics, then each standard-library module's docstrings (module, classes, functions) in the order of
+    a hash of its path. Made once (written to a temporary folder, then renamed); the same on every machine with the
+    same Python version."""
+    if folder.is_dir():
+        return folder
+    import ast
+    import hashlib
+    import pydoc_data.topics
+    import shutil
+    import sysconfig
+
+    documents = [text for _, text in sorted(pydoc_data.topics.topics.items())]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    files = [path for path in root.rglob("*.py") if not skip & set(path.relative_to(root).parts)]
+    files.sort(key=lambda path: hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest())
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for path in files:
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError, OSError):
+            continue
+        text = "\n\n".join(
+            doc for node in ast.walk(tree) if isinstance(node, kinds) and (doc := ast.get_docstring(node))
+        )
+        if text:
+            documents.append(text)
+    temporary = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    total = 0
+    for index, text in enumerate(documents):
+        size = len(text.encode())
+        if total + size > max_bytes:
+            continue
+        (temporary / f"{index:04d}.txt").write_text(text, encoding="utf-8")
+        total += size
+    temporary.rename(folder)
+    return folder
+
+
+def corpus_fields(corpus: str, preset: dict, workdir: Path) -> dict:
+    """The trainer fields that select `corpus` (the built-in corpus needs none)."""
+    if corpus == "stdlib":
+        return {}
+    folder = prose_corpus(
+        workdir / "corpora" / f"prose-{preset['fields']['corpus_max_bytes']}", preset["fields"]["corpus_max_bytes"]
+    )
+    return {"train_files": [str(folder)]}
+
+
+def p2r_schedule(total: int, at: int, k: int, depth: int, grow: bool = False) -> tuple[str, dict]:
+    """(name, schedule) of a P2R run with k shared blocks, delinked to the real model at step `at` (scale carry).
+
+    With `grow`, the pseudo model doubles its blocks at evenly spaced partial delinks before that (1 -> 2 -> 4 -> L):
+    each stage trains at least as long as the one before has blocks to share."""
+    schedule = {"pseudo_steps": at, "real_steps": total - at, "num_unique_layers": k, "optimizer_carry": "scale"}
+    if not grow:
+        return f"k{k}-at{at}", schedule
+    blocks = []
+    while (k if not blocks else blocks[-1]) * 2 < depth:
+        blocks.append((k if not blocks else blocks[-1]) * 2)
+    steps = [round(at * (i + 1) / (len(blocks) + 1)) for i in range(len(blocks))]
+    schedule.update(partial_delink_steps=steps, partial_delink_blocks=blocks)
+    return f"k{k}-grow-at{at}", schedule
+
+
+def sweep_groups(sweep: str, preset: dict, corpora: list[str], options: dict) -> list[dict]:
+    """The groups of a sweep: one per (corpus, depth, schedule), each a scratch run and the P2R runs compared with
+    it. schedule: k = L/4 and k = 1, delinked at a third of the run, and the growth 1 -> 2 -> 4 -> L; depth: the same
+    two at each depth; growth: k = 1 delinked at each fraction of the run, once or growing."""
+    total, groups = preset["total_steps"], []
+    for corpus in corpora:
+        for depth in options["depths"]:
+            for scheduler in options["schedulers"]:
+                runs = {"scratch": {"pseudo_steps": 0, "real_steps": total}}
+                points = [max(1, min(total - 1, round(total * f / 5) * 5)) for f in options["fractions"]]
+                for at in points:
+                    quarter = max(1, depth // 4)
+                    variants = {
+                        "schedule": [(quarter, False)],
+                        "depth": [(quarter, False), (1, False)],
+                        # The delink point for k = L/4; growth from one block from a third of the run on.
+                        "growth": [(quarter, False)] + ([(1, True)] if at >= total / 3 - 5 else []),
+                        "best": [(quarter, False), (1, False), (1, True), (quarter, True)],
+                    }[sweep]
+                    for k, grow in variants:
+                        name, schedule = p2r_schedule(total, at, k, depth, grow)
+                        runs[name] = schedule
+                groups.append(
+                    {
+                        "name": f"{corpus}-L{depth}-{scheduler}",
+                        "corpus": corpus,
+                        "depth": depth,
+                        "scheduler": scheduler,
+                        "fields": {"num_hidden_layers": depth, "lr_scheduler": scheduler},
+                        "runs": runs,
+                    }
+                )
+    return groups
+
+
+def _argv(fields: dict) -> list[str]:
+    """Trainer flags of `fields` (a list value becomes several arguments of one flag)."""
+    argv = []
+    for key, value in fields.items():
+        argv += [f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return argv
+
+
+def run_tasks(tasks: list[tuple], jobs: int, threads: int, loads: list[float]) -> bool:
+    """Run (steps, seed, name, argv, log) tasks, `jobs` at a time, longest first; print one line per run."""
+    tasks = sorted(tasks, key=lambda task: -task[0])
+
+    def done(task, outcome) -> bool:
+        (_, seed, name, argv, log), (code, seconds) = task, outcome
+        loads.append(os.getloadavg()[0])
+        print(
+            f"   seed {seed} {name}: {'ok' if code == 0 else f'FAILED ({code}, see {log})'}, {seconds:.0f} s",
+            flush=True,
+        )
+        if code == 0:  # marks the run finished, for `_finished`
+            output_dir = Path(argv[argv.index("--output_dir") + 1])
+            _write_text(output_dir / "bench_argv.json", json.dumps(argv))
+        return code == 0
+
+    if jobs == 1:
+        return all(done(task, _train_run(*task[3:], threads)) for task in tasks)
+    # Spawned workers (not forked from a process holding torch's thread pools), each reused for many runs.
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(_train_run, *task[3:], threads): task for task in tasks}
+        for future in concurrent.futures.as_completed(futures):
+            if not done(futures[future], future.result()):
+                pool.shutdown(cancel_futures=True)
+                return False
+    return True
+
+
+def _finished(output_dir: Path, argv: list[str]) -> bool:
+    """Whether `output_dir` holds a finished run of exactly `argv` (its saved real model and the same arguments)."""
+    marker = output_dir / "bench_argv.json"
+    return (output_dir / "real").is_dir() and marker.is_file() and json.loads(marker.read_text()) == argv
+
+
+def stage_times(records: list[dict], schedule: dict, depth: int) -> list[dict]:
+    """[{blocks, steps, step_time_s}] per stage of a run, the step time measured from `train_time_s` (training only)."""
+    k = schedule.get("num_unique_layers", depth) if schedule["pseudo_steps"] else depth
+    bounds = [(0, k)]
+    for step, blocks in zip(schedule.get("partial_delink_steps", []), schedule.get("partial_delink_blocks", [])):
+        bounds.append((step, blocks))
+    if schedule["pseudo_steps"]:
+        bounds.append((schedule["pseudo_steps"], depth))
+    end = schedule["pseudo_steps"] + schedule["real_steps"]
+    curve = [(0, 0.0)] + sorted({r["step"]: r["train_time_s"] for r in records if "train_time_s" in r}.items())
+    stages = []
+    for (start, blocks), (stop, _) in zip(bounds, [*bounds[1:], (end, None)]):
+        seconds = value_at(curve, stop) - value_at(curve, start)
+        stages.append({"blocks": blocks, "steps": stop - start, "step_time_s": seconds / max(1, stop - start)})
+    return stages
+
+
+def block_parameters(model_dir: Path) -> tuple[int, int]:
+    """(parameters of one transformer block, parameters outside the blocks) of a saved real model."""
+    from safetensors import safe_open
+
+    block = total = 0
+    depths = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(path, "pt") as file:
+            for name in file.keys():
+                numel = torch.Size(file.get_slice(name).get_shape()).numel()
+                total += numel
+                if ".layers." in name:
+                    depths.add(name.split(".layers.")[1].split(".")[0])
+                    if ".layers.0." in name:
+                        block += numel
+    return block, total - len(depths) * block
+
+
+def run_sweep(sweep: str, args, preset: dict) -> dict:
+    """Run every group of `sweep` for every seed; the result: per group, the runs' rows (aggregate over seeds, with
+    stages: blocks, training-state bytes, step time) and the per-seed comparisons."""
+    options = {**SWEEP_DEFAULTS[sweep]}
+    for key in ("schedulers", "depths", "fractions"):
+        if getattr(args, key):
+            options[key] = getattr(args, key)
+    workdir = Path(args.workdir) / "sweeps"  # shared by the sweeps: a group's runs are reused where they recur
+    custom = "train_files" in preset["fields"] or "dataset_name" in preset["fields"]
+    corpora = ["custom"] if custom else args.corpora
+    groups = sweep_groups(sweep, preset, corpora, options)
+    seeds, jobs = args.seeds or preset["seeds"], args.jobs or preset["jobs"]
+    budgets = budget_runs(preset) if args.budgets else {}
+    info = machine()
+    info["torch_threads"] = args.threads
+    started, tasks, reused = time.perf_counter(), [], 0
+    for group in groups:
+        corpus = {} if group["corpus"] == "custom" else corpus_fields(group["corpus"], preset, Path(args.workdir))
+        group["fields"].update(corpus)
+        group["seeds"] = seeds[: args.seeds_deep] if group["depth"] >= args.deep_depth else seeds
+        if args.only:
+            group["runs"] = {n: r for n, r in group["runs"].items() if n == "scratch" or n in args.only}
+        for seed in group["seeds"]:
+            for name, schedule in {**group["runs"], **budgets}.items():
+                output_dir = workdir / group["name"] / f"seed{seed}" / name
+                fields = {**preset["fields"], **group["fields"], **schedule, "seed": seed}
+                fields.update(output_dir=str(output_dir), overwrite_output_dir=True)
+                argv_run = _argv(fields)
+                parse_config(argv_run)  # a bad --set fails here, before any run
+                output_dir.parent.mkdir(parents=True, exist_ok=True)
+                if _finished(output_dir, argv_run):
+                    reused += 1  # the same run (fields, seed) in another sweep's group
+                    continue
+                steps = (schedule["pseudo_steps"] + schedule["real_steps"]) * group["depth"]
+                log = str(output_dir.parent / f"{name}.log")
+                tasks.append((steps, seed, f"{group['name']} {name}", argv_run, log))
+    print(
+        f"{sweep}: {len(tasks)} runs ({reused} reused) in {len(groups)} groups, {jobs} at a time; logs in {workdir}",
+        flush=True,
+    )
+    loads = [info["load_average_at_start"][0]]
+    if not run_tasks(tasks, jobs, args.threads, loads):
+        raise RuntimeError(f"a run of the {sweep} sweep failed (see its log)")
+    for group in groups:
+        folder = workdir / group["name"]
+        per_seed, stages = [], {name: [] for name in group["runs"]}
+        for seed in group["seeds"]:
+            records = {
+                name: read_metrics(folder / f"seed{seed}" / name / "metrics.jsonl")
+                for name in {**group["runs"], **budgets}
+            }
+            per_seed.append(compare_seed(seed, group["runs"], records, budgets))
+            for name, schedule in group["runs"].items():
+                stages[name].append(stage_times(records[name], schedule, group["depth"]))
+        block, other = block_parameters(folder / f"seed{group['seeds'][0]}" / "scratch" / "real")
+        group["parameters"] = {"block": block, "outside_blocks": other}
+        group["rows"] = aggregate(per_seed)
+        for row in group["rows"]:
+            row["schedule"] = group["runs"][row["name"]]
+            per_stage = zip(*stages[row["name"]])
+            row["stages"] = [
+                {
+                    "blocks": runs[0]["blocks"],
+                    "steps": runs[0]["steps"],
+                    "state_bytes": STATE_BYTES_PER_PARAMETER * (other + runs[0]["blocks"] * block),
+                    "step_time_s": statistics.fmean(r["step_time_s"] for r in runs),
+                }
+                for runs in per_stage
+            ]
+        group["per_seed"] = per_seed
+    info["load_average_at_end"] = os.getloadavg()
+    info["load_average_max"] = max(loads + [info["load_average_at_end"][0]])
+    invocation = {
+        "command": "python scripts/bench_convergence.py " + " ".join(args.argv),
+        "machine": info,
+        "jobs": jobs,
+        "seed_list": seeds,
+        "ran": len(tasks),
+        "reused_runs": reused,
+        "wall_time_s": time.perf_counter() - started,
+    }
+    return {"sweep": sweep, "preset": preset, "corpora": corpora, "invocations": [invocation], "groups": groups}
+
+
+def _config_key(group: dict, row: dict) -> str:
+    return f"L={group['depth']} {group['scheduler']} {row['name']}"
+
+
+def _per_seed(row: dict) -> str:
+    return ", ".join("not reached" if x is None else _times(x) for x in row["speedup_steps_per_seed"])
+
+
+def _worst(row: dict) -> float:
+    """The smallest speed-up over seeds (0 when a seed never reached scratch's final loss)."""
+    return min((x or 0.0) for x in row["speedup_steps_per_seed"])
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def best_configurations(sweeps: dict[str, dict]) -> list[dict]:
+    """Every P2R configuration (depth, schedule, run) measured on every corpus, best first by its smallest speed-up
+    over corpora and seeds: {key, worst, by_corpus: {corpus: row}}."""
+    table: dict[str, dict] = {}
+    corpora = set()
+    for result in sweeps.values():
+        for group in result["groups"]:
+            corpora.add(group["corpus"])
+            for row in group["rows"][1:]:
+                entry = table.setdefault(_config_key(group, row), {"by_corpus": {}, "seeds": {}})
+                previous = entry["by_corpus"].get(group["corpus"])
+                if previous is None or len(row["speedup_steps_per_seed"]) > len(previous["speedup_steps_per_seed"]):
+                    entry["by_corpus"][group["corpus"]] = row
+    out = []
+    for key, entry in table.items():
+        if set(entry["by_corpus"]) == corpora:
+            rows = entry["by_corpus"].values()
+            out.append({"key": key, "worst": min(_worst(r) for r in rows), "by_corpus": entry["by_corpus"]})
+    return sorted(out, key=lambda e: -e["worst"])
+
+
+def _group_table(result: dict) -> list[str]:
+    lines = [
+        "| corpus | L | schedule | run | delink at | final val loss | Δ vs scratch | gap at the delink | to scratch's "
+        "final "
+        "loss, per seed | mean (steps) | mean (time) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for group in result["groups"]:
+        for row in group["rows"]:
+            gap = row.get("gaps", {}).get("at_delink")
+            schedule = row["schedule"]
+            at = "-"
+            if schedule["pseudo_steps"]:
+                grow = schedule.get("partial_delink_steps", [])
+                at = " / ".join(str(s) for s in [*grow, schedule["pseudo_steps"]])
+            lines.append(
+                f"| {group['corpus']} | {group['depth']} | {group['scheduler']} | {row['name']} | {at} | "
+                f"{row['final_val_loss_mean']:.4f} | "
+                f"{row['delta_vs_scratch_mean']:+.4f} ± {row['delta_vs_scratch_sd']:.4f} | "
+                f"{'-' if gap is None else format(gap['mean'], '+.4f')} | {_per_seed(row)} | "
+                f"{_times(row['speedup_steps_mean'])} | {_times(row['speedup_time_mean'])} |"
+            )
+    return lines
+
+
+def _stage_table(result: dict) -> list[str]:
+    """Training-state bytes and measured step time per stage, one line per (group, P2R run) and scratch."""
+    lines = [
+        "| corpus | L | run | stages (blocks: steps) | training state per stage (MiB) | state / scratch's | step "
+        "time per "
+        "stage (ms) | scratch's step time (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for group in result["groups"]:
+        scratch = group["rows"][0]["stages"][0]
+        for row in group["rows"][1:]:
+            stages = row["stages"]
+            lines.append(
+                f"| {group['corpus']} | {group['depth']} | {row['name']} | "
+                + ", ".join(f"{s['blocks']}: {s['steps']}" for s in stages)
+                + " | "
+                + " / ".join(_mb(s["state_bytes"]) for s in stages)
+                + " | "
+                + " / ".join(f"{s['state_bytes'] / scratch['state_bytes']:.2f}" for s in stages)
+                + " | "
+                + " / ".join(f"{1000 * s['step_time_s']:.0f}" for s in stages)
+                + f" | {1000 * scratch['step_time_s']:.0f} |"
+            )
+    return lines
+
+
+def _sweep_header(result: dict) -> list[str]:
+    """One line per invocation that ran part of the sweep: machine, date, load, its command."""
+    f = result["preset"]["fields"]
+    lines = [
+        f"{result['preset']['total_steps']} steps of {f['per_device_batch_size']} x {f['block_size']} tokens, hidden "
+        f"{f['hidden_size']}; seeds per group: "
+        + ", ".join(f"{g['name']} {g['seeds']}" for g in result["groups"])
+        + ". Runs (a run recurring in another sweep's group is reused, not repeated):",
+        "",
+    ]
+    for run in result["invocations"]:
+        m = run["machine"]
+        lines.append(
+            f"- `{run['command']}`: {m['date']} on {m['cpu']} ({m['cpu_count']} cores, {run['jobs']} run(s) at a "
+            f"time, {m['torch_threads']} torch thread(s) each, under `nice -n 10` beside other work), torch "
+            f"{m['torch']}; {run['ran']} runs ({run['reused_runs']} reused) in {run['wall_time_s'] / 60:.1f} min; load "
+            f"average (1 min) {m['load_average_at_start'][0]:.1f} at the start, {m['load_average_max']:.1f} at most, "
+            f"{m['load_average_at_end'][0]:.1f} at the end (times are noisy above {m['cpu_count']}; steps are not)."
+        )
+    return lines
+
+
+def merge_sweep(previous: dict | None, result: dict) -> dict:
+    """`result` with the groups of `previous` (an earlier run of the same sweep) that it did not run again, and its
+    invocations before this one: a sweep can be run in parts (e.g. --depths 32 later, with fewer seeds)."""
+    if previous is None or previous.get("preset", {}).get("fields") != result["preset"]["fields"]:
+        return result
+    names = {g["name"] for g in result["groups"]}
+    kept = [g for g in previous["groups"] if g["name"] not in names]
+    order = {corpus: i for i, corpus in enumerate(CORPORA)}
+    groups = sorted(kept + result["groups"], key=lambda g: (order.get(g["corpus"], 9), g["depth"], g["scheduler"]))
+    corpora = list(dict.fromkeys([*previous["corpora"], *result["corpora"]]))
+    return {
+        **result,
+        "corpora": corpora,
+        "invocations": previous["invocations"] + result["invocations"],
+        "groups": groups,
+    }
+
+
+def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
+    """convergence.md: findings first (from the numbers), then each sweep's tables."""
+    any_result = next(iter(sweeps.values()))
+    f, total = any_result["preset"]["fields"], any_result["preset"]["total_steps"]
+    lines = [
+        "# Convergence: when does Pseudo-to-Real pay off?",
+        "",
+        "Written by `scripts/bench_convergence.py --report` from the sweep files beside it "
+        f"({', '.join(f'`convergence_{name}.json`' for name in sweeps)}); each sweep is run by "
+        "`scripts/bench_convergence.py --sweep NAME` (commands under each table).",
+        "",
+        "**Measure.** A P2R run's speed-up is scratch's steps / the P2R run's steps to reach scratch's final "
+        "validation loss (same corpus, depth, schedule, seed; linear interpolation between evaluations every "
+        f"{f['eval_steps']} steps). Every run of a comparison has the same data order, token budget ({total} "
+        f"optimizer steps of {f['per_device_batch_size']} x {f['block_size']} tokens), peak learning rate "
+        f"({f['learning_rate']:g}) and schedule over the whole run; P2R runs train shared blocks at 1/n of the rate "
+        "(`shared_lr_scale: depth`) and carry the optimizer state with `scale`. A pseudo step runs the full depth, "
+        "so equal steps are equal compute. kK-atD: K shared blocks, delinked to the real model at step D; "
+        "kK-grow-atD: K blocks doubled at evenly spaced partial delinks (1 -> 2 -> 4 -> L), the last at step D. "
+        f"Corpora: stdlib, {CORPORA['stdlib']}; prose, {CORPORA['prose']}.",
+        "",
+    ]
+    lines += _findings(sweeps)
+    if "convergence" in plots:
+        lines += ["", f"![loss vs step]({plots['convergence']})"]
+    if "depth" in plots:
+        lines += ["", f"![speed-up vs L]({plots['depth']})"]
+    for name, result in sweeps.items():
+        lines += ["", f"## Sweep: {name}", "", *_sweep_header(result), ""]
+        lines += _group_table(result)
+        lines += [
+            "",
+            "Training state (fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter) and "
+            "measured training time per step, per stage (mean over seeds):",
+            "",
+        ]
+        lines += _stage_table(result)
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _rows_by(result: dict) -> dict[tuple[str, int, str], dict[str, dict]]:
+    """{(corpus, depth, scheduler): {run name: row}} of a sweep."""
+    return {(g["corpus"], g["depth"], g["scheduler"]): {r["name"]: r for r in g["rows"]} for g in result["groups"]}
+
+
+def _kind(name: str, depth: int) -> str:
+    """A run's name without its k and delink step when k = L/4 (k=L/4-atD) or k = 1."""
+    k, _, rest = name.partition("-")
+    label = "k=1" if k == "k1" else "k=L/4" if k == f"k{max(1, depth // 4)}" else k
+    return f"{label}-{rest.split('-at')[0]}" if "grow" in rest else label
+
+
+def _findings(sweeps: dict[str, dict]) -> list[str]:
+    lines = ["## Findings", ""]
+    best = best_configurations(sweeps)
+    if best:
+        top = best[0]
+        per = "; ".join(
+            f"{corpus}: {_per_seed(row)} (mean {_times(row['speedup_steps_mean'])})"
+            for corpus, row in sorted(top["by_corpus"].items())
+        )
+        met = "meets" if top["worst"] >= TARGET else f"does not meet (worst seed {_times(top['worst'])})"
+        lines.append(
+            f"- **Which configuration to pick**: {top['key']}, the best by its worst seed over every corpus: {per} "
+            f"fewer steps than scratch to scratch's final loss. It {met} the {TARGET}x target on every corpus and seed."
+        )
+        runners = [f"{e['key']} (worst seed {_times(e['worst'])})" for e in best[1:4]]
+        if runners:
+            lines.append(f"  Next: {', '.join(runners)}.")
+    if "schedule" in sweeps:
+        rows = _rows_by(sweeps["schedule"])
+        parts = []
+        for corpus in sweeps["schedule"]["corpora"]:
+            depth = min(g["depth"] for g in sweeps["schedule"]["groups"])
+            cosine, wsd = rows.get((corpus, depth, "cosine")), rows.get((corpus, depth, "wsd"))
+            if not cosine or not wsd:
+                continue
+            names = [n for n in cosine if n != "scratch"]
+            pairs = ", ".join(
+                f"{n} {_times(cosine[n]['speedup_steps_mean'])} → {_times(wsd[n]['speedup_steps_mean'])}" for n in names
+            )
+            parts.append(
+                f"{corpus} (L={depth}; scratch ends at {cosine['scratch']['final_val_loss_mean']:.3f} with cosine, "
+                f"{wsd['scratch']['final_val_loss_mean']:.3f} with WSD): {pairs}"
+            )
+        if parts:
+            lines.append("- **Schedule** (mean speed-up, cosine → WSD): " + "; ".join(parts) + ".")
+    if "depth" in sweeps:
+        rows = _rows_by(sweeps["depth"])
+        parts = []
+        for corpus in sweeps["depth"]["corpora"]:
+            series: dict[str, list[str]] = {}
+            for (c, depth, _), runs in sorted(rows.items(), key=lambda item: item[0][1]):
+                if c != corpus:
+                    continue
+                for name, row in runs.items():
+                    if name != "scratch":
+                        series.setdefault(_kind(name, depth), []).append(
+                            f"{_times(row['speedup_steps_mean'])} (worst {_times(_worst(row))})"
+                        )
+            parts.append(f"{corpus}: " + "; ".join(f"{k} {' / '.join(v)}" for k, v in series.items()))
+        depths = "/".join(str(d) for d in sorted({g["depth"] for g in sweeps["depth"]["groups"]}))
+        lines.append(f"- **Depth** (mean speed-up at L = {depths}, same width and tokens): " + "; ".join(parts) + ".")
+    if "growth" in sweeps:
+        rows = _rows_by(sweeps["growth"])
+        parts = []
+        for (corpus, depth, scheduler), runs in rows.items():
+            cells = ", ".join(
+                f"{name} {_times(row['speedup_steps_mean'])}" for name, row in runs.items() if name != "scratch"
+            )
+            parts.append(f"{corpus} (L={depth}, {scheduler}): {cells}")
+        lines.append("- **Growth and delink point** (mean speed-up): " + "; ".join(parts) + ".")
+    losing = sorted(
+        {
+            f"{_config_key(g, r)} on {g['corpus']} ({_per_seed(r)})"
+            for result in sweeps.values()
+            for g in result["groups"]
+            for r in g["rows"][1:]
+            if _worst(r) < 1.1
+        }
+    )
+    if losing:
+        lines.append(
+            "- **Where P2R does not pay** (some seed below 1.1x, or never at scratch's final loss): "
+            + "; ".join(losing)
+            + "."
+        )
+    if "depth" in sweeps:
+        parts = []
+        for group in sweeps["depth"]["groups"]:
+            if group["corpus"] != sweeps["depth"]["corpora"][0]:
+                continue
+            scratch = group["rows"][0]["stages"][0]
+            for row in group["rows"][1:]:
+                pseudo = row["stages"][0]
+                parts.append(
+                    f"L={group['depth']} {row['name']}: {_mb(pseudo['state_bytes'])} / "
+                    f"{_mb(scratch['state_bytes'])} MiB ({pseudo['state_bytes'] / scratch['state_bytes']:.2f}), step "
+                    f"{1000 * pseudo['step_time_s']:.0f} / "
+                    f"{1000 * row['stages'][-1]['step_time_s']:.0f} ms"
+                )
+        lines.append(
+            "- **Under a fixed memory budget**: training state of the pseudo / real model (fp32 weights, gradients, "
+            "AdamW moments) and step time pseudo / real stage, measured on this CPU: "
+            + "; ".join(parts)
+            + ". A pseudo step costs what a real step costs (same depth, same FLOPs), so where the real model needs "
+            "offload and the pseudo model does not, the pseudo stage runs at the device's full speed while the real "
+            "model pays offload's slowdown on every step; the wall-clock gain is the speed-up in steps times that "
+            "slowdown over the pseudo stage's share of the steps (see [offload](offload.md) for offload's cost)."
+        )
+    return lines
+
+
+def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
+    """convergence.png (validation loss vs step, per group of the depth sweep, or of the first sweep) and
+    convergence_depth.png (speed-up vs L); {name: file} of those written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    written = {}
+    result = sweeps.get("depth") or next(iter(sweeps.values()))
+    groups = result["groups"]
+    corpora = list(dict.fromkeys(g["corpus"] for g in groups))
+    columns = max(sum(g["corpus"] == c for g in groups) for c in corpora)
+    figure, axes = plt.subplots(len(corpora), columns, figsize=(5.5 * columns, 4.2 * len(corpora)), squeeze=False)
+    for row_index, corpus in enumerate(corpora):
+        for column, group in enumerate(g for g in groups if g["corpus"] == corpus):
+            ax = axes[row_index][column]
+            for index, row in enumerate(group["rows"]):
+                curves = [seed["runs"][index]["val_curve"] for seed in group["per_seed"]]
+                xs, mean, low, high = _band(curves)
+                color = "black" if index == 0 else plt.cm.tab10(index - 1)
+                ax.plot(xs, mean, color=color, linewidth=2 if index == 0 else 1.2, label=row["name"])
+                ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
+            target = statistics.fmean(seed["target"] for seed in group["per_seed"])
+            ax.axhline(target, color="gray", linestyle=":", linewidth=1)
+            ax.set_ylim(target - 0.4, target + 1.2)
+            ax.set_title(f"{group['name']} ({len(group['per_seed'])} seed(s))")
+            ax.set_xlabel("optimizer steps")
+            ax.set_ylabel("validation loss (nats/token)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    figure.suptitle("Validation loss vs step, mean over seeds (band: min to max); dotted: scratch's final loss")
+    figure.tight_layout()
+    figure.savefig(out / "convergence.png", dpi=90)
+    plt.close(figure)
+    written["convergence"] = "convergence.png"
+    if "depth" in sweeps:
+        figure, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.5), squeeze=False)
+        for ax, corpus in zip(axes[0], corpora):
+            series: dict[str, list[tuple[int, list[float]]]] = {}
+            for group in sweeps["depth"]["groups"]:
+                if group["corpus"] == corpus:
+                    for row in group["rows"][1:]:
+                        values = [x or 0.0 for x in row["speedup_steps_per_seed"]]
+                        series.setdefault(_kind(row["name"], group["depth"]), []).append((group["depth"], values))
+            for index, (kind, points) in enumerate(series.items()):
+                color = plt.cm.tab10(index)
+                ax.plot(
+                    [d for d, _ in points],
+                    [statistics.fmean(v) for _, v in points],
+                    marker="o",
+                    color=color,
+                    label=kind,
+                )
+                for depth, values in points:
+                    ax.scatter([depth] * len(values), values, color=color, s=12, alpha=0.5)
+            ax.axhline(TARGET, color="gray", linestyle="--", linewidth=1)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            depths = sorted({g["depth"] for g in sweeps["depth"]["groups"]})
+            ax.set_xticks(depths, [str(d) for d in depths])
+            ax.minorticks_off()
+            ax.set_xlabel("depth L (same width, same tokens)")
+            ax.set_ylabel("speed-up to scratch's final loss (steps)")
+            ax.set_title(corpus)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        figure.suptitle("Speed-up vs depth: mean (line) and seeds (dots); dashed: the 1.5x target")
+        figure.tight_layout()
+        figure.savefig(out / "convergence_depth.png", dpi=90)
+        plt.close(figure)
+        written["depth"] = "convergence_depth.png"
+    return written
+
+
+def write_sweep_report(out: Path) -> Path:
+    """convergence.md and its plots from every convergence_<sweep>.json in `out` (temp files, then renamed)."""
+    sweeps = {}
+    for name in SWEEPS:
+        path = out / f"convergence_{name}.json"
+        if path.is_file():
+            sweeps[name] = json.loads(path.read_text(encoding="utf-8"))
+    if not sweeps:
+        raise FileNotFoundError(f"--report: no convergence_<sweep>.json in {out}; run --sweep first")
+    plots = plot_sweeps(sweeps, out)
+    _write_text(out / "convergence.md", sweep_markdown(sweeps, plots))
+    return out / "convergence.md"
+
+
+def _write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(path)
+
+
 def _override(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -595,10 +1264,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="+", help="only these runs (scratch is always run: it is the reference)")
     parser.add_argument("--budgets", type=float, nargs="*", help="extra scratch budgets, fractions of the total")
     parser.add_argument("--set", type=_override, nargs="+", default=[], metavar="FIELD=VALUE", help="field overrides")
+    parser.add_argument("--sweep", choices=SWEEPS, help="run one sweep of issue 13, write convergence_SWEEP.json")
+    parser.add_argument("--report", action="store_true", help="build convergence.md from the sweep files in --out")
+    parser.add_argument("--corpora", nargs="+", choices=sorted(CORPORA), default=list(CORPORA), help="sweep corpora")
+    parser.add_argument("--schedulers", nargs="+", help="sweep: learning-rate schedules (default: the sweep's)")
+    parser.add_argument("--depths", type=int, nargs="+", help="sweep: depths L (default: the sweep's)")
+    parser.add_argument("--fractions", type=float, nargs="+", help="sweep: delink points, fractions of the run")
+    parser.add_argument("--seeds-deep", type=int, default=1, help="sweep: seeds at L >= --deep-depth (default 1)")
+    parser.add_argument(
+        "--deep-depth", type=int, default=32, help="sweep: see --seeds-deep (default 32: 4x L=8's cost)"
+    )
+    parser.add_argument("--only", nargs="+", help="sweep: only these P2R runs (and scratch), e.g. k1-grow-at100")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.report:
+        print(f"wrote {write_sweep_report(Path(args.out))}")
+        return 0
     preset = scaled(PRESETS[args.preset], args.steps, dict(args.set))
     if args.budgets is not None:
         preset["budgets"] = args.budgets
+    if args.sweep:
+        result = run_sweep(args.sweep, args, preset)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"convergence_{args.sweep}.json"
+        result = merge_sweep(json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None, result)
+        _write_text(out / f"convergence_{args.sweep}.json", json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out / f'convergence_{args.sweep}.json'}; {write_sweep_report(out)}")
+        return 0
     seeds, jobs = args.seeds or preset["seeds"], args.jobs or preset["jobs"]
     runs = runs_of(preset)
     if args.runs:

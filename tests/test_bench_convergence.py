@@ -172,13 +172,13 @@ def test_report_states_measured_figures(tmp_path):
         "seeds": per_seed,
     }
     bench.write_report(result, tmp_path)
-    text = (tmp_path / "convergence.md").read_text()
+    text = (tmp_path / "convergence_carry.md").read_text()
     assert "total wall time 1.5 min" in text
     assert "same compute as a real step" in text
     assert "| p2r | 30 | 2.2500 | +0.2000 ± 0.0000 | not reached, not reached | - | - | 0.71x, 0.71x | 0.71x |" in text
     assert "no P2R run reached it with every seed" in text and "at 0.71x (mean over seeds): it misses" in text
     assert "| 50 | 2.4000 | 2.5000 |" in text  # scratch's loss per budget, per seed
-    assert json.loads((tmp_path / "convergence.json").read_text())["wall_time_s"] == 90.0
+    assert json.loads((tmp_path / "convergence_carry.json").read_text())["wall_time_s"] == 90.0
 
 
 def test_verdict_against_the_target():
@@ -189,3 +189,100 @@ def test_verdict_against_the_target():
     assert "at >1.36x (mean over seeds): a bound, which does not tell whether it meets the target" in text
     rows = bench.aggregate([_seed(0, 2.0, 0.5), _seed(1, 2.0, 0.6)])  # far below: 100 / 62.5 and 100 / 63.9
     assert "it meets the target" in " ".join(bench._verdict(rows))
+
+
+def test_growth_schedule_doubles_the_blocks_at_evenly_spaced_partial_delinks():
+    name, schedule = bench.p2r_schedule(300, 150, 1, 8, grow=True)
+    assert name == "k1-grow-at150"
+    assert (schedule["partial_delink_steps"], schedule["partial_delink_blocks"]) == ([50, 100], [2, 4])
+    assert bench.p2r_schedule(300, 100, 2, 8) == (
+        "k2-at100",
+        {"pseudo_steps": 100, "real_steps": 200, "num_unique_layers": 2, "optimizer_carry": "scale"},
+    )
+    argv = bench._argv({**schedule, "num_hidden_layers": 8, "lr_scheduler": "wsd"})
+    assert argv[argv.index("--partial_delink_blocks") + 1 : argv.index("--partial_delink_blocks") + 3] == ["2", "4"]
+    config = bench.parse_config(argv)  # the trainer accepts the schedule
+    assert config.delink_schedule() == [(50, 2), (100, 4), (150, 8)]
+
+
+def test_stage_times_and_state_per_stage():
+    schedule = {"pseudo_steps": 40, "real_steps": 60, "partial_delink_steps": [20], "partial_delink_blocks": [4]}
+    schedule["num_unique_layers"] = 2
+    # 0.1 s a step for 20 steps, 0.2 s for 20, then 0.3 s.
+    timeline = [(10, 1.0), (20, 2.0), (30, 4.0), (40, 6.0), (70, 15.0), (100, 24.0)]
+    found = [{"step": step, "train_time_s": seconds} for step, seconds in timeline]
+    stages = bench.stage_times(found, schedule, depth=8)
+    assert [(s["blocks"], s["steps"]) for s in stages] == [(2, 20), (4, 20), (8, 60)]
+    assert [s["step_time_s"] for s in stages] == [pytest.approx(0.1), pytest.approx(0.2), pytest.approx(0.3)]
+    scratch = bench.stage_times(found, {"pseudo_steps": 0, "real_steps": 100}, depth=8)
+    assert scratch == [{"blocks": 8, "steps": 100, "step_time_s": pytest.approx(0.24)}]
+
+
+def _group(corpus: str, depth: int, p2r_final: float) -> dict:
+    per_seed = [_seed(seed, 2.0, p2r_final) for seed in (0, 1)]
+    rows = bench.aggregate(per_seed)
+    schedules = {"scratch": {"pseudo_steps": 0, "real_steps": 100}, "p2r": {"pseudo_steps": 30, "real_steps": 70}}
+    for row in rows:
+        row["schedule"] = schedules[row["name"]]
+        blocks = [depth] if row["name"] == "scratch" else [1, depth]
+        row["stages"] = [
+            {"blocks": b, "steps": 50, "state_bytes": 16 * (100 + 10 * b), "step_time_s": 0.1} for b in blocks
+        ]
+    name = f"{corpus}-L{depth}-wsd"
+    return {
+        "name": name,
+        "corpus": corpus,
+        "depth": depth,
+        "scheduler": "wsd",
+        "seeds": [0, 1],
+        "rows": rows,
+        "per_seed": per_seed,
+    }
+
+
+def test_merge_sweep_keeps_earlier_groups_and_the_sweep_page_names_the_best(tmp_path):
+    invocation = {
+        "command": "c",
+        "machine": {
+            "date": "d",
+            "cpu": "cpu",
+            "cpu_count": 2,
+            "torch_threads": 1,
+            "torch": "t",
+            "load_average_at_start": [1.0],
+            "load_average_max": 2.0,
+            "load_average_at_end": [1.0],
+        },
+        "jobs": 2,
+        "seed_list": [0, 1],
+        "ran": 4,
+        "reused_runs": 0,
+        "wall_time_s": 60.0,
+    }
+    preset = bench.scaled(bench.PRESETS["cpu"], steps=100)
+
+    def result(groups):
+        return {
+            "sweep": "depth",
+            "preset": preset,
+            "corpora": ["stdlib", "prose"],
+            "invocations": [invocation],
+            "groups": groups,
+        }
+
+    first = result([_group("stdlib", 8, 1.5), _group("prose", 8, 1.9)])
+    merged = bench.merge_sweep(first, result([_group("stdlib", 16, 1.5), _group("prose", 16, 1.5)]))
+    assert [g["name"] for g in merged["groups"]] == ["stdlib-L8-wsd", "stdlib-L16-wsd", "prose-L8-wsd", "prose-L16-wsd"]
+    assert len(merged["invocations"]) == 2
+    (tmp_path / "convergence_depth.json").write_text(json.dumps(merged))
+    text = bench.write_sweep_report(tmp_path).read_text()
+    # p2r ending at 1.5 reaches scratch's final 2.0 at step 50 + 50 * 1.2 / 1.7: 100 / 85.3 = 1.17x on both seeds;
+    # ending at 1.9 (prose, L=8): 1.04x.
+    assert "**Which configuration to pick**: L=16 wsd p2r" in text
+    assert "prose: 1.17x, 1.17x (mean 1.17x); stdlib: 1.17x, 1.17x (mean 1.17x)" in text
+    assert "It does not meet (worst seed 1.17x) the 1.5x target on every corpus and seed." in text
+    assert (
+        "does not pay** (some seed below 1.1x, or never at scratch's final loss): L=8 wsd p2r on prose (1.04x" in text
+    )
+    assert "| prose | 8 | wsd | p2r | 30 |" in text
+    assert "| stdlib | 16 | p2r | 1: 50, 16: 50 | 0.0 / 0.0 | 0.42 / 1.00 | 100 / 100 | 100 |" in text
