@@ -74,7 +74,8 @@ class Simulation:
     schedule: str
     microbatches: int  # per optimizer step
     step_time: float  # seconds per optimizer step (2BW: in steady state)
-    bubble: float  # idle share of the ranks' time during a step
+    bubble: float  # idle share of the busiest rank's step: the schedule's bubble (and send waits)
+    idle: float  # idle share of all ranks' time: the bubble plus the waits of the stages lighter than the busiest
     makespan: float  # the whole simulated stream, first action to last
     peak_in_flight: list[int]  # micro-batches whose activations a rank holds at once, at most
     peak_versions: list[int]  # weight versions a rank holds at once, at most (per stage it hosts)
@@ -179,7 +180,8 @@ def simulate(
         schedule=schedule,
         microbatches=microbatches,
         step_time=step_time,
-        bubble=1 - sum(busy) / (len(actions) * step_time),
+        bubble=1 - max(busy) / step_time,
+        idle=1 - sum(busy) / (len(actions) * step_time),
         makespan=makespan,
         peak_in_flight=[m[0] for m in memory],
         peak_versions=[m[1] for m in memory],

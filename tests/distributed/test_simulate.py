@@ -88,7 +88,10 @@ def test_the_slowest_stage_sets_the_pace():
     costs = [StageCost(1.0, 2.0), StageCost(2.0, 4.0), StageCost(1.0, 2.0)]
     result = simulate_schedule("2bw", costs, 6, batches=6)
     assert result.step_time == pytest.approx(6 * 6.0)
-    assert result.bubble == pytest.approx(1 - (3 + 6 + 3) / (3 * 6.0))
+    assert result.bubble == pytest.approx(0)  # the busiest stage never waits in steady state
+    assert result.idle == pytest.approx(1 - (3 + 6 + 3) / (3 * 6.0))  # the others wait for it
+    flushed = simulate_schedule("1f1b", costs, 6)
+    assert flushed.bubble > 0 and flushed.idle > flushed.bubble
 
 
 def test_a_deadlocked_schedule_is_named():

@@ -1,0 +1,479 @@
+"""The pipeline schedule simulator (hf_p2r/distributed/simulate.py): checked against measured CPU runs, then used at
+scale to reproduce PipeDream-2BW's comparison (arXiv 2006.09503) of 2BW, GPipe and 1F1B-flush.
+
+1. Measured: torch.distributed.pipelining's `ScheduleGPipe` and `Schedule1F1B` on 2 and 4 CPU processes (gloo,
+   started with torchrun), one `PipelineStage` per process over the depths of a real P2R model (embeddings on the
+   first stage, final norm, head and loss on the last). In interleaved rounds each process times its own stage's
+   forward and backward on one micro-batch (all processes at once, then one at a time), ranks 0 and 1 time a
+   send/recv of one micro-batch's activations, and one `schedule.step()` of each schedule is timed; the simulator
+   predicts each round's step time from that round's profile and send alone.
+2. At scale: a GPT-style model at d = 8, 16, 32 stages on the planner's hardware (`hf_p2r.planning` `Hardware`
+   defaults: H100 peak FLOP/s x MFU, NVLink inside a node, InfiniBand across); per-stage times from the planner's
+   FLOP count, memory and fit from the planner's `estimate` for each schedule, with activation recomputation where
+   a schedule does not fit without it (as the paper's planner decides).
+
+    python scripts/bench_pipeline_sim.py                  # writes benchmarks/pipeline_sim.{json,md}
+    python scripts/bench_pipeline_sim.py --preset tiny --rounds 1 --out /tmp/p   # smoke run
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                 num_hidden_layers=4, micro_batch=1, seq=16),
+    # Tens of milliseconds per stage and micro-batch on one core: compute-bound, not dominated by Python.
+    "cpu": dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
+                num_hidden_layers=8, micro_batch=2, seq=128),
+}  # fmt: skip
+
+# The model of the comparison at scale: GPT-3 2.7B's shape (Brown et al. 2020: 32 layers, d_model 2560, 32 heads,
+# 2048 tokens) and a 64-layer, 4096-wide one (~13B) where memory starts to matter; Llama-style blocks (SwiGLU with
+# 8h/3 rounded up to 256, as GPT's 4h GELU MLP has 8h^2 parameters), vocabulary 51200 (GPT-2's, padded).
+GPT_MODELS = {
+    "gpt-2.7B": dict(hidden_size=2560, intermediate_size=6912, num_attention_heads=32, num_hidden_layers=32),
+    "gpt-13B": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=64),
+}
+SCALE_DEPTHS = (8, 16, 32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Measured CPU runs (one process per stage, under torchrun)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hf_p2r import P2RConfig, P2RForCausalLM
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    preset = dict(PRESETS[args.preset])
+    micro_batch, seq = preset.pop("micro_batch"), preset.pop("seq")
+    torch.manual_seed(0)
+    model = P2RForCausalLM(P2RConfig(**preset, max_position_embeddings=seq, tie_word_embeddings=False))
+    model.set_attn_implementation("sdpa")
+    module = StageModule(model, rank, world).train()
+    microbatches = args.microbatches
+    ids = torch.randint(0, preset["vocab_size"], (microbatches * micro_batch, seq))
+    hidden = torch.randn(micro_batch, seq, preset["hidden_size"])
+
+    def loss_fn(logits, target):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    schedules = {
+        name: cls(PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn)
+        for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B))
+    }
+
+    def step(schedule) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(ids)
+        elif rank == world - 1:
+            schedule.step(target=ids)
+        else:
+            schedule.step()
+        dist.barrier()
+        module.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    example = ids[:micro_batch] if rank == 0 else hidden
+    last_loss = loss_fn if rank == world - 1 else None
+    for schedule in schedules.values():
+        step(schedule)  # warmup
+    rounds = []
+    # Interleaved rounds: each round profiles the stages, times the send, then times one step of each schedule, so a
+    # prediction and its measurement are seconds apart on a machine whose load drifts.
+    for _ in range(args.rounds):
+        together = profile_stage(module, example, last_loss, ids, args.repeats)
+        alone = (0.0, 0.0)
+        for turn in range(world):  # one stage at a time: its time without the other processes competing for cores
+            dist.barrier()
+            if turn == rank:
+                alone = profile_stage(module, example, last_loss, ids, args.repeats, barrier=False)
+            dist.barrier()
+        p2p_s = ping_pong(hidden, args.repeats) if world > 1 else 0.0
+        measured = {name: step(schedule) for name, schedule in schedules.items()}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"together": together, "alone": alone})
+        rounds.append({"stages": gathered, "p2p_s": p2p_s, "measured_step_s": measured})
+    if rank == 0:
+        result = {
+            "processes": world,
+            "microbatches": microbatches,
+            "threads_per_process": torch.get_num_threads(),
+            "rounds": rounds,
+        }
+        Path(args.worker_out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def StageModule(model, rank: int, world: int):  # noqa: N802 (a module factory)
+    """Stage `rank` of `world` over the depths of a real P2R model: equal numbers of decoder layers, the embeddings
+    on the first stage, the final norm and the head on the last."""
+    import torch
+    from torch import nn
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            per_stage = model.config.num_hidden_layers // world
+            self.embed_tokens = model.model.embed_tokens if rank == 0 else None
+            self.layers = nn.ModuleList(model.model.layers[rank * per_stage : (rank + 1) * per_stage])
+            self.rotary_emb = model.model.rotary_emb
+            self.norm = model.model.norm if rank == world - 1 else None
+            self.lm_head = model.lm_head if rank == world - 1 else None
+
+        def forward(self, x):
+            hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+            positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+            position_embeddings = self.rotary_emb(hidden, positions)
+            for layer in self.layers:
+                hidden = layer(hidden, position_embeddings=position_embeddings)  # no mask: causal SDPA
+            if self.lm_head is not None:
+                return self.lm_head(self.norm(hidden))
+            return hidden
+
+    return Stage()
+
+
+def profile_stage(module, example, loss_fn, ids, repeats: int, barrier: bool = True) -> tuple[float, float]:
+    """Median seconds of one micro-batch's forward (with the loss on the last stage) and backward on this stage."""
+    import torch
+    import torch.distributed as dist
+
+    forward, backward = [], []
+    for i in range(repeats + 1):
+        x = example.detach().requires_grad_(example.is_floating_point())
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        out = module(x)
+        if loss_fn is not None:
+            out = loss_fn(out, ids[: out.shape[0]])
+        middle = time.perf_counter()
+        out.backward(None if loss_fn is not None else torch.ones_like(out))
+        end = time.perf_counter()
+        module.zero_grad(set_to_none=True)
+        if i:  # the first is a warmup
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def ping_pong(tensor, repeats: int) -> float:
+    """One-way seconds of sending `tensor` between ranks 0 and 1 (half the median round trip)."""
+    import torch.distributed as dist
+
+    rank, trips = dist.get_rank(), []
+    buffer = tensor.clone()
+    for i in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(tensor, 0)
+        if i:
+            trips.append(time.perf_counter() - start)
+    return statistics.median(trips) / 2 if rank == 0 else 0.0
+
+
+def measure(processes: int, args: argparse.Namespace) -> dict:
+    """Run `worker` under torchrun on `processes` CPU processes; return rank 0's figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            __file__, "--worker", "--worker-out", str(out), "--preset", args.preset,
+            "--microbatches", str(args.microbatches), "--rounds", str(args.rounds), "--repeats", str(args.repeats),
+        ]  # fmt: skip
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def predict(run: dict) -> dict:
+    """Per schedule: the measured step time of each round, and the simulator's step time for each round from that
+    round's stage profile, taken with every process computing at once ("together") and one process at a time
+    ("alone"), and its send latency. 2BW is predicted only (nothing here measures it)."""
+    from hf_p2r.distributed.simulate import StageCost, simulate_schedule
+
+    stages = len(run["rounds"][0]["stages"])
+    summary = {}
+    for schedule in ("gpipe", "1f1b", "2bw"):
+        if schedule != "gpipe" and run["microbatches"] < stages:
+            continue
+        row = {"measured_s": [r["measured_step_s"].get(schedule) for r in run["rounds"]]}
+        for profile in ("together", "alone"):
+            predicted, bubbles = [], []
+            for r in run["rounds"]:
+                costs = [StageCost(*stage[profile]) for stage in r["stages"]]
+                sim = simulate_schedule(schedule, costs, run["microbatches"], p2p=r["p2p_s"])
+                predicted.append(sim.step_time)
+                bubbles.append(sim.bubble)
+            row[f"predicted_{profile}_s"] = predicted
+            row[f"bubble_{profile}"] = statistics.median(bubbles)
+        summary[schedule] = row
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. At scale, on the planner's hardware
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def at_scale(model_name: str, stages: int, microbatches: int) -> dict:
+    """Throughput and memory of each schedule for one GPT-style model on `stages` GPUs (one pipeline, micro-batch
+    of one sequence of 2048 tokens, mixed precision), the fastest setting (recompute or not) that fits."""
+    from hf_p2r import P2RConfig
+    from hf_p2r.distributed.simulate import StageCost, simulate_schedule
+    from hf_p2r.planning import PRECISIONS, Hardware, Layout, Workload, estimate, parameter_tensors
+    from hf_p2r.planning.plan import stage_seconds
+
+    seq = 2048
+    config = P2RConfig(
+        **GPT_MODELS[model_name],
+        num_key_value_heads=GPT_MODELS[model_name]["num_attention_heads"],
+        vocab_size=51200,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
+    hardware = Hardware()
+    workload = Workload(seq_len=seq, micro_batch=1, global_batch=microbatches, precision=PRECISIONS["mixed"])
+    tensors = parameter_tensors(config)
+    rows = {}
+    for schedule in ("gpipe", "1f1b", "2bw"):
+        best = None
+        for recompute in (False, True):
+            layout = Layout(dp=1, pp=stages, schedule=schedule, recompute=recompute)
+            planned = estimate(config, layout, workload, hardware, tensors)
+            times = stage_seconds(config, tensors, layout, workload, hardware)
+            costs = [StageCost(f, b) for f, b in times["stages"]]
+            sim = simulate_schedule(schedule, costs, microbatches, p2p=times["p2p"], batches=4)
+            row = {
+                "recompute": recompute,
+                "fits": planned.fits,
+                "gpu_gib": planned.memory.total / 2**30,
+                "step_s": sim.step_time,
+                "bubble": sim.bubble,
+                "idle": sim.idle,
+                "sequences_per_s": microbatches / sim.step_time,
+                "planner_step_s": planned.step_seconds,
+            }
+            if planned.fits and (best is None or not best["fits"] or row["step_s"] < best["step_s"]):
+                best = row
+            elif best is None:
+                best = row
+        rows[schedule] = best
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches per step in the measured runs")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of (profile, one step per schedule)")
+    parser.add_argument("--repeats", type=int, default=3, help="profile and ping-pong repetitions per round")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/pipeline_sim"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+
+    measured = []
+    for processes in args.processes:
+        run = measure(processes, args)
+        run["predicted"] = predict(run)
+        measured.append(run)
+    scale = {
+        model: {str(d): {str(m): at_scale(model, d, m) for m in (d, 4 * d)} for d in SCALE_DEPTHS}
+        for model in GPT_MODELS
+    }
+    from hf_p2r.planning import Hardware
+
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python scripts/bench_pipeline_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "preset": {"name": args.preset, **PRESETS[args.preset]},
+        "measured": measured,
+        "hardware": Hardware().__dict__,
+        "at_scale": scale,
+    }
+    write(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+    markdown = render_markdown(result)
+    write(args.out.with_suffix(".md"), markdown)
+    print(markdown)
+    return 0
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def render_markdown(r: dict) -> str:
+    m, p, hw = r["machine"], r["preset"], r["hardware"]
+    lines = [
+        "# Pipeline schedules: simulator vs measured, and PipeDream-2BW's comparison at scale",
+        "",
+        f"Produced by `{r['command'].strip()}` on {r['date']}. Machine: {m['cpu']}, {m['cpu_count']} CPUs, torch "
+        f"{m['torch']}, {m['platform']}.",
+        "",
+        "## 1. Predicted vs measured step time (CPU, gloo, one process per stage)",
+        "",
+        f"Real P2R model: hidden {p['hidden_size']}, FFN {p['intermediate_size']}, {p['num_attention_heads']} heads "
+        f"({p['num_key_value_heads']} KV), {p['num_hidden_layers']} layers, vocab {p['vocab_size']}, fp32; "
+        f"micro-batch {p['micro_batch']} x {p['seq']} tokens. Measured: torch's own `ScheduleGPipe` / `Schedule1F1B` "
+        "over `PipelineStage`s (equal layers per stage), `schedule.step()` (forward + backward of every micro-batch, "
+        "no optimizer step) timed between barriers. Predicted: `hf_p2r.distributed.simulate` from each stage's own "
+        "forward / backward time on one micro-batch and a measured one-way send of one micro-batch's activations, "
+        "taken in the same processes in the same round (rounds interleave profile and steps, so a prediction and its "
+        'measurement are seconds apart). Two profiles: all processes computing at once ("together") and one at a '
+        'time ("alone"). Medians over rounds (min - max); ratio: median over rounds of predicted / measured. 2BW '
+        "is predicted only: no 2BW runtime was measured here.",
+        "",
+        "| processes | threads each | m | stage fwd/bwd ms (together; alone) | send ms | schedule | measured s "
+        "| predicted s together | ratio | predicted s alone | ratio | bubble (together) |",
+        "|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in r["measured"]:
+        profile = {
+            name: ", ".join(
+                f"{statistics.median(rd['stages'][i][name][0] for rd in run['rounds']) * 1e3:.0f}/"
+                f"{statistics.median(rd['stages'][i][name][1] for rd in run['rounds']) * 1e3:.0f}"
+                for i in range(run["processes"])
+            )
+            for name in ("together", "alone")
+        }
+        send = statistics.median(rd["p2p_s"] for rd in run["rounds"]) * 1e3
+        for schedule, row in run["predicted"].items():
+            measured = row["measured_s"]
+            cells = []
+            if None in measured:
+                cells.append("not measured")
+            else:
+                cells.append(f"{statistics.median(measured):.3f} ({min(measured):.3f} - {max(measured):.3f})")
+            for name in ("together", "alone"):
+                predicted = row[f"predicted_{name}_s"]
+                cells.append(f"{statistics.median(predicted):.3f}")
+                if None in measured:
+                    cells.append("")
+                else:
+                    ratios = [a / b for a, b in zip(predicted, measured)]
+                    cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f})")
+            lines.append(
+                f"| {run['processes']} | {run['threads_per_process']} | {run['microbatches']} | "
+                f"{profile['together']}; {profile['alone']} | {send:.2f} | {schedule} | "
+                + " | ".join(cells)
+                + f" | {max(row['bubble_together'], 0):.0%} |"
+            )
+    lines += [
+        "",
+        f"The machine has {m['cpu_count']} cores (shared with other work while this ran). The simulator gives every "
+        "stage its own processor: with more processes than cores that is false, and the two profiles bracket the "
+        'truth ("together" counts the contention of all stages computing at once, which a pipeline with a bubble '
+        'does not always have; "alone" counts none).',
+        "",
+        "## 2. At scale: 2BW vs GPipe vs 1F1B-flush (PipeDream-2BW's comparison, arXiv 2006.09503)",
+        "",
+        f"Hardware: the planner's defaults (`hf_p2r.planning.Hardware`): {hw['peak_flops'] / 1e12:.0f} TFLOP/s "
+        f"peak x {hw['mfu']:.0%} MFU per GPU, {hw['gpus_per_node']} GPUs per node, {hw['gpu_memory'] / 1e9:.0f} GB "
+        f"each ({hw['reserved_gpu_bytes'] / 2**30:.0f} GiB reserved), sends at {hw['intra_node_bandwidth'] / 1e9:.0f} "
+        f"GB/s inside a node and {hw['inter_node_bandwidth'] / 1e9:.0f} GB/s across. One pipeline of d GPUs, "
+        "micro-batch 1 x 2048 tokens, m micro-batches per optimizer step, mixed precision (bf16 weights, fp32 "
+        "grads and Adam), equal layers per stage (the head on the last). Stage times: `stage_seconds` (the "
+        "planner's FLOP count); memory and fit: the planner's `estimate` for that schedule; each schedule uses "
+        "activation recomputation only where it does not fit without (as the paper's planner decides). "
+        "Throughput: simulated sequences per second (2BW in steady state).",
+        "",
+        "| model | d | m | schedule | recompute | GPU GiB (fits) | seq/s | vs GPipe | vs 1F1B | bubble | idle |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model, by_depth in r["at_scale"].items():
+        for d, by_m in by_depth.items():
+            for microbatches, rows in by_m.items():
+                for schedule, row in rows.items():
+                    fits = "" if row["fits"] else " (does not fit)"
+                    lines.append(
+                        f"| {model} | {d} | {microbatches} | {schedule} | {'yes' if row['recompute'] else 'no'} | "
+                        f"{row['gpu_gib']:.1f}{fits} | {row['sequences_per_s']:.1f} | "
+                        f"{row['sequences_per_s'] / rows['gpipe']['sequences_per_s']:.2f}x | "
+                        f"{row['sequences_per_s'] / rows['1f1b']['sequences_per_s']:.2f}x | "
+                        f"{max(row['bubble'], 0):.0%} | {max(row['idle'], 0):.0%} |"
+                    )
+    lines += [
+        "",
+        "bubble: idle share of the busiest stage's step (flush bubble and send waits); idle: of all stages' time, "
+        "which adds the waits of stages lighter than the last one (it also runs the 51200-word head).",
+        "",
+        "What the paper reports, as far as our notes (../shared/notes/offload-and-distributed-anchors.md, B1) give it:",
+        "",
+        "| figure | paper | here |",
+        "|---|---|---|",
+        "| 2BW vs GPipe throughput | up to 3.2x (a secondary summary's table, marked unverified in our notes) | "
+        f"{_range(r, 'gpipe')} over the rows above |",
+        f"| 2BW vs 1F1B-flush (PipeDream-Flush) throughput | not in our notes | {_range(r, '1f1b')} |",
+        "| 2BW vs optimized baselines incl. tensor model parallelism | 1.3x - 20x (up to 20x, ICML abstract; up to "
+        "6.9x in the earlier arXiv version) | not simulated (no TP baseline here) |",
+        "| per-d throughputs at d = 8, 16, 32 | not in our notes | the table above |",
+        "| 2BW memory per stage | 2\\|W\\|/d + \\|A_total(b)\\|/d + d \\|A_input(b)\\| with recomputation | the "
+        "planner: two weight versions + 1F1B's at most d - s micro-batches of activations |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _range(r: dict, baseline: str) -> str:
+    ratios = [
+        rows["2bw"]["sequences_per_s"] / rows[baseline]["sequences_per_s"]
+        for by_depth in r["at_scale"].values()
+        for by_m in by_depth.values()
+        for rows in by_m.values()
+    ]
+    return f"{min(ratios):.2f}x - {max(ratios):.2f}x"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

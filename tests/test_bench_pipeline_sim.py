@@ -1,0 +1,51 @@
+"""scripts/bench_pipeline_sim.py: its simulator-at-scale rows and its report, without the (minutes-long) CPU runs."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_pipeline_sim.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_pipeline_sim", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_2bw_beats_the_flush_schedules_by_their_bubble(bench):
+    """At m = d every schedule fits the 2.7B model on 8 GPUs; GPipe and 1F1B run the same time (same bubble), and
+    2BW's steady state has none, so it is faster by at least the busiest stage's flush bubble."""
+    rows = bench.at_scale("gpt-2.7B", 8, 8)
+    assert all(row["fits"] and not row["recompute"] for row in rows.values())
+    assert rows["gpipe"]["step_s"] == pytest.approx(rows["1f1b"]["step_s"])
+    assert rows["2bw"]["bubble"] == pytest.approx(0, abs=1e-9)
+    gain = rows["2bw"]["sequences_per_s"] / rows["1f1b"]["sequences_per_s"]
+    assert gain == pytest.approx(1 / (1 - rows["1f1b"]["bubble"]), rel=1e-9)
+    assert rows["2bw"]["gpu_gib"] > rows["1f1b"]["gpu_gib"]  # the second weight version
+
+
+def test_report_names_what_the_notes_lack(bench):
+    stage = {"together": (0.01, 0.02), "alone": (0.01, 0.02)}
+    round_ = {"stages": [stage, stage], "p2p_s": 0.001, "measured_step_s": {"gpipe": 0.2, "1f1b": 0.19}}
+    run = {"processes": 2, "microbatches": 4, "threads_per_process": 1, "rounds": [round_, round_]}
+    run["predicted"] = bench.predict(run)
+    assert set(run["predicted"]) == {"gpipe", "1f1b", "2bw"}
+    result = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "command": "python scripts/bench_pipeline_sim.py",
+        "machine": {"cpu": "cpu", "cpu_count": 2, "torch": "2", "platform": "linux"},
+        "preset": {"name": "tiny", **bench.PRESETS["tiny"]},
+        "measured": [run],
+        "hardware": vars(__import__("hf_p2r.planning", fromlist=["Hardware"]).Hardware()),
+        "at_scale": {"gpt-2.7B": {"8": {"8": bench.at_scale("gpt-2.7B", 8, 8)}}},
+    }
+    text = bench.render_markdown(result)
+    # Two equal stages, m = 4, send 1 ms: (m + d - 1)(f + b) + 2 sends = 5 x 30 ms + 2 ms.
+    assert run["predicted"]["gpipe"]["predicted_together_s"] == [pytest.approx(0.152)] * 2
+    assert "| 2 | 1 | 4 | 10/20, 10/20; 10/20, 10/20 | 1.00 | 2bw | not measured |" in text
+    assert "| gpipe | 0.200 (0.200 - 0.200) | 0.152 | 0.76 (0.76 - 0.76) |" in text
+    assert "not in our notes" in text and "up to 3.2x" in text
