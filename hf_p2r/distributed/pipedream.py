@@ -42,15 +42,14 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         if n_microbatches < stage.num_stages:
-            raise ValueError(
-                f"num_microbatches: PipeDream-2BW needs m >= d (m={n_microbatches}, d={stage.num_stages})"
-            )
+            raise ValueError(f"num_microbatches: PipeDream-2BW needs m >= d (m={n_microbatches}, d={stage.num_stages})")
         self.m = n_microbatches
         # Micro-batch g uses the stage's infrastructure slot g mod 2m (fewer than m are ever in flight).
         self._n_microbatches = 2 * n_microbatches
         self._warmup = stage.num_stages - stage.stage_index
         self._in_flight: deque[int] = deque()
-        self._losses: dict[int, torch.Tensor] = {}
+        self._losses: dict[int, torch.Tensor] = {}  # until the micro-batch's backward
+        self._loss_values: dict[int, torch.Tensor] = {}  # until `step` returns them
         self._sends: list[dist.Work] = []
         self.batches = 0  # batches started
         self.updated = 0  # batches whose update is applied
@@ -68,16 +67,24 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     # --- the schedule ---------------------------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """Batch `self.batches`: its m forwards interleaved 1F1B with the backwards that are due, then the update of
-        the previous batch. On the last stage `losses` receives this batch's m micro-batch losses."""
-        stage, m = self._stage, self.m
-        stage.has_backward = True
+        the previous batch. On the last stage `losses` receives this batch's m micro-batch losses. (Unlike torch's
+        schedules, the stage's runtime state is not cleared: in-flight micro-batches carry over.)"""
+        m = self.m
         if args or kwargs:
             args_split, kwargs_split = split_args_kwargs_into_chunks(args, kwargs, m)
         else:
             args_split, kwargs_split = [()] * m, [{}] * m
-        targets = list(torch.tensor_split(target, m)) if target is not None else [None] * m
+        targets = list(torch.tensor_split(target, m)) if target is not None else None
+        self._step_microbatches(args_split, kwargs_split, targets, losses)
+
+    def _step_microbatches(
+        self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=False, loss_kwargs=None
+    ):
+        stage, m = self._stage, self.m
+        stage.has_backward = True
+        target_mbs = target_mbs if target_mbs is not None else [None] * m
         if not self._stage_forward_initialized:
-            self._initialize_stage(args_split[0], kwargs_split[0], targets[0])
+            self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0])
             for param in stage.submod.parameters():
                 param.grad = None  # metadata inference ran a backward
         batch = self.batches
@@ -85,11 +92,11 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         for index in range(m):
             if len(self._in_flight) >= self._warmup:
                 self._backward(self._in_flight.popleft())
-            self._forward(batch * m + index, args_split[index], kwargs_split[index], targets[index])
+            self._forward(batch * m + index, arg_mbs[index], kwarg_mbs[index], target_mbs[index])
         self.batches += 1
         if losses is not None and stage.is_last:
             losses.clear()
-            losses.extend(self._losses[batch * m + index].detach() for index in range(m))
+            losses.extend(self._loss_values.pop(batch * m + index) for index in range(m))
         if batch >= 1 and self.updated < batch:
             self._update(batch - 1)
 
@@ -118,6 +125,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         output = stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
         if stage.is_last:
             self._losses[micro_batch] = self._compute_loss(output, target)
+            self._loss_values[micro_batch] = self._losses[micro_batch].detach()
         self._sends.extend(_start(stage.get_fwd_send_ops(slot)))
         self._in_flight.append(micro_batch)
         self._observe()

@@ -32,6 +32,7 @@ its bytes.
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -88,8 +89,10 @@ def piece_costs(config, seq_len: int, bytes_per_param: int = 16) -> tuple[PieceC
     embed = PieceCost("embeddings", 0.0, float(vocab * hidden * bytes_per_param))
     head_params = (0 if config.tie_word_embeddings else vocab * hidden) + hidden
     head = PieceCost("head", float(6 * hidden * vocab), float(head_params * bytes_per_param))
-    layers = [PieceCost(f"layer {depth}", float(layer_flops), float(layer_params * bytes_per_param)) for depth in
-              range(config.num_hidden_layers)]  # fmt: skip
+    layers = [
+        PieceCost(f"layer {depth}", float(layer_flops), float(layer_params * bytes_per_param))
+        for depth in range(config.num_hidden_layers)
+    ]
     return embed, layers, head
 
 
@@ -186,8 +189,11 @@ def explain_split(config, split: Sequence[int], seq_len: int, manual: bool) -> s
         if manual
         else "automatic: the largest stage's training FLOPs per token (then bytes) made smallest, the head's "
         f"{costs[2].flops / max(costs[1][0].flops, 1):.2f} layers of FLOPs counted"
-        + (", cuts between blocks only (sequence)" if config.share_layers and config.sharing_pattern == "sequence"
-           else "")  # fmt: skip
+        + (
+            ", cuts between blocks only (sequence)"
+            if config.share_layers and config.sharing_pattern == "sequence"
+            else ""
+        )
     )
     return f"pipeline split {list(split)} ({how}): {stages}"
 
@@ -218,16 +224,22 @@ class P2RPipelineStage(nn.Module):
             hidden_states = self.embed_tokens(hidden_states)
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=None, position_ids=position_ids,
+            config=self.config,
+            inputs_embeds=hidden_states,
+            attention_mask=None,
+            position_ids=position_ids,
             **{CACHE_KWARG: None},
-        )  # fmt: skip
+        )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         order = self.config.block_of_depth
         for depth in self.depths:
             hidden_states = self.layers[str(order[depth])](
-                hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
-                position_ids=position_ids, layer_idx=depth,
-            )  # fmt: skip
+                hidden_states,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                layer_idx=depth,
+            )
         if self.lm_head is not None:
             return self.lm_head(self.norm(hidden_states))
         return hidden_states
@@ -317,10 +329,11 @@ class Pipeline:
             self.schedule.step(input_ids, target=input_ids if self.is_last else None, losses=losses)
         else:
             self.schedule.step(target=input_ids if self.is_last else None, losses=losses)
-        for param in self.parameters():
-            if param.grad is not None:
-                param.grad.div_(self.num_microbatches)  # the mean over the micro-batches
-        self.reduce_replicas()
+        if self.schedule_name != "2bw":  # 2BW reduces and steps inside its schedule
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.num_microbatches)  # the mean over the micro-batches
+            self.reduce_replicas()
         return torch.stack(losses).mean().detach() if losses else None
 
     def reduce_replicas(self, params: dict[str, nn.Parameter] | None = None) -> None:
@@ -328,8 +341,9 @@ class Pipeline:
         group of processes). `params` ({model name: parameter}, default this process's) lets 2BW reduce a version."""
         params = dict(self.named_parameters()) if params is None else params
         for names, group in self._replicas:
-            grads = [params[name].grad if params[name].grad is not None else torch.zeros_like(params[name])
-                     for name in names]  # fmt: skip
+            grads = [
+                params[name].grad if params[name].grad is not None else torch.zeros_like(params[name]) for name in names
+            ]
             flat = torch.cat([grad.reshape(-1) for grad in grads])
             dist.all_reduce(flat, group=group)
             offset = 0
@@ -455,8 +469,9 @@ def build_pipeline(
     indices = list(range(rank, num_stages, size))
     modules = [P2RPipelineStage(model, depths[i], i == 0, i == num_stages - 1, stage_config) for i in indices]
     device = torch.device(device)
-    stages = [PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices,
-                                                                                               strict=True)]  # fmt: skip
+    stages = [
+        PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices, strict=True)
+    ]
     loss_fn = causal_lm_loss(config.vocab_size)
     if schedule == "2bw":
         from .pipedream import SchedulePipeDream2BW
@@ -468,9 +483,11 @@ def build_pipeline(
         # Gradients are scaled by 1/m in `Pipeline.step`, once per parameter: torch scales per stage, which would
         # scale a block shared by two virtual stages of one process twice.
         runner = TORCH_SCHEDULES[schedule](
-            stages if schedule in VIRTUAL_SCHEDULES else stages[0], num_microbatches, loss_fn=loss_fn,
+            stages if schedule in VIRTUAL_SCHEDULES else stages[0],
+            num_microbatches,
+            loss_fn=loss_fn,
             scale_grads=False,
-        )  # fmt: skip
+        )
     pipeline = Pipeline(model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config)
     if schedule == "2bw":
         runner.attach(pipeline, optimizer_factory, max_grad_norm)
@@ -508,3 +525,126 @@ def delink_stages(pipeline: Pipeline) -> dict[str, str]:
     config.share_layers, config.num_unique_layers = False, config.num_hidden_layers
     pipeline.refresh()
     return mapping
+
+
+def delink_pipeline(
+    pipeline: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    carry: str,
+) -> torch.optim.Optimizer:
+    """Delink this process's stages (`delink_stages`) and return a new optimizer over their parameters, its state
+    carried from `optimizer` as the one-process trainer carries it (`optimizer_carry`: reset | copy | scale, with
+    `hf_p2r.training.delink`'s per-parameter rules; scale's ratio counts every depth of the whole model that ran the
+    block). Under 2BW the pipeline is drained first, and its other weight version is delinked alike. Call it on every
+    process of the pipeline at the same step, between optimizer steps.
+    """
+    from ..training.delink import _scaled_state, _to
+
+    if carry not in ("reset", "copy", "scale"):
+        raise ValueError(f"optimizer_carry: {carry!r} is not one of reset, copy, scale")
+    two_versions = pipeline.schedule_name == "2bw"
+    if two_versions:
+        pipeline.schedule.drain()
+        optimizer = pipeline.schedule.optimizer
+    before = dict(pipeline.named_parameters())
+    uses = Counter(pipeline.config.block_of_depth)
+    tied = pipeline.config.tie_word_embeddings
+    old_stage_name = {model_name(name, tied): name for name, _ in pipeline.modules[0].named_parameters()}
+    mapping = delink_stages(pipeline)
+    new_optimizer = optimizer_factory(pipeline.parameters())
+    for name, param in pipeline.named_parameters():
+        source = before[mapping[name]]
+        state = optimizer.state.get(source)
+        if not state:
+            continue
+        if not name.startswith("model.layers."):  # outside the blocks: keeps its state in every mode
+            new_optimizer.state[param] = {key: _to(value, param) for key, value in state.items()}
+        elif carry != "reset":
+            block = int(mapping[name].split(".")[2])
+            ratio = 1.0 / uses[block] if carry == "scale" else 1.0
+            new_optimizer.state[param] = _scaled_state(state, ratio, param)
+    new_optimizer.load_state_dict(new_optimizer.state_dict())
+    if two_versions:
+        pipeline.schedule.delinked(
+            {
+                name: old_stage_name[mapping[model_name(name, tied)]]
+                for name, _ in pipeline.modules[0].named_parameters()
+            }
+        )
+        pipeline.schedule.optimizer = new_optimizer
+    return new_optimizer
+
+
+def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None) -> dict:
+    """What this process saves of a pipelined run (2BW drained first): its weights under the model's names, its
+    optimizer's state, its stages' layout, and under 2BW the other weight version and the schedule's counters."""
+    state = {
+        "weights": pipeline.state_dict(),
+        "split": list(pipeline.split),
+        "num_unique_layers": pipeline.config.num_unique_layers,
+        "share_layers": pipeline.config.share_layers,
+    }
+    if pipeline.schedule_name == "2bw":
+        schedule = pipeline.schedule
+        schedule.drain()
+        optimizer = schedule.optimizer
+        tied = pipeline.config.tie_word_embeddings
+        other = schedule.versions[schedule.batches % 2]
+        state["other_version"] = {model_name(name, tied): param.detach() for name, param in other.items()}
+        state["batches"], state["updated"] = schedule.batches, schedule.updated
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    return state
+
+
+def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+    """Restore `pipeline_state` into a pipeline built like the saved one (same split and layout) and its optimizer
+    (built over `pipeline.parameters()`, or 2BW's own)."""
+    if list(state["split"]) != list(pipeline.split) or state["share_layers"] != pipeline.config.share_layers:
+        raise ValueError(
+            f"resume_from_checkpoint: the checkpoint's pipeline (split {state['split']}, share_layers="
+            f"{state['share_layers']}) differs from this run's (split {pipeline.split}, share_layers="
+            f"{pipeline.config.share_layers})"
+        )
+    params = dict(pipeline.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state["weights"][name])
+    if pipeline.schedule_name == "2bw":
+        schedule = pipeline.schedule
+        schedule.batches, schedule.updated = state["batches"], state["updated"]
+        newest = (schedule.batches - 1) % 2  # where the last update went: the module's parameters
+        tied = pipeline.config.tie_word_embeddings
+        if newest != 0:
+            schedule.versions.reverse()
+            schedule._optimizer_set = 1
+        with torch.no_grad():
+            for name, param in schedule.versions[1 - newest].items():
+                param.copy_(state["other_version"][model_name(name, tied)])
+        optimizer = schedule.optimizer
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def gather_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on the pipeline's first rank (None elsewhere): each process sends its stages'
+    (replicas are equal, the first one received is kept). A collective over the pipeline group."""
+    mine = {name: tensor.cpu() for name, tensor in pipeline.state_dict().items()}
+    ranks = dist.get_process_group_ranks(pipeline.group)
+    gathered = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
+    dist.gather_object(mine, gathered, dst=ranks[0], group=pipeline.group)
+    if gathered is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, tensor in part.items():
+            merged.setdefault(name, tensor)
+    return merged
+
+
+def pipeline_model_config(pipeline: Pipeline):
+    """The model config of the pipelined model as it is now (real after `delink_pipeline`)."""
+    config = copy.deepcopy(pipeline.model_config)
+    config.share_layers, config.num_unique_layers = pipeline.config.share_layers, pipeline.config.num_unique_layers
+    return config

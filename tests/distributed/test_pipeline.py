@@ -1,0 +1,335 @@
+"""Pipeline parallelism (hf_p2r.distributed.pipeline, pipedream) on CPU processes (gloo) against one process.
+
+One launch of two processes and one of four run every check (process start-up dominates the time): torch's flush
+schedules equal one-process gradient accumulation over the same micro-batches, for the real model, both pseudo
+patterns and a tied head; cycle replicas stay bitwise equal; PipeDream-2BW's weights equal a one-process run of
+W(t+1) = W(t) - step(grad f_t(W(t-1))) with the same AdamW, with never more than two weight versions; the delink inside
+a pipelined run equals the one-process trainer's delink (optimizer state carried); a resumed run gives the same losses
+before and after the delink; the real model's weights gathered into one folder load with `from_pretrained`.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_p2r import P2RForCausalLM
+from hf_p2r.checkpoint import save_model
+from hf_p2r.distributed.pipeline import (
+    balanced_split,
+    build_pipeline,
+    check_split,
+    delink_pipeline,
+    explain_split,
+    gather_state_dict,
+    load_pipeline_state,
+    pipeline_model_config,
+    pipeline_state,
+)
+from hf_p2r.training.delink import _Before, carry_optimizer_state
+
+from ..conftest import tiny_config
+from . import spawn
+
+SEQ, LR = 16, 1e-2
+# fp32 CPU. A pseudo model's shared-block gradient is summed over the processes (and in one process over all depths)
+# in another order; AdamW's division by sqrt(v) amplifies that last-bit difference on tiny gradients.
+ATOL = 1e-5
+PATTERNS = {
+    "real": {},
+    "sequence": dict(share_layers=True, num_unique_layers=2, sharing_pattern="sequence"),
+    "cycle": dict(share_layers=True, num_unique_layers=2, sharing_pattern="cycle"),
+    "tied": dict(tie_word_embeddings=True),
+    "giant": dict(share_layers=True, num_unique_layers=1, sharing_pattern="cycle"),  # M6-10T's fully shared model
+}
+FLUSH_PATTERNS = ("real", "sequence", "cycle", "tied")
+
+
+def model_of(pattern: str, layers: int = 4) -> P2RForCausalLM:
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=64, num_hidden_layers=layers, **PATTERNS[pattern])
+    return P2RForCausalLM(config).train()
+
+
+def batches(count: int, size: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 64, (size, SEQ), generator=torch.Generator().manual_seed(seed)) for seed in range(count)]
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(params), lr=LR)
+
+
+def accumulate(model: P2RForCausalLM, ids: torch.Tensor, microbatches: int) -> float:
+    """One-process gradient accumulation over the micro-batches (mean); returns the mean loss."""
+    total = 0.0
+    for chunk in ids.chunk(microbatches):
+        loss = model(input_ids=chunk, labels=chunk).loss / microbatches
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def worst_difference(pairs) -> float:
+    """The largest |a - b| over (a, b) pairs, the maximum over the processes."""
+    worst = max((float((a - b).detach().abs().max()) for a, b in pairs), default=0.0)
+    value = torch.tensor(worst)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def last_stage_value(value: float | None) -> float:
+    """A number known on the last stage, on every process."""
+    out = torch.tensor([-math.inf if value is None else value])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.item()
+
+
+def flush_schedules(world: int) -> dict:
+    """{pattern/schedule: (largest gradient difference, loss difference)} against one-process accumulation."""
+    out = {}
+    microbatches = 2 * world
+    ids = batches(1, 2 * microbatches)[0]
+    for pattern in FLUSH_PATTERNS:
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"):
+            if pattern == "sequence" and schedule in ("interleaved_1f1b", "zero_bubble"):
+                continue  # 2 blocks cannot make 2 * world stages that keep each block on one stage
+            pipeline = build_pipeline(model_of(pattern), schedule=schedule, num_microbatches=microbatches, seq_len=SEQ)
+            loss = pipeline.step(ids)
+            reference = model_of(pattern)
+            reference_loss = accumulate(reference, ids, microbatches)
+            grads = dict(reference.named_parameters())
+            difference = worst_difference((param.grad, grads[name].grad) for name, param in pipeline.named_parameters())
+            out[f"{pattern}/{schedule}"] = (
+                difference,
+                abs(last_stage_value(None if loss is None else loss.item()) - reference_loss),
+            )
+    return out
+
+
+def replicas_stay_equal(world: int, pattern: str = "cycle") -> bool:
+    """A cycle pseudo model trained 3 steps under 1F1B: every process's copy of block 0 is bitwise the same."""
+    pipeline = build_pipeline(model_of(pattern), schedule="1f1b", num_microbatches=world, seq_len=SEQ)
+    optimizer = adamw(pipeline.parameters())
+    for ids in batches(3, 2 * world):
+        pipeline.step(ids)
+        optimizer.step()
+        optimizer.zero_grad()
+    mine = torch.cat(
+        [
+            param.detach().reshape(-1)
+            for name, param in sorted(pipeline.named_parameters())
+            if name.startswith("model.layers.0.")
+        ]
+    )
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
+def delayed_reference(pattern: str, data: list[torch.Tensor], microbatches: int) -> tuple[P2RForCausalLM, list[float]]:
+    """One process applying W(t+1) = W(t) - AdamW(grad f_t(W(t-1))), W(-1) = W(0)."""
+    model = model_of(pattern)
+    optimizer = adamw(model.parameters())
+    previous = copy.deepcopy(model)
+    losses = []
+    for ids in data:
+        previous.zero_grad()
+        losses.append(accumulate(previous, ids, microbatches))
+        snapshot = copy.deepcopy(model.state_dict())
+        for param, used in zip(model.parameters(), previous.parameters(), strict=True):
+            param.grad = used.grad.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        previous.load_state_dict(snapshot)
+    return model, losses
+
+
+def pipedream_2bw(world: int, patterns=("real", "cycle"), steps: int = 4) -> dict:
+    """{pattern: (largest weight difference to the delayed-update reference, loss difference, most live versions)}."""
+    out = {}
+    microbatches = world
+    data = batches(steps, 2 * microbatches)
+    for pattern in patterns:
+        pipeline = build_pipeline(
+            model_of(pattern), schedule="2bw", num_microbatches=microbatches, seq_len=SEQ, optimizer_factory=adamw
+        )
+        schedule, most = pipeline.schedule, [0]
+        schedule.observer = lambda schedule=schedule, most=most: most.__setitem__(
+            0, max(most[0], schedule.live_versions())
+        )
+        losses = [pipeline.step(ids) for ids in data]
+        schedule.drain()
+        reference, reference_losses = delayed_reference(pattern, data, microbatches)
+        weights = dict(reference.named_parameters())
+        difference = worst_difference((param, weights[name]) for name, param in pipeline.named_parameters())
+        loss_gap = max(
+            abs(last_stage_value(None if loss is None else loss.item()) - expected)
+            for loss, expected in zip(losses, reference_losses, strict=True)
+        )
+        versions = torch.tensor(most[0])
+        dist.all_reduce(versions, op=dist.ReduceOp.MAX)
+        out[pattern] = (difference, loss_gap, int(versions))
+    return out
+
+
+def run_with_delink(schedule: str, world: int, stop: int | None = None, state=None, before: int = 2, after: int = 2):
+    """Cycle pseudo model: `before` steps, delink (optimizer_carry scale), `after` steps; returns (losses on every
+    process, pipeline, optimizer). With `stop`, returns after that many steps (with the state to resume from);
+    with `state` (a (step, saved) pair), resumes from it."""
+    microbatches = world
+    pipeline = build_pipeline(
+        model_of("cycle"), schedule=schedule, num_microbatches=microbatches, seq_len=SEQ, optimizer_factory=adamw
+    )
+    optimizer = pipeline.schedule.optimizer if schedule == "2bw" else adamw(pipeline.parameters())
+    first = 0
+    if state is not None:
+        first, saved = state
+        if first > before:
+            optimizer = delink_pipeline(pipeline, optimizer, adamw, "scale")
+        load_pipeline_state(pipeline, optimizer, saved)
+        optimizer = pipeline.schedule.optimizer if schedule == "2bw" else optimizer
+    losses = []
+    for step, ids in enumerate(batches(before + after, 2 * microbatches)):
+        if step < first:
+            continue
+        if step == before:
+            optimizer = delink_pipeline(pipeline, optimizer, adamw, "scale")
+        loss = pipeline.step(ids)
+        if schedule != "2bw":
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(last_stage_value(None if loss is None else loss.item()))
+        if stop is not None and step + 1 == stop:
+            return losses, (stop, pipeline_state(pipeline, optimizer))
+    if schedule == "2bw":
+        pipeline.schedule.drain()
+    return losses, pipeline, optimizer
+
+
+def one_process_delink(world: int, before: int = 2, after: int = 2) -> P2RForCausalLM:
+    """The one-process trainer's delink (carry_optimizer_state, scale) around the same steps, flush semantics."""
+    model = model_of("cycle")
+    optimizer = adamw(model.parameters())
+    for step, ids in enumerate(batches(before + after, 2 * world)):
+        if step == before:
+            previous, mapping = _Before.of(model), model.delink_parameter_map()
+            model.delink()
+            new_optimizer = adamw(model.parameters())
+            carry_optimizer_state(optimizer, new_optimizer, model, mapping, previous, "scale")
+            optimizer = new_optimizer
+        accumulate(model, ids, world)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def delink_checks(world: int, folder: str) -> dict:
+    out = {}
+    losses, pipeline, _ = run_with_delink("1f1b", world)
+    reference = dict(one_process_delink(world).named_parameters())
+    out["delink_vs_one_process"] = worst_difference(
+        (param, reference[name]) for name, param in pipeline.named_parameters()
+    )
+    out["real_after_delink"] = not pipeline.config.share_layers and not pipeline._replicas
+    for schedule in ("1f1b", "2bw"):
+        uninterrupted = losses if schedule == "1f1b" else run_with_delink(schedule, world)[0]
+        for stop in (2, 3):  # just before the delink, and after it
+            head, saved = run_with_delink(schedule, world, stop=stop)
+            resumed = run_with_delink(schedule, world, state=saved)[0]
+            out[f"resume/{schedule}/{stop}"] = (head + resumed, uninterrupted)
+    # The real model as one ordinary checkpoint.
+    weights = gather_state_dict(pipeline)
+    if dist.get_rank() == 0:
+        config = pipeline_model_config(pipeline)
+        with torch.device("meta"):
+            skeleton = P2RForCausalLM(config)
+        save_model(skeleton, folder, state_dict=weights, progress=False)
+        loaded = P2RForCausalLM.from_pretrained(folder)
+        out["saved_real"] = not loaded.config.share_layers and all(
+            torch.equal(param, weights[name]) for name, param in loaded.named_parameters()
+        )
+    return out
+
+
+def two_processes(rank: int, world: int) -> dict:
+    import tempfile
+
+    folder = tempfile.mkdtemp() if rank == 0 else None
+    return {
+        "flush": flush_schedules(world),
+        "replicas_equal": replicas_stay_equal(world),
+        "2bw": pipedream_2bw(world),
+        **delink_checks(world, folder),
+    }
+
+
+def four_processes(rank: int, world: int) -> dict:
+    return {
+        "replicas_equal": replicas_stay_equal(world, "giant"),
+        "2bw": pipedream_2bw(world, patterns=("giant",), steps=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return spawn.run(two_processes, 2, tmp_path_factory.mktemp("pp2"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return spawn.run(four_processes, 4, tmp_path_factory.mktemp("pp4"))
+
+
+def test_flush_schedules_equal_gradient_accumulation(two):
+    assert len(two["flush"]) == 14
+    for name, (grad_difference, loss_difference) in two["flush"].items():
+        assert grad_difference < 1e-7, name
+        assert loss_difference < 1e-6, name
+
+
+def test_cycle_replicas_stay_bitwise_equal(two, four):
+    assert two["replicas_equal"] and four["replicas_equal"]
+
+
+def test_2bw_applies_the_delayed_update_with_two_versions(two, four):
+    for result in (two["2bw"], four["2bw"]):
+        for pattern, (weight_difference, loss_difference, versions) in result.items():
+            assert weight_difference < (1e-7 if pattern == "real" else ATOL), pattern
+            assert loss_difference < 1e-6, pattern
+            assert versions == 2, pattern  # two versions are live in steady state, never more
+
+
+def test_delink_in_a_pipeline_equals_the_one_process_delink(two):
+    assert two["delink_vs_one_process"] < ATOL
+    assert two["real_after_delink"]
+
+
+@pytest.mark.parametrize("case", ["resume/1f1b/2", "resume/1f1b/3", "resume/2bw/2", "resume/2bw/3"])
+def test_resume_gives_the_same_losses_before_and_after_the_delink(two, case):
+    resumed, uninterrupted = two[case]
+    assert resumed == uninterrupted
+
+
+def test_the_real_output_loads_with_from_pretrained(two):
+    assert two["saved_real"]
+
+
+def test_balanced_split_counts_the_head_and_keeps_blocks_whole():
+    small, big = tiny_config(vocab_size=64), tiny_config(vocab_size=32000)
+    assert balanced_split(small, 2, SEQ) == [4, 4]
+    heavy = balanced_split(big, 2, SEQ)
+    assert heavy[1] < heavy[0]  # the head's vocabulary costs the last stage layers
+    sequence = tiny_config(share_layers=True, num_unique_layers=2, sharing_pattern="sequence", vocab_size=32000)
+    assert balanced_split(sequence, 2, SEQ) == [4, 4]  # one block per stage, whatever the head costs
+    assert "automatic" in explain_split(big, heavy, SEQ, manual=False)
+
+
+def test_manual_split_is_checked():
+    sequence = tiny_config(share_layers=True, num_unique_layers=2, sharing_pattern="sequence")
+    with pytest.raises(ValueError, match=r"^pipeline_split: \[3, 5\] starts a stage inside a shared block"):
+        check_split(sequence, [3, 5], 2)
+    with pytest.raises(ValueError, match=r"^pipeline_split: \[4, 3\] must give 2 stages"):
+        check_split(tiny_config(), [4, 3], 2)
+    assert check_split(tiny_config(share_layers=True, num_unique_layers=2), [3, 5], 2) == [3, 5]  # cycle: any depth
