@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import MixtralForCausalLM
+from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from hf_p2r import convert_pseudo_to_real
@@ -227,3 +227,17 @@ def test_dense_checkpoint_to_mixtral_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model_type is 'p2r' (a dense model, no experts): target='mixtral' is for MoE models" in err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_remote_code_is_carried(tmp_path, input_ids):
+    src, model = _pseudo(tmp_path, seed=5)
+    model.save_pretrained(src, remote_code=True)
+    out = convert_pseudo_to_real(src, tmp_path / "out", progress=False)
+    code = sorted(p.name for p in src.glob("*.py"))
+    assert "modeling_p2r_moe.py" in code and "sharing_p2r.py" in code  # what loads without hf_p2r (tests/models)
+    assert {name: _sha(out / name) for name in code} == {name: _sha(src / name) for name in code}
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
+        "modeling_p2r_moe.P2RMoeForCausalLM"
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(_logits(loaded, input_ids), _logits(model.delink(), input_ids))
