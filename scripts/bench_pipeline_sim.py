@@ -1,12 +1,13 @@
 """The pipeline schedule simulator (hf_p2r/distributed/simulate.py): checked against measured CPU runs, then used at
 scale to reproduce PipeDream-2BW's comparison (arXiv 2006.09503) of 2BW, GPipe and 1F1B-flush.
 
-1. Measured: torch.distributed.pipelining's `ScheduleGPipe` and `Schedule1F1B` on 2 and 4 CPU processes (gloo,
-   started with torchrun), one `PipelineStage` per process over the depths of a real P2R model (embeddings on the
-   first stage, final norm, head and loss on the last). In interleaved rounds each process times its own stage's
-   forward and backward on one micro-batch (all processes at once, then one at a time), ranks 0 and 1 time a
-   send/recv of one micro-batch's activations, and one `schedule.step()` of each schedule is timed; the simulator
-   predicts each round's step time from that round's profile and send alone.
+1. Measured: hf-p2r's pipeline runtime (`hf_p2r.distributed.pipeline`: torch's `ScheduleGPipe` / `Schedule1F1B`
+   and hf-p2r's PipeDream-2BW) on 2 and 4 CPU processes (gloo, started with torchrun), one stage per process over
+   the depths of a real P2R model (embeddings on the first stage, final norm, head and loss on the last). In
+   interleaved rounds each process times its own stage's forward and backward on one micro-batch (all processes at
+   once, then one at a time), ranks 0 and 1 time a send/recv of one micro-batch's activations, and one step of each
+   flush schedule is timed; then 2BW runs its steps back to back. The simulator predicts each step time from the
+   profiles and the send alone.
 2. At scale: a GPT-style model at d = 8, 16, 32 stages on the planner's hardware (`hf_p2r.planning` `Hardware`
    defaults: H100 peak FLOP/s x MFU, NVLink inside a node, InfiniBand across); per-stage times from the planner's
    FLOP count, memory and fit from the planner's `estimate` for each schedule, with activation recomputation where
@@ -52,11 +53,13 @@ SCALE_DEPTHS = (8, 16, 32)
 
 
 def worker(args: argparse.Namespace) -> None:
+    import copy
+
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hf_p2r import P2RConfig, P2RForCausalLM
+    from hf_p2r.distributed.pipeline import build_pipeline, causal_lm_loss
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,39 +69,41 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = P2RForCausalLM(P2RConfig(**preset, max_position_embeddings=seq, tie_word_embeddings=False))
     model.set_attn_implementation("sdpa")
-    module = StageModule(model, rank, world).train()
-    microbatches = args.microbatches
+    microbatches, layers = args.microbatches, preset["num_hidden_layers"]
     ids = torch.randint(0, preset["vocab_size"], (microbatches * micro_batch, seq))
     hidden = torch.randn(micro_batch, seq, preset["hidden_size"])
 
-    def loss_fn(logits, target):
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-4)
 
-    schedules = {
-        name: cls(PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn)
-        for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B))
-    }
+    # hf-p2r's pipeline runtime (hf_p2r.distributed.pipeline): equal layers per stage, each schedule on its own copy
+    # of the model (2BW swaps weight versions in and out of its modules).
+    pipelines = {
+        name: build_pipeline(
+            copy.deepcopy(model), schedule=name, num_microbatches=microbatches, split=[layers // world] * world,
+            seq_len=seq, optimizer_factory=adamw if name == "2bw" else None,
+        )
+        for name in ("gpipe", "1f1b", "2bw")
+    }  # fmt: skip
+    module = pipelines["gpipe"].modules[0]
+    loss_fn = causal_lm_loss(preset["vocab_size"])
 
-    def step(schedule) -> float:
+    def step(pipeline) -> float:
         dist.barrier()
         start = time.perf_counter()
-        if rank == 0:
-            schedule.step(ids)
-        elif rank == world - 1:
-            schedule.step(target=ids)
-        else:
-            schedule.step()
+        pipeline.step(ids)
         dist.barrier()
-        module.zero_grad(set_to_none=True)
+        for param in pipeline.parameters():
+            param.grad = None
         return time.perf_counter() - start
 
     example = ids[:micro_batch] if rank == 0 else hidden
     last_loss = loss_fn if rank == world - 1 else None
-    for schedule in schedules.values():
-        step(schedule)  # warmup
+    for name in ("gpipe", "1f1b"):
+        step(pipelines[name])  # warmup
     rounds = []
-    # Interleaved rounds: each round profiles the stages, times the send, then times one step of each schedule, so a
-    # prediction and its measurement are seconds apart on a machine whose load drifts.
+    # Interleaved rounds: each round profiles the stages, times the send, then times one step of each flush
+    # schedule, so a prediction and its measurement are seconds apart on a machine whose load drifts.
     for _ in range(args.rounds):
         together = profile_stage(module, example, last_loss, ids, args.repeats)
         alone = (0.0, 0.0)
@@ -108,48 +113,43 @@ def worker(args: argparse.Namespace) -> None:
                 alone = profile_stage(module, example, last_loss, ids, args.repeats, barrier=False)
             dist.barrier()
         p2p_s = ping_pong(hidden, args.repeats) if world > 1 else 0.0
-        measured = {name: step(schedule) for name, schedule in schedules.items()}
+        measured = {name: step(pipelines[name]) for name in ("gpipe", "1f1b")}
         gathered = [None] * world
         dist.all_gather_object(gathered, {"together": together, "alone": alone})
         rounds.append({"stages": gathered, "p2p_s": p2p_s, "measured_step_s": measured})
+
+    # 2BW streams batches with no flush: its steps run back to back (no barrier, no other communication between
+    # them, which would meet its sends still in flight), each process noting when each step returns; the steady
+    # state is the median interval after the first two (pipeline fill). Then its optimizer step alone, timed.
+    two_bw = pipelines["2bw"]
+    dist.barrier()
+    ends = [time.perf_counter()]
+    for _ in range(args.rounds + 2):
+        two_bw.step(ids)
+        ends.append(time.perf_counter())
+    two_bw.schedule.drain()
+    intervals = [b - a for a, b in zip(ends[2:], ends[3:])]
+    optimizer, updates = two_bw.schedule.optimizer, []
+    for param in two_bw.parameters():
+        param.grad = torch.zeros_like(param)
+    for i in range(args.repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.step()
+        if i:
+            updates.append(time.perf_counter() - start)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"intervals": intervals, "update_s": statistics.median(updates)})
     if rank == 0:
         result = {
             "processes": world,
             "microbatches": microbatches,
             "threads_per_process": torch.get_num_threads(),
             "rounds": rounds,
+            "two_bw": gathered,
         }
         Path(args.worker_out).write_text(json.dumps(result))
     dist.destroy_process_group()
-
-
-def StageModule(model, rank: int, world: int):  # noqa: N802 (a module factory)
-    """Stage `rank` of `world` over the depths of a real P2R model: equal numbers of decoder layers, the embeddings
-    on the first stage, the final norm and the head on the last."""
-    import torch
-    from torch import nn
-
-    class Stage(nn.Module):
-        def __init__(self):
-            super().__init__()
-            per_stage = model.config.num_hidden_layers // world
-            self.embed_tokens = model.model.embed_tokens if rank == 0 else None
-            self.layers = nn.ModuleList(model.model.layers[rank * per_stage : (rank + 1) * per_stage])
-            self.rotary_emb = model.model.rotary_emb
-            self.norm = model.model.norm if rank == world - 1 else None
-            self.lm_head = model.lm_head if rank == world - 1 else None
-
-        def forward(self, x):
-            hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-            positions = torch.arange(hidden.shape[1]).unsqueeze(0)
-            position_embeddings = self.rotary_emb(hidden, positions)
-            for layer in self.layers:
-                hidden = layer(hidden, position_embeddings=position_embeddings)  # no mask: causal SDPA
-            if self.lm_head is not None:
-                return self.lm_head(self.norm(hidden))
-            return hidden
-
-    return Stage()
 
 
 def profile_stage(module, example, loss_fn, ids, repeats: int, barrier: bool = True) -> tuple[float, float]:
@@ -211,9 +211,11 @@ def measure(processes: int, args: argparse.Namespace) -> dict:
 
 
 def predict(run: dict) -> dict:
-    """Per schedule: the measured step time of each round, and the simulator's step time for each round from that
-    round's stage profile, taken with every process computing at once ("together") and one process at a time
-    ("alone"), and its send latency. 2BW is predicted only (nothing here measures it)."""
+    """Per schedule: the measured step times, and the simulator's step time for each round from that round's stage
+    profile, taken with every process computing at once ("together") and one process at a time ("alone"), and its
+    send latency. Flush schedules: one measured step per round, ratios per round. 2BW: the steady-state intervals
+    of its own back-to-back phase (rank 0's), predicted with each stage's measured optimizer step, one ratio of
+    medians."""
     from hf_p2r.distributed.simulate import StageCost, simulate_schedule
 
     stages = len(run["rounds"][0]["stages"])
@@ -221,16 +223,26 @@ def predict(run: dict) -> dict:
     for schedule in ("gpipe", "1f1b", "2bw"):
         if schedule != "gpipe" and run["microbatches"] < stages:
             continue
-        row = {"measured_s": [r["measured_step_s"].get(schedule) for r in run["rounds"]]}
+        if schedule == "2bw":
+            measured = run["two_bw"][0]["intervals"]
+            updates = [rank["update_s"] for rank in run["two_bw"]]
+        else:
+            measured = [r["measured_step_s"][schedule] for r in run["rounds"]]
+            updates = [0.0] * stages
+        row = {"measured_s": measured}
         for profile in ("together", "alone"):
             predicted, bubbles = [], []
             for r in run["rounds"]:
-                costs = [StageCost(*stage[profile]) for stage in r["stages"]]
+                costs = [StageCost(*stage[profile], update=u) for stage, u in zip(r["stages"], updates)]
                 sim = simulate_schedule(schedule, costs, run["microbatches"], p2p=r["p2p_s"])
                 predicted.append(sim.step_time)
                 bubbles.append(sim.bubble)
             row[f"predicted_{profile}_s"] = predicted
             row[f"bubble_{profile}"] = statistics.median(bubbles)
+            if schedule == "2bw":
+                row[f"ratio_{profile}"] = [statistics.median(predicted) / statistics.median(measured)]
+            else:
+                row[f"ratio_{profile}"] = [a / b for a, b in zip(predicted, measured)]
         summary[schedule] = row
     return summary
 
@@ -365,14 +377,16 @@ def render_markdown(r: dict) -> str:
         "",
         f"Real P2R model: hidden {p['hidden_size']}, FFN {p['intermediate_size']}, {p['num_attention_heads']} heads "
         f"({p['num_key_value_heads']} KV), {p['num_hidden_layers']} layers, vocab {p['vocab_size']}, fp32; "
-        f"micro-batch {p['micro_batch']} x {p['seq']} tokens. Measured: torch's own `ScheduleGPipe` / `Schedule1F1B` "
-        "over `PipelineStage`s (equal layers per stage), `schedule.step()` (forward + backward of every micro-batch, "
-        "no optimizer step) timed between barriers. Predicted: `hf_p2r.distributed.simulate` from each stage's own "
-        "forward / backward time on one micro-batch and a measured one-way send of one micro-batch's activations, "
-        "taken in the same processes in the same round (rounds interleave profile and steps, so a prediction and its "
+        f"micro-batch {p['micro_batch']} x {p['seq']} tokens. Measured: hf-p2r's pipeline runtime "
+        "(`hf_p2r.distributed.pipeline.build_pipeline`, equal layers per stage): torch's `ScheduleGPipe` / "
+        "`Schedule1F1B` and hf-p2r's `SchedulePipeDream2BW`. Flush schedules: one `Pipeline.step()` (forward + "
+        "backward of every micro-batch, no optimizer step) per round, timed between barriers. 2BW: steps back to "
+        "back (no flush, its optimizer step inside), the median interval after the first two. Predicted: "
+        "`hf_p2r.distributed.simulate` from each stage's own forward / backward time on one micro-batch, a measured "
+        "one-way send of one micro-batch's activations and (2BW) each stage's measured AdamW step, taken in the "
+        "same processes in the same round (rounds interleave profile and flush steps, so a prediction and its "
         'measurement are seconds apart). Two profiles: all processes computing at once ("together") and one at a '
-        'time ("alone"). Medians over rounds (min - max); ratio: median over rounds of predicted / measured. 2BW '
-        "is predicted only: no 2BW runtime was measured here.",
+        'time ("alone"). Medians (min - max); ratio: predicted / measured, median over rounds (2BW: of the medians).',
         "",
         "| processes | threads each | m | stage fwd/bwd ms (together; alone) | send ms | schedule | measured s "
         "| predicted s together | ratio | predicted s alone | ratio | bubble (together) |",
@@ -390,19 +404,12 @@ def render_markdown(r: dict) -> str:
         send = statistics.median(rd["p2p_s"] for rd in run["rounds"]) * 1e3
         for schedule, row in run["predicted"].items():
             measured = row["measured_s"]
-            cells = []
-            if None in measured:
-                cells.append("not measured")
-            else:
-                cells.append(f"{statistics.median(measured):.3f} ({min(measured):.3f} - {max(measured):.3f})")
+            cells = [f"{statistics.median(measured):.3f} ({min(measured):.3f} - {max(measured):.3f})"]
             for name in ("together", "alone"):
-                predicted = row[f"predicted_{name}_s"]
-                cells.append(f"{statistics.median(predicted):.3f}")
-                if None in measured:
-                    cells.append("")
-                else:
-                    ratios = [a / b for a, b in zip(predicted, measured)]
-                    cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f})")
+                ratios = row[f"ratio_{name}"]
+                cells.append(f"{statistics.median(row[f'predicted_{name}_s']):.3f}")
+                spread = f" ({min(ratios):.2f} - {max(ratios):.2f})" if len(ratios) > 1 else ""
+                cells.append(f"{statistics.median(ratios):.2f}{spread}")
             lines.append(
                 f"| {run['processes']} | {run['threads_per_process']} | {run['microbatches']} | "
                 f"{profile['together']}; {profile['alone']} | {send:.2f} | {schedule} | "
