@@ -208,14 +208,16 @@ def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
 
 
 def read_p2r_config(folder: str | os.PathLike):
-    """The `P2RConfig` of a (dense) checkpoint folder, with errors that name the file and the problem."""
+    """The `P2RConfig` (`P2RMoeConfig` for a MoE checkpoint) of a checkpoint folder, with errors that name the file and
+    the problem."""
     from huggingface_hub.errors import StrictDataclassError
 
-    from ..models.p2r import P2RConfig
+    from ..models.p2r import P2RConfig, P2RMoeConfig
 
-    read_p2r_config_dict(folder)  # the same checks, and messages, as the converter's
+    config = read_p2r_config_dict(folder)  # the same checks, and messages, as the converter's
+    config_class = P2RMoeConfig if config["model_type"] == "p2r_moe" else P2RConfig
     try:
-        return P2RConfig.from_dict(read_config_dict(folder))
+        return config_class.from_dict(read_config_dict(folder))
     except (ValueError, TypeError, StrictDataclassError) as error:
         # huggingface_hub's validation errors span two lines ("Validation error for field ...:\n    TypeError: ...")
         lines = " ".join(line.strip() for line in str(error).splitlines())

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from hf_p2r import convert_pseudo_to_real
-from hf_p2r.checkpoint.convert import MOE_FIELDS, parameter_shapes
+from hf_p2r.checkpoint.convert import MOE_FIELDS, parameter_shapes, read_p2r_config
 from hf_p2r.checkpoint.mixtral import export_mixtral, mixtral_fields
 from hf_p2r.cli import main
 from hf_p2r.models.p2r.configuration_p2r_moe import P2RMoeConfig
@@ -241,3 +241,9 @@ def test_remote_code_is_carried(tmp_path, input_ids):
     )
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert torch.equal(_logits(loaded, input_ids), _logits(model.delink(), input_ids))
+
+
+def test_read_p2r_config_gives_the_moe_config(tmp_path):
+    src, model = _pseudo(tmp_path, seed=6, decoder_sparse_step=2)
+    config = read_p2r_config(src)
+    assert type(config) is P2RMoeConfig and config.to_dict() == model.config.to_dict()
