@@ -61,8 +61,9 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         self.optimizer_factory = optimizer_factory
         first = dict(self._stage.submod.named_parameters())
         self.versions = [first, _clone(first)]
+        self.installed = 0  # the set the module holds
         self.optimizer = optimizer_factory(list(first.values()))
-        self._optimizer_set = 0
+        self.optimizer_set = 0
 
     # --- the schedule ---------------------------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
@@ -149,6 +150,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         for name, param in self.versions[index].items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, param)
+        self.installed = index
 
     def _update(self, batch: int) -> None:
         """W(batch + 1) = W(batch) - step(grad f_batch(W(batch - 1))), into the set batch ran on (now free)."""
@@ -170,16 +172,16 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
 
     def _point_optimizer_at(self, index: int) -> None:
         """The optimizer steps set `index`: its parameter slots and per-parameter state move there."""
-        if index == self._optimizer_set:
+        if index == self.optimizer_set:
             return
-        old, new = self.versions[self._optimizer_set], self.versions[index]
+        old, new = self.versions[self.optimizer_set], self.versions[index]
         swap = {id(old[name]): new[name] for name in old}
         for group in self.optimizer.param_groups:
             group["params"] = [swap[id(param)] for param in group["params"]]
         for name in old:
             if old[name] in self.optimizer.state:
                 self.optimizer.state[new[name]] = self.optimizer.state.pop(old[name])
-        self._optimizer_set = index
+        self.optimizer_set = index
 
     def current_weights(self) -> dict[str, torch.Tensor]:
         """The newest weights W(updated) after `drain()` (stage names)."""
@@ -203,7 +205,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     def delinked(self, mapping_stage: dict[str, str]) -> None:
         """After `delink_stages` changed the module (drained first): both sets follow the new layout. The installed
         set is the module's; the other is delinked alike (each new weight a copy of the weight its depth ran)."""
-        installed = (self.batches - 1) % 2  # the last update went into the set the last batch ran on
+        installed = self.installed  # after `drain()`, the newest weights (the last update went there)
         other = self.versions[1 - installed]
         module_params = dict(self._stage.submod.named_parameters())
         self.versions[installed] = module_params
@@ -211,7 +213,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
             name: nn.Parameter(other[source].detach().clone(), requires_grad=other[source].requires_grad)
             for name, source in mapping_stage.items()
         }
-        self._optimizer_set = installed
+        self.optimizer_set = installed
 
 
 def _clone(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:

@@ -381,6 +381,11 @@ class Pipeline:
         """This process's weights under the model's names (a tied head under the embeddings' name)."""
         return {name: param.detach() for name, param in self.named_parameters()}
 
+    def drain(self) -> None:
+        """Finish 2BW's in-flight micro-batches and apply its pending update (nothing to do for flush schedules)."""
+        if self.schedule_name == "2bw":
+            self.schedule.drain()
+
     def refresh(self) -> None:
         """Recompute the replica groups after the stages' layout changed (the delink)."""
         self._replicas = _replica_groups(self)
@@ -462,8 +467,9 @@ def build_pipeline(
     else:
         split = check_split(config, split, num_stages)
         manual = True
+    explanation = explain_split(config, split, seq_len, manual)
     if rank == 0:
-        logger.info(explain_split(config, split, seq_len, manual))
+        logger.info(explanation)
     stage_config = copy.deepcopy(config)  # this process's layout; the blocks keep the model's config (attention)
     depths = stage_depths(split)
     indices = list(range(rank, num_stages, size))
@@ -489,6 +495,7 @@ def build_pipeline(
             scale_grads=False,
         )
     pipeline = Pipeline(model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config)
+    pipeline.explanation = explanation
     if schedule == "2bw":
         runner.attach(pipeline, optimizer_factory, max_grad_norm)
     return pipeline
@@ -616,9 +623,9 @@ def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | N
         schedule.batches, schedule.updated = state["batches"], state["updated"]
         newest = (schedule.batches - 1) % 2  # where the last update went: the module's parameters
         tied = pipeline.config.tie_word_embeddings
-        if newest != 0:
+        if schedule.installed != newest:  # the module's set (and the optimizer's) must be the newest
             schedule.versions.reverse()
-            schedule._optimizer_set = 1
+        schedule.installed = schedule.optimizer_set = newest
         with torch.no_grad():
             for name, param in schedule.versions[1 - newest].items():
                 param.copy_(state["other_version"][model_name(name, tied)])

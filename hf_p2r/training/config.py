@@ -217,6 +217,24 @@ class TrainArguments:
         default=None, metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85%% of it)."}
     )
     offload_prefetch: int = field(default=1, metadata={"help": "Offloaded blocks copied ahead of their use."})
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Pipeline stages (processes) the model is split into by depth (hf_p2r.distributed)."},
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "2bw"] = field(
+        default="1f1b",
+        metadata={"help": "Pipeline schedule: torch's gpipe, 1f1b, interleaved_1f1b, zero_bubble, or PipeDream-2BW."},
+    )
+    num_microbatches: int | None = field(
+        default=None,
+        metadata={"help": "Micro-batches per optimizer step in a pipeline (default: pipeline_parallel_size)."},
+    )
+    pipeline_split: list[int] | None = field(
+        default=None, metadata={"help": "Layers per stage, e.g. [3, 5] (default: balanced from FLOPs and bytes)."}
+    )
+    data_parallel_size: int = field(
+        default=1, metadata={"help": "Data-parallel pipelines beside pipeline_parallel_size (only 1 so far)."}
+    )
 
     def __post_init__(self):
         # YAML gives a number or a list; the command line a string. Keep one canonical string form.
@@ -243,10 +261,44 @@ class TrainArguments:
         check_range("max_grad_norm", self.max_grad_norm, low=0.0)
         if self.pseudo_steps + self.real_steps == 0:
             raise ValueError("real_steps: pseudo_steps + real_steps must be at least 1")
+        check_range("pipeline_parallel_size", self.pipeline_parallel_size, low=1)
+        check_range("num_microbatches", self.num_microbatches, low=1)
+        check_range("data_parallel_size", self.data_parallel_size, low=1)
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
         if self.lr_scheduler == "wsd" and self.warmup_steps + self.decay_steps > self.total_steps:
             raise ValueError(
                 f"lr_decay_fraction: warm-up ({self.warmup_steps} steps) and decay ({self.decay_steps}) must fit in "
                 f"the run ({self.total_steps} steps), got {self.lr_decay_fraction}"
+            )
+
+    def _check_pipeline(self) -> None:
+        """Refuse, in one line naming the fields, what a pipelined run does not support."""
+        refused = [
+            (
+                "data_parallel_size",
+                self.data_parallel_size != 1,
+                "pipelines x data-parallel replicas are not built yet",
+            ),
+            ("offload", self.offload is not None, "granular offload runs in one process"),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps != 1, "num_microbatches splits the batch"),
+            ("partial_delink_steps", bool(self.partial_delink_steps), "a pipelined run delinks to the real model only"),
+            ("shared_lr_scale", self.shared_lr_scale != "none", "set shared_lr_scale: none"),
+            ("mixed_precision", self.mixed_precision not in (None, "no"), "stages run in fp32 so far"),
+        ]
+        for name, bad, why in refused:
+            if bad:
+                raise ValueError(f"{name}: not supported with pipeline_parallel_size > 1 ({why})")
+        microbatches = self.num_microbatches or self.pipeline_parallel_size
+        if self.per_device_batch_size % microbatches:
+            raise ValueError(
+                f"num_microbatches: {microbatches} must divide per_device_batch_size ({self.per_device_batch_size}), "
+                "the pipeline's batch"
+            )
+        if self.pipeline_schedule == "2bw" and microbatches < self.pipeline_parallel_size:
+            raise ValueError(
+                f"num_microbatches: PipeDream-2BW needs at least pipeline_parallel_size ({self.pipeline_parallel_size})"
+                f" micro-batches per step, got {microbatches}"
             )
 
     @property

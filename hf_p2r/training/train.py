@@ -80,6 +80,10 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blo
 def train(config: TrainConfig) -> int:
     """Run the schedule of `config`; returns the exit code (see the module docstring)."""
     args = config.train
+    if args.pipeline_parallel_size > 1:  # the same schedule on a model split into stages (hf_p2r.distributed)
+        from ..distributed.pipeline_train import train_pipelined
+
+        return train_pipelined(config)
     output_dir = Path(args.output_dir)
     depth = config.model.num_hidden_layers
     delink_steps = [step for step, _ in config.delink_schedule()]

@@ -1,0 +1,287 @@
+"""The trainer's pipelined run (`pipeline_parallel_size > 1`), called by `hf_p2r.training.train.train`.
+
+The same story as the one-process loop (build -> pseudo steps -> delink -> real steps -> save), on a model split into
+stages (`build_pipeline`): every process builds the same seeded model and keeps its stages; every process reads the
+same batch (the pipeline splits it into `num_microbatches`); the last stage's loss is shared by one collective with the
+stop signal. The delink is `delink_pipeline` (each stage its own blocks, optimizer state carried per
+`optimizer_carry`); a checkpoint is one file per process beside `trainer_state.json`; `pseudo/` and `real/` are
+ordinary checkpoints written by the first process from the gathered weights. The validation loss is computed by the
+first process on the gathered model (cheap at the sizes a CPU pipeline runs; a pipelined evaluation is future work).
+
+Launch with `torchrun --nproc-per-node 2 scripts/train.py --config ... --pipeline_parallel_size 2` or
+`accelerate launch --num_processes 2 scripts/train.py ...` (Accelerate only starts the processes and the group here).
+"""
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, set_seed
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..checkpoint import atomic_directory
+from ..checkpoint import save_model as write_model_folder
+from ..models.p2r import P2RForCausalLM
+from ..training.checkpointing import (
+    STATE_FILE,
+    TrainState,
+    checkpoint_path,
+    list_checkpoints,
+    read_state,
+    resolve_checkpoint,
+)
+from ..training.config import TrainConfig
+from ..training.data import BlockOrder, build_blocks, load_tokenizer
+from ..training.metrics import METRICS_FILE, PLOT_FILE, peak_memory_gb, plot_losses, read_metrics
+from ..training.optim import build_optimizer, learning_rate_at
+from .pipeline import (
+    Pipeline,
+    build_pipeline,
+    delink_pipeline,
+    gather_state_dict,
+    load_pipeline_state,
+    pipeline_model_config,
+    pipeline_state,
+)
+
+
+def train_pipelined(config: TrainConfig) -> int:
+    """Run `config` with `pipeline_parallel_size` stages; returns the exit code (as `train`)."""
+    from ..training.train import NonFiniteLossError, _prepare_output_dir, _record, _say, _StopOnSignal, build_model
+
+    args = config.train
+    output_dir, depth = Path(args.output_dir), config.model.num_hidden_layers
+    delink_steps = [step for step, _ in config.delink_schedule()]
+
+    # Build.
+    cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+    accelerator = Accelerator(cpu=cpu, mixed_precision="no")
+    if accelerator.num_processes != args.pipeline_parallel_size * args.data_parallel_size:
+        raise ValueError(
+            f"pipeline_parallel_size: {args.pipeline_parallel_size} stages x data_parallel_size "
+            f"{args.data_parallel_size} need as many processes, the launcher started {accelerator.num_processes}"
+        )
+    if config.model.num_experts:
+        raise ValueError("num_experts: mixture-of-experts models are not supported with pipeline_parallel_size > 1")
+    checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
+    _prepare_output_dir(accelerator, output_dir, config, resumed=state if checkpoint else None)
+
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    with accelerator.main_process_first():
+        train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
+    model = build_model(config, tokenizer, config.initial_blocks())
+
+    def new_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return build_optimizer(nn.ParameterList(params), args)
+
+    pipeline = build_pipeline(
+        model,
+        schedule=args.pipeline_schedule,
+        num_microbatches=args.num_microbatches or args.pipeline_parallel_size,
+        split=args.pipeline_split,
+        seq_len=config.data.block_size,
+        device=accelerator.device,
+        optimizer_factory=new_optimizer,
+        max_grad_norm=args.max_grad_norm or None,
+    )
+    _say(accelerator, pipeline.explanation)
+    del model  # each process keeps its stages' pieces
+    two_bw = args.pipeline_schedule == "2bw"
+    optimizer = pipeline.schedule.optimizer if two_bw else new_optimizer(pipeline.parameters())
+    if checkpoint:
+        if state.num_blocks == depth and config.initial_blocks() < depth:
+            optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry)
+        saved = torch.load(checkpoint / f"stage-{dist.get_rank()}.pt", weights_only=True)
+        load_pipeline_state(pipeline, optimizer, saved)
+        optimizer = pipeline.schedule.optimizer if two_bw else optimizer
+        _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
+
+    order = BlockOrder(len(train_blocks), args.seed)
+    batch_size = args.per_device_batch_size
+    tokens_per_step = batch_size * config.data.block_size
+    metrics_path = output_dir / METRICS_FILE
+    progress = tqdm(
+        total=args.total_steps,
+        initial=state.step,
+        desc=state.stage(depth),
+        dynamic_ncols=True,
+        disable=not accelerator.is_main_process,
+    )
+    if checkpoint is None and args.eval_steps:
+        _record(accelerator, metrics_path, state, depth, val_loss=_evaluate(pipeline, validation_blocks, args))
+
+    interval_steps, interval_time = 0, 0.0
+    # The loop: each pass delinks if the delink is due at this step, then makes one optimizer step.
+    with _StopOnSignal() as stop:
+        while True:
+            if state.num_blocks < config.blocks_at(state.step):
+                _save_model(accelerator, pipeline, tokenizer, output_dir / "pseudo", args.remote_code)
+                optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry)
+                before, state.num_blocks = state.num_blocks, depth
+                _record(accelerator, metrics_path, state, depth, event="delink", num_blocks_before=before)
+                _say(
+                    accelerator,
+                    f"step {state.step}: delinked {before} -> {depth} blocks in every stage "
+                    f"(optimizer_carry={args.optimizer_carry})",
+                )
+                progress.set_description(state.stage(depth))
+            if state.step == args.total_steps:
+                break
+
+            started = time.perf_counter()
+            lr = learning_rate_at(state.step, args, delink_steps)
+            # 2BW steps its optimizer inside `step` (the previous batch's update): it takes this rate.
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            batch = train_blocks[order.indices(state.blocks_consumed, batch_size)]["input_ids"].to(accelerator.device)
+            state.blocks_consumed += batch_size
+            loss = pipeline.step(batch)
+            grad_norm = None
+            if not two_bw:
+                if args.max_grad_norm:
+                    grad_norm = pipeline.clip_grad_norm_(args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            # One collective gives every process the last stage's loss and the same stop decision.
+            shared = torch.tensor([-math.inf if loss is None else loss.item(), float(stop.signum)])
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+            loss_value, signum = shared[0].item(), int(shared[1].item())
+            if not math.isfinite(loss_value):
+                last = list_checkpoints(output_dir)
+                raise NonFiniteLossError(
+                    f"non-finite training loss ({loss_value}) at step {state.step + 1}: stopped without saving; last "
+                    f"good checkpoint: {last[-1] if last else 'none'}; try a lower learning_rate"
+                )
+            state.step += 1
+            elapsed = time.perf_counter() - started
+            state.train_time_s += elapsed
+            interval_steps, interval_time = interval_steps + 1, interval_time + elapsed
+            state.log_loss_sum += loss_value
+            state.log_steps += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+
+            final = state.step == args.total_steps
+            measure = {}
+            if state.step % args.logging_steps == 0 or final:
+                measure.update(
+                    loss=state.log_loss_sum / state.log_steps,
+                    lr=lr,
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    tokens_per_s=tokens_per_step * interval_steps / interval_time,
+                    train_time_s=state.train_time_s,
+                    memory_gb=peak_memory_gb(accelerator.device),
+                )
+                state.log_loss_sum, state.log_steps = 0.0, 0
+                interval_steps, interval_time = 0, 0.0
+            if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
+                measure["val_loss"] = _evaluate(pipeline, validation_blocks, args)
+            if measure:
+                _record(accelerator, metrics_path, state, depth, **measure)
+            if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
+                _save_checkpoint(accelerator, output_dir, state, config, pipeline, optimizer)
+            if signum and not final:
+                progress.close()
+                _say(
+                    accelerator,
+                    f"stopped by signal {signum} after step {state.step}; checkpoint saved: resume "
+                    "with --resume_from_checkpoint latest",
+                )
+                return 128 + signum
+    progress.close()
+
+    _save_model(accelerator, pipeline, tokenizer, output_dir / "real", args.remote_code)
+    if accelerator.is_main_process:
+        layout = f"{args.pipeline_schedule} x{args.pipeline_parallel_size}"
+        title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {layout}"
+        if not plot_losses(read_metrics(metrics_path), output_dir / PLOT_FILE, title):
+            print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
+    accelerator.end_training()
+    return 0
+
+
+def _gathered_model(pipeline: Pipeline) -> P2RForCausalLM | None:
+    """The whole model on the first process (None elsewhere): a collective."""
+    pipeline.drain()
+    weights = gather_state_dict(pipeline)
+    if weights is None:
+        return None
+    config = pipeline_model_config(pipeline)
+    if config.tie_word_embeddings:  # the head is gathered under the embeddings' name
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    model = P2RForCausalLM(config)
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+@torch.no_grad()
+def _evaluate(pipeline: Pipeline, blocks, args) -> float:
+    """Mean validation loss over `eval_blocks` blocks spread over the split, on the gathered model (first process),
+    shared with every process."""
+    model = _gathered_model(pipeline)
+    value = torch.zeros(1)
+    if model is not None:
+        count = min(len(blocks), args.eval_blocks)
+        chosen = [index * len(blocks) // count for index in range(count)]
+        total = 0.0
+        for start in range(0, count, args.per_device_batch_size):
+            ids = blocks[chosen[start : start + args.per_device_batch_size]]["input_ids"]
+            total += model(input_ids=ids, labels=ids).loss.item() * len(ids)
+        value[0] = total / count
+    dist.broadcast(value, src=dist.get_process_group_ranks(pipeline.group)[0], group=pipeline.group)
+    return value.item()
+
+
+def _save_model(accelerator: Accelerator, pipeline: Pipeline, tokenizer, directory: Path, remote_code: bool) -> None:
+    """`pseudo/` or `real/`: one ordinary checkpoint, written by the first process from the gathered weights."""
+    pipeline.drain()
+    weights = gather_state_dict(pipeline)
+    if weights is not None:
+        with torch.device("meta"):
+            skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
+        write_model_folder(
+            skeleton,
+            directory,
+            state_dict=weights,
+            remote_code=remote_code,
+            tokenizer=tokenizer,
+            overwrite=True,
+            progress=False,
+        )
+    accelerator.wait_for_everyone()
+
+
+def _save_checkpoint(accelerator, output_dir: Path, state: TrainState, config: TrainConfig, pipeline, optimizer):
+    """`checkpoint-{step}/`: `stage-{rank}.pt` per process (`pipeline_state`) and `trainer_state.json`, atomically."""
+    destination = checkpoint_path(output_dir, state.step)
+    payload = {
+        "stage": state.stage(config.model.num_hidden_layers),
+        "state": dataclasses.asdict(state),
+        "config": config.to_dict(),
+    }
+    part = pipeline_state(pipeline, optimizer)
+    name = f"stage-{dist.get_rank()}.pt"
+    if accelerator.is_main_process:
+        with atomic_directory(destination, overwrite=True) as tmp:
+            broadcast_object_list([str(tmp)])
+            torch.save(part, tmp / name)
+            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+            accelerator.wait_for_everyone()
+        limit = config.train.save_total_limit
+        if limit is not None:
+            for old in list_checkpoints(output_dir)[:-limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    else:
+        [tmp] = broadcast_object_list([None])
+        torch.save(part, Path(tmp) / name)
+        accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
