@@ -285,4 +285,4 @@ def test_merge_sweep_keeps_earlier_groups_and_the_sweep_page_names_the_best(tmp_
         "does not pay** (some seed below 1.1x, or never at scratch's final loss): L=8 wsd p2r on prose (1.04x" in text
     )
     assert "| prose | 8 | wsd | p2r | 30 |" in text
-    assert "| stdlib | 16 | p2r | 1: 50, 16: 50 | 0.0 / 0.0 | 0.42 / 1.00 | 100 / 100 | 100 |" in text
+    assert "| stdlib | 16 | wsd | p2r | 1: 50, 16: 50 | 0.0 / 0.0 | 0.42 / 1.00 | 100 / 100 | 100 |" in text
