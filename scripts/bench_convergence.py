@@ -938,9 +938,8 @@ def _group_table(result: dict) -> list[str]:
 def _stage_table(result: dict) -> list[str]:
     """Training-state bytes and measured step time per stage, one line per (group, P2R run) and scratch."""
     lines = [
-        "| corpus | L | schedule | run | stages (blocks: steps) | training state per stage (MiB) | state / scratch's | step "
-        "time per "
-        "stage (ms) | scratch's step time (ms) |",
+        "| corpus | L | schedule | run | stages (blocks: steps) | training state per stage (MiB) | state / scratch's "
+        "| step time per stage (ms) | scratch's step time (ms) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for group in result["groups"]:
