@@ -142,7 +142,7 @@ def estimate(
     tokens_per_step = workload.global_batch * workload.seq_len
     bubble = pipeline_bubble(layout.schedule, layout.pp, micro_batches)
     compute = _compute_seconds(config, tensors, layout, tokens_per_step, workload.seq_len, hardware) / (1 - bubble)
-    engine = _engine(layout, micro_batches, workload.micro_batch)
+    engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name)
     return Estimate(
         model,
         layout,
@@ -425,10 +425,10 @@ def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware)
     return micro_batches * traffic / hardware.pcie_bandwidth + numel / cpu_rate
 
 
-def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1) -> str:
+def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precision: str = "mixed") -> str:
     if layout.pp > 1:
-        # The trainer's fields (scripts/train.py --config), launched with torchrun: its batch per pipeline is split
-        # into `num_microbatches` micro-batches of `micro_batch` sequences.
+        # The trainer's fields (scripts/train.py --config, launched with torchrun): its batch per pipeline,
+        # `per_device_batch_size`, is split into `num_microbatches` micro-batches of `micro_batch` sequences.
         fields = [
             f"pipeline_parallel_size: {layout.pp}",
             f"pipeline_schedule: {layout.schedule}",
@@ -439,7 +439,18 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1) -> str:
             fields.append(f"data_parallel_size: {layout.dp}")
         if layout.recompute:
             fields.append("activation_checkpointing: true")
-        return ", ".join(fields) + (" (FSDP2 in each stage)" if layout.zero == 3 else "")
+        fields.append("shared_lr_scale: none")  # a pipelined run scales no shared block's learning rate
+        if precision == "fp32":
+            fields.append('mixed_precision: "no"')  # quoted: YAML reads a bare no as false
+        # What `TrainArguments` refuses with a pipeline so far: such layouts are sized, not run.
+        refused = ["data-parallel pipelines"] if layout.dp > 1 else []
+        refused += ["mixed precision (stages run in fp32)"] if precision != "fp32" else []
+        sharded = " (FSDP2 in each stage)" if layout.zero == 3 else ""
+        return (
+            ", ".join(fields)
+            + sharded
+            + (f"; sizing only: the trainer refuses {' and '.join(refused)} yet" if refused else "")
+        )
     if layout.tp > 1:
         if layout.dp > 1:
             return f"Accelerate ParallelismConfig(dp_shard_size={layout.dp}, tp_size={layout.tp})"
