@@ -1199,7 +1199,7 @@ def _why(sweeps: dict[str, dict]) -> list[str]:
 
 
 def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
-    """convergence.png (validation loss vs step, per group of the depth sweep, or of the first sweep) and
+    """convergence.png (validation loss vs step, per group of every sweep) and
     convergence_depth.png (speed-up vs L); {name: file} of those written."""
     try:
         import matplotlib
@@ -1209,8 +1209,18 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
     except ImportError:
         return {}
     written = {}
-    result = sweeps.get("depth") or next(iter(sweeps.values()))
-    groups = result["groups"]
+    # Each group once, where it has the most runs (then seeds): groups recur across sweeps.
+    widest: dict[str, dict] = {}
+    for result in sweeps.values():
+        for group in result["groups"]:
+            size = (len(group["rows"]), len(group["seeds"]))
+            if group["name"] not in widest or size > (
+                len(widest[group["name"]]["rows"]),
+                len(widest[group["name"]]["seeds"]),
+            ):
+                widest[group["name"]] = group
+    order = {corpus: i for i, corpus in enumerate(CORPORA)}
+    groups = sorted(widest.values(), key=lambda g: (order.get(g["corpus"], 9), g["depth"], g["scheduler"]))
     corpora = list(dict.fromkeys(g["corpus"] for g in groups))
     columns = max(sum(g["corpus"] == c for g in groups) for c in corpora)
     figure, axes = plt.subplots(len(corpora), columns, figsize=(5.5 * columns, 4.2 * len(corpora)), squeeze=False)
