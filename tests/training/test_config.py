@@ -35,9 +35,9 @@ def test_demo_config_is_what_the_readme_describes():
     config = parse_config(["--config", str(REPO / "configs/demo.yaml")])
     model, train = config.model, config.train
     assert (model.num_hidden_layers, model.num_unique_layers, model.sharing_pattern) == (8, 2, "cycle")
-    assert (train.pseudo_steps, train.real_steps, train.total_steps) == (120, 120, 240)
-    assert config.delink_schedule() == [(120, 8)]
-    assert [config.blocks_at(step) for step in (0, 119, 120, 239)] == [2, 2, 8, 8]
+    assert (train.pseudo_steps, train.real_steps, train.total_steps) == (80, 160, 240)
+    assert config.delink_schedule() == [(80, 8)]
+    assert [config.blocks_at(step) for step in (0, 79, 80, 239)] == [2, 2, 8, 8]
     # Nothing to download: the standard library's sources and the built-in byte-level tokenizer.
     assert (config.data.dataset_name, config.data.train_files, config.data.tokenizer_name) == (None, [], None)
 
@@ -60,7 +60,7 @@ def test_gpu_1b_config_is_a_one_billion_parameter_model():
         with torch.device("meta"):  # shapes only, no memory
             model = P2RForCausalLM(config.p2r_config(config.model.vocab_size, blocks, special_tokens={}))
         counts[blocks] = sum(p.numel() for p in model.parameters())
-    assert counts == {1: 148_117_504, 20: 1_004_881_920}  # the numbers stated in configs/gpu_1b.yaml
+    assert counts == {5: 328_488_960, 20: 1_004_881_920}  # the numbers stated in configs/gpu_1b.yaml
 
 
 @pytest.mark.parametrize(
