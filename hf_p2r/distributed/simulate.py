@@ -9,8 +9,10 @@ An action is `Action(kind, stage, microbatch)`, the compute actions of torch.dis
 `microbatch` is the batch it applies. `gpipe_actions` and `one_f_one_b_actions` write torch's `ScheduleGPipe` and
 `Schedule1F1B` orders (tests/distributed/test_simulate.py compares them with torch's own `pipeline_order`);
 `two_bw_actions` is PipeDream-2BW (arXiv 2006.09503): 1F1B over a stream of batches with no flush, and a stage's
-weight update right after its last backward of each batch. `simulate` also accepts torch's lists as they are
-(multi-stage schedules such as interleaved 1F1B and zero bubble), through `hf_p2r.compat.pipeline_order`.
+weight update right after its last backward of each batch (hf-p2r's `SchedulePipeDream2BW` applies it a little
+later, after the next batch's forwards; in steady state either costs one update per batch). `simulate` also accepts
+torch's lists as they are (multi-stage schedules such as interleaved 1F1B and zero bubble), through
+`hf_p2r.compat.pipeline_order`.
 
 Timing: an action starts when its rank is free and its inputs exist (F of stage s after F of stage s - 1, B or I of
 stage s after B or I of stage s + 1, W after I of the same stage; plus `p2p` seconds when the two stages sit on

@@ -1,6 +1,10 @@
 """The schedule simulator against closed forms: GPipe's and 1F1B's bubble (d - 1) / (m + d - 1), 1F1B's d - s
 micro-batches in flight, 2BW's bubble-free steady state with two weight versions, and torch's own action lists."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hf_p2r.distributed.simulate import (
@@ -135,3 +139,19 @@ def test_latency_per_boundary():
     assert one_slow.step_time == simulate_schedule("gpipe", costs, 4).step_time + 2 * 1.0
     with pytest.raises(ValueError, match=r"one latency per stage boundary \(3\), got 2"):
         simulate_schedule("gpipe", costs, 4, p2p=[0.0, 1.0])
+
+
+def test_the_simulator_imports_no_torch():
+    """simulate.py is pure Python: loaded on its own (not through the `hf_p2r.distributed` package, whose FSDP2 and
+    pipeline modules need torch), it leaves torch unimported."""
+    path = Path(sys.modules[simulate.__module__].__file__)
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('simulate', {str(path)!r})\n"
+        "module = importlib.util.module_from_spec(spec); sys.modules['simulate'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "module.simulate_schedule('2bw', [module.StageCost(1.0, 2.0)] * 4, 4)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
