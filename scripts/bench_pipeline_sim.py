@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
 
+    load = [os.getloadavg()[0]]  # the 1-minute load average: what else was running on this machine
     measured = []
     for processes in args.processes:
         run = measure(processes, args)
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/bench_pipeline_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "preset": {"name": args.preset, **PRESETS[args.preset]},
         "measured": measured,
+        "load_average_1min": {"start": load[0], "end": os.getloadavg()[0]},
         "hardware": Hardware().__dict__,
         "at_scale": scale,
     }
@@ -418,7 +420,9 @@ def render_markdown(r: dict) -> str:
             )
     lines += [
         "",
-        f"The machine has {m['cpu_count']} cores (shared with other work while this ran). The simulator gives every "
+        f"The machine has {m['cpu_count']} cores, shared with other work while this ran (1-minute load average "
+        f"{r['load_average_1min']['start']:.1f} before the runs, {r['load_average_1min']['end']:.1f} after). The "
+        "simulator gives every "
         "stage its own processor: with more processes than cores that is false, and the two profiles bracket the "
         'truth ("together" counts the contention of all stages computing at once, which a pipeline with a bubble '
         'does not always have; "alone" counts none).',

@@ -42,6 +42,7 @@ def test_report_names_what_the_notes_lack(bench):
         "machine": {"cpu": "cpu", "cpu_count": 2, "torch": "2", "platform": "linux"},
         "preset": {"name": "tiny", **bench.PRESETS["tiny"]},
         "measured": [run],
+        "load_average_1min": {"start": 1.0, "end": 2.0},
         "hardware": vars(__import__("hf_p2r.planning", fromlist=["Hardware"]).Hardware()),
         "at_scale": {"gpt-2.7B": {"8": {"8": bench.at_scale("gpt-2.7B", 8, 8)}}},
     }
