@@ -10,13 +10,15 @@ memory-mapped, cast tensor by tensor), and `verify` reopens the output with torc
 A MoE checkpoint holds its experts as transformers writes Mixtral's (`save_pretrained` reverses the load-time merge of
 the 3-D expert parameters): `block_sparse_moe.experts.<e>.w1/w2/w3.weight` and `block_sparse_moe.gate.weight` per
 sparse layer, so its layers are copied like any other tensors, and the same files are a Mixtral checkpoint once
-config.json says so (`target="mixtral"`).
+config.json says so (`target="mixtral"`). A source holding the in-memory 3-D experts is read as that layout
+(`split_experts`: each expert's projections are byte ranges of the 3-D tensors).
 """
 
 import copy
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import types
 from pathlib import Path
@@ -340,7 +342,7 @@ def rewrite_checkpoint(
         new_to_old = delink_names(expected, sources)
     order = parameter_shapes(config, num_blocks)  # the order transformers itself saves in
 
-    weights = read_weights(src)
+    weights, views = split_experts(src, read_weights(src), config)
     source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
     tensors = {new: weights[new_to_old[new]] for new in order}
@@ -360,10 +362,10 @@ def rewrite_checkpoint(
             with copying(tmp, tensors, max_shard_size=max_shard_size, progress=progress):
                 _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
         else:
-            _write_cast(tmp, src, new_to_old, order, out_dtype, max_shard_size, progress)
+            _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress)
             _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
         if verify:
-            _verify_against_source(tmp, src, new_to_old, out_dtype)
+            _verify_against_source(tmp, src, new_to_old, views, out_dtype)
     return dst
 
 
@@ -404,7 +406,9 @@ def _transformers_version() -> str | None:
         return None
 
 
-def _write_cast(tmp: Path, src: Path, new_to_old: dict, order: dict, dtype: str, max_shard_size: int, progress: bool):
+def _write_cast(
+    tmp: Path, src: Path, new_to_old: dict, views: dict, order: dict, dtype: str, max_shard_size: int, progress: bool
+):
     """The weights cast to `dtype`: torch's path (the source memory-mapped, each tensor cast into a file-backed
     scratch mapping on its way to safetensors)."""
     import torch
@@ -413,18 +417,74 @@ def _write_cast(tmp: Path, src: Path, new_to_old: dict, order: dict, dtype: str,
     from .writer import write_checkpoint
 
     with CheckpointReader(src) as reader:
-        tensors = {new: reader.get(new_to_old[new]) for new in order}
+        tensors = {new: _source_tensor(reader, new_to_old[new], views) for new in order}
         write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=getattr(torch, dtype), progress=progress)
 
 
-def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, dtype: str) -> None:
+def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str) -> None:
     import torch
 
     from .reader import CheckpointReader
 
     with CheckpointReader(src) as reader:
-        expected = {new: (reader.get(old), getattr(torch, dtype)) for new, old in new_to_old.items()}
+        expected = {new: (_source_tensor(reader, old, views), getattr(torch, dtype)) for new, old in new_to_old.items()}
         verify_checkpoint(tmp, expected)
+
+
+def _source_tensor(reader, name: str, views: dict):
+    """The source tensor of `name`: stored under that name, or a view of a stored 3-D expert (`split_experts`)."""
+    if name not in views:
+        return reader.get(name)
+    source, index = views[name]
+    return reader.get(source)[index]
+
+
+# A sparse layer's tensors as the model holds them in memory (3-D experts), which from_pretrained also loads.
+_FUSED_EXPERTS = re.compile(
+    r"^(?P<layer>(?:.*\.)?layers\.\d+\.)mlp\.(?P<rest>experts\.gate_up_proj|experts\.down_proj|gate\.weight)$"
+)
+
+
+def split_experts(
+    src: Path, weights: dict[str, TensorInfo], config: dict
+) -> tuple[dict[str, TensorInfo], dict[str, tuple]]:
+    """A MoE checkpoint whose sparse layers hold the in-memory layout (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I], `mlp.gate.weight`; from_pretrained loads it too) seen as the layout
+    `save_pretrained` writes: one tensor per expert and projection under Mixtral's names. Every expert's w1, w3
+    (the two halves of its `gate_up_proj` rows) and w2 (its `down_proj`) are contiguous byte ranges of the 3-D tensor,
+    so they are copied like any tensor, without torch. Returns the tensors, and {new name: (stored name, index)} of
+    those that are views, for the torch paths (cast, verify). Other checkpoints are returned as they are."""
+    if config["model_type"] != "p2r_moe" or not any(_FUSED_EXPERTS.match(name) for name in weights):
+        return weights, {}
+    moe = {field: config.get(field, default) for field, default in MOE_FIELDS.items()}
+    experts, hidden, size = moe["num_experts"], config.get("hidden_size", 4096), moe["moe_intermediate_size"]
+    shapes = {"experts.gate_up_proj": (experts, 2 * size, hidden), "experts.down_proj": (experts, hidden, size)}
+    out, views = {}, {}
+    for name, info in weights.items():
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            out[name] = info
+            continue
+        moe_prefix = f"{match['layer']}block_sparse_moe."
+        if match["rest"] == "gate.weight":
+            out[f"{moe_prefix}gate.weight"], views[f"{moe_prefix}gate.weight"] = info, (name, ())
+            continue
+        if info.shape != shapes[match["rest"]]:
+            raise ValueError(
+                f"{info.file}: {name} has shape {list(info.shape)} but {src / CONFIG_NAME} implies "
+                f"{list(shapes[match['rest']])}"
+            )
+        item = info.nbytes // info.numel  # bytes per element
+        parts = {"w1": slice(0, size), "w3": slice(size, 2 * size)} if "gate_up" in name else {"w2": None}
+        for expert in range(experts):
+            start = info.offset + expert * info.nbytes // experts
+            for part, rows in parts.items():
+                offset = start + (rows.start * hidden * item if rows else 0)
+                shape = (size, hidden) if rows else (hidden, size)
+                new = f"{moe_prefix}experts.{expert}.{part}.weight"
+                out[new] = TensorInfo(info.file, info.dtype, shape, offset, size * hidden * item)
+                views[new] = (name, (expert, rows) if rows else (expert,))
+    return out, views
 
 
 def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> None:
@@ -470,14 +530,6 @@ def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expe
             f"{src}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
             f"{'pseudo' if share else 'real'} model with {num_blocks} (share_layers={share}, "
             f"num_unique_layers={config['num_unique_layers']}, num_hidden_layers={config['num_hidden_layers']})"
-        )
-    if fused := sorted(
-        name for name in weights if name.endswith((".mlp.experts.down_proj", ".mlp.experts.gate_up_proj"))
-    ):
-        raise ValueError(
-            f"{weights[fused[0]].file}: holds 3-D experts ({fused[0]}), the names of the model in memory; the "
-            "converter reads checkpoints as save_pretrained writes them (one tensor per expert, Mixtral's names): "
-            "load the model and save it with save_pretrained"
         )
     if missing := sorted(expected.keys() - weights.keys()):
         raise ValueError(f"{src}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")

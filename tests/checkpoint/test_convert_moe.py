@@ -1,14 +1,17 @@
 """The streaming converter on mixture-of-experts checkpoints: planned from headers (experts as transformers writes
 Mixtral's, one tensor per expert and projection), written without torch, equal to what transformers itself writes."""
 
+import copy
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
@@ -137,11 +140,14 @@ def test_mixtral_fields_default_as_p2r_does(tmp_path, input_ids):
 
 def test_conversion_does_not_import_torch(tmp_path):
     src, _ = _pseudo(tmp_path, seed=4)
+    shutil.copytree(src, tmp_path / "fused")
+    _fused(tmp_path / "fused")
     code = f"""
 import sys
 from hf_p2r.cli import main
 assert main(["convert", {str(src)!r}, {str(tmp_path / "m")!r}, "--target", "mixtral"]) == 0
 assert main(["convert", {str(src)!r}, {str(tmp_path / "p")!r}, "--num-unique-layers", "4"]) == 0
+assert main(["convert", {str(tmp_path / "fused")!r}, {str(tmp_path / "f")!r}]) == 0
 print("torch" in sys.modules, "transformers" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -152,6 +158,33 @@ def _fused(src):
     """The same pseudo model saved as its state dict (3-D experts, in-memory names), not as transformers saves it."""
     model = P2RMoeForCausalLM.from_pretrained(src)
     save_file(model.state_dict(), src / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_3d_experts_on_disk_are_split_into_experts(tmp_path, input_ids):
+    """A checkpoint holding the in-memory layout (3-D experts, which from_pretrained loads too) converts to Mixtral's
+    layout, what save_pretrained writes for a model built in memory: each expert's w1/w3/w2 are byte ranges of the 3-D
+    tensors. The cast and verify paths (torch) read the same views."""
+    src, model = _pseudo(tmp_path, seed=7, num_unique_layers=1)
+    _fused(src)
+    with safe_open(src / "model.safetensors", "pt") as file:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in file.keys(), "the control: the source is 3-D"
+    out = convert_pseudo_to_real(src, tmp_path / "out", verify=True, progress=False)
+    with safe_open(out / "model.safetensors", "pt") as file:
+        assert "model.layers.7.block_sparse_moe.experts.3.w2.weight" in file.keys(), "Mixtral's layout"
+    # transformers saves a model in the layout it was loaded from: tensors equal, names not
+    real = P2RMoeForCausalLM.from_pretrained(src, share_layers=False)
+    _assert_same_weights(P2RMoeForCausalLM.from_pretrained(out), real)
+    real.save_pretrained(tmp_path / "reference")
+    _assert_same_weights(P2RMoeForCausalLM.from_pretrained(tmp_path / "reference"), real)
+    model.delink().save_pretrained(tmp_path / "built")  # a model built in memory is saved in Mixtral's layout
+    assert _sha(out / "model.safetensors") == _sha(tmp_path / "built" / "model.safetensors")
+    model = moe_model(seed=7, share_layers=True, num_unique_layers=1)
+    partial = convert_pseudo_to_real(src, tmp_path / "k4", num_unique_layers=4, progress=False)
+    _assert_same_weights(P2RMoeForCausalLM.from_pretrained(partial), copy.deepcopy(model).delink(4))
+    cast = convert_pseudo_to_real(src, tmp_path / "f16", dtype="float16", verify=True, progress=False)
+    _assert_same_weights(P2RMoeForCausalLM.from_pretrained(cast, dtype=torch.float16), real.to(torch.float16))
+    mixtral = MixtralForCausalLM.from_pretrained(convert_pseudo_to_real(src, tmp_path / "m", target="mixtral"))
+    assert torch.equal(_logits(mixtral, input_ids), _logits(model.delink(), input_ids))
 
 
 def _edit_config(**fields):
@@ -198,11 +231,12 @@ BAD = {
         _edit_config(moe_intermediate_size=40),
         r"model.safetensors: model.layers.0.block_sparse_moe.experts.0.w2.weight has shape \[32, 48\] but",
     ),
-    "3-D experts on disk": (
+    "3-D experts of another size": (
         {},
         [],
-        _fused,
-        r"model.safetensors: holds 3-D experts \(model.layers.0.mlp.experts.down_proj\).* save_pretrained",
+        lambda src: (_fused(src), _edit_config(moe_intermediate_size=40)(src)),
+        r"model.safetensors: model.layers.0.mlp.experts.down_proj has shape \[4, 32, 48\] but .*config.json implies "
+        r"\[4, 32, 40\]",
     ),
 }
 
