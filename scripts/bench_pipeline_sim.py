@@ -5,8 +5,8 @@ scale to reproduce PipeDream-2BW's comparison (arXiv 2006.09503) of 2BW, GPipe a
    and hf-p2r's PipeDream-2BW) on 2 and 4 CPU processes (gloo, started with torchrun), one stage per process over
    the depths of a real P2R model (embeddings on the first stage, final norm, head and loss on the last). In
    interleaved rounds each process times its own stage's forward and backward on one micro-batch (all processes at
-   once, then one at a time), ranks 0 and 1 time a send/recv of one micro-batch's activations, and one step of each
-   flush schedule is timed; then 2BW runs its steps back to back. The simulator predicts each step time from the
+   once, then one at a time), ranks 0 and 1 time a send/recv of one micro-batch's activations, one step of each
+   flush schedule is timed, then a burst of 2BW steps back to back. The simulator predicts each step time from the
    profiles and the send alone.
 2. At scale: a GPT-style model at d = 8, 16, 32 stages on the planner's hardware (`hf_p2r.planning` `Hardware`
    defaults: H100 peak FLOP/s x MFU, NVLink inside a node, InfiniBand across); per-stage times from the planner's
@@ -102,8 +102,12 @@ def worker(args: argparse.Namespace) -> None:
     for name in ("gpipe", "1f1b"):
         step(pipelines[name])  # warmup
     rounds = []
-    # Interleaved rounds: each round profiles the stages, times the send, then times one step of each flush
-    # schedule, so a prediction and its measurement are seconds apart on a machine whose load drifts.
+    two_bw = pipelines["2bw"]
+    # Interleaved rounds: each round profiles the stages, times the send, times one step of each flush schedule, then
+    # a burst of 2BW steps, so a prediction and its measurements are seconds apart on a machine whose load drifts.
+    # 2BW streams batches with no flush: a burst runs its steps back to back (no barrier, no other communication
+    # between them, which would meet its sends still in flight), each process noting when each step returns; the
+    # first step fills the pipeline, the intervals after it are the steady state; `drain()` ends the burst.
     for _ in range(args.rounds):
         together = profile_stage(module, example, last_loss, ids, args.repeats)
         alone = (0.0, 0.0)
@@ -114,21 +118,18 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
         p2p_s = ping_pong(hidden, args.repeats) if world > 1 else 0.0
         measured = {name: step(pipelines[name]) for name in ("gpipe", "1f1b")}
+        dist.barrier()
+        ends = []
+        for _ in range(4):
+            two_bw.step(ids)
+            ends.append(time.perf_counter())
+        two_bw.schedule.drain()
+        measured["2bw"] = statistics.median(b - a for a, b in zip(ends, ends[1:]))
         gathered = [None] * world
         dist.all_gather_object(gathered, {"together": together, "alone": alone})
         rounds.append({"stages": gathered, "p2p_s": p2p_s, "measured_step_s": measured})
 
-    # 2BW streams batches with no flush: its steps run back to back (no barrier, no other communication between
-    # them, which would meet its sends still in flight), each process noting when each step returns; the steady
-    # state is the median interval after the first two (pipeline fill). Then its optimizer step alone, timed.
-    two_bw = pipelines["2bw"]
-    dist.barrier()
-    ends = [time.perf_counter()]
-    for _ in range(args.rounds + 2):
-        two_bw.step(ids)
-        ends.append(time.perf_counter())
-    two_bw.schedule.drain()
-    intervals = [b - a for a, b in zip(ends[2:], ends[3:])]
+    # 2BW's optimizer step on each stage, alone.
     optimizer, updates = two_bw.schedule.optimizer, []
     for param in two_bw.parameters():
         param.grad = torch.zeros_like(param)
@@ -139,14 +140,14 @@ def worker(args: argparse.Namespace) -> None:
         if i:
             updates.append(time.perf_counter() - start)
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"intervals": intervals, "update_s": statistics.median(updates)})
+    dist.all_gather_object(gathered, {"update_s": statistics.median(updates)})
     if rank == 0:
         result = {
             "processes": world,
             "microbatches": microbatches,
             "threads_per_process": torch.get_num_threads(),
             "rounds": rounds,
-            "two_bw": gathered,
+            "two_bw_update_s": [rank_["update_s"] for rank_ in gathered],
         }
         Path(args.worker_out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -213,9 +214,7 @@ def measure(processes: int, args: argparse.Namespace) -> dict:
 def predict(run: dict) -> dict:
     """Per schedule: the measured step times, and the simulator's step time for each round from that round's stage
     profile, taken with every process computing at once ("together") and one process at a time ("alone"), and its
-    send latency. Flush schedules: one measured step per round, ratios per round. 2BW: the steady-state intervals
-    of its own back-to-back phase (rank 0's), predicted with each stage's measured optimizer step, one ratio of
-    medians."""
+    send latency; 2BW with each stage's measured optimizer step. Ratios predicted / measured per round."""
     from hf_p2r.distributed.simulate import StageCost, simulate_schedule
 
     stages = len(run["rounds"][0]["stages"])
@@ -223,12 +222,8 @@ def predict(run: dict) -> dict:
     for schedule in ("gpipe", "1f1b", "2bw"):
         if schedule != "gpipe" and run["microbatches"] < stages:
             continue
-        if schedule == "2bw":
-            measured = run["two_bw"][0]["intervals"]
-            updates = [rank["update_s"] for rank in run["two_bw"]]
-        else:
-            measured = [r["measured_step_s"][schedule] for r in run["rounds"]]
-            updates = [0.0] * stages
+        measured = [r["measured_step_s"][schedule] for r in run["rounds"]]
+        updates = run["two_bw_update_s"] if schedule == "2bw" else [0.0] * stages
         row = {"measured_s": measured}
         for profile in ("together", "alone"):
             predicted, bubbles = [], []
@@ -239,10 +234,7 @@ def predict(run: dict) -> dict:
                 bubbles.append(sim.bubble)
             row[f"predicted_{profile}_s"] = predicted
             row[f"bubble_{profile}"] = statistics.median(bubbles)
-            if schedule == "2bw":
-                row[f"ratio_{profile}"] = [statistics.median(predicted) / statistics.median(measured)]
-            else:
-                row[f"ratio_{profile}"] = [a / b for a, b in zip(predicted, measured)]
+            row[f"ratio_{profile}"] = [a / b for a, b in zip(predicted, measured)]
         summary[schedule] = row
     return summary
 
@@ -382,13 +374,14 @@ def render_markdown(r: dict) -> str:
         f"micro-batch {p['micro_batch']} x {p['seq']} tokens. Measured: hf-p2r's pipeline runtime "
         "(`hf_p2r.distributed.pipeline.build_pipeline`, equal layers per stage): torch's `ScheduleGPipe` / "
         "`Schedule1F1B` and hf-p2r's `SchedulePipeDream2BW`. Flush schedules: one `Pipeline.step()` (forward + "
-        "backward of every micro-batch, no optimizer step) per round, timed between barriers. 2BW: steps back to "
-        "back (no flush, its optimizer step inside), the median interval after the first two. Predicted: "
+        "backward of every micro-batch, no optimizer step) per round, timed between barriers. 2BW: a burst of 4 "
+        "steps back to back per round (no flush, its optimizer step inside), the median interval after the first "
+        "(pipeline fill). Predicted: "
         "`hf_p2r.distributed.simulate` from each stage's own forward / backward time on one micro-batch, a measured "
         "one-way send of one micro-batch's activations and (2BW) each stage's measured AdamW step, taken in the "
         "same processes in the same round (rounds interleave profile and flush steps, so a prediction and its "
         'measurement are seconds apart). Two profiles: all processes computing at once ("together") and one at a '
-        'time ("alone"). Medians (min - max); ratio: predicted / measured, median over rounds (2BW: of the medians).',
+        'time ("alone"). Medians over rounds (min - max); ratio: predicted / measured, median over rounds.',
         "",
         "| processes | threads each | m | stage fwd/bwd ms (together; alone) | send ms | schedule | measured s "
         "| predicted s together | ratio | predicted s alone | ratio | bubble (together) |",
