@@ -62,6 +62,7 @@ def train_pipelined(config: TrainConfig) -> int:
 
     # Build.
     cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+    joined = dist.is_initialized()  # a caller's process group (tests) is left to the caller at the end
     accelerator = Accelerator(cpu=cpu, mixed_precision="no")
     if accelerator.num_processes != args.pipeline_parallel_size * args.data_parallel_size:
         raise ValueError(
@@ -205,7 +206,8 @@ def train_pipelined(config: TrainConfig) -> int:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {layout}"
         if not plot_losses(read_metrics(metrics_path), output_dir / PLOT_FILE, title):
             print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
-    accelerator.end_training()
+    if not joined:
+        accelerator.end_training()
     return 0
 
 

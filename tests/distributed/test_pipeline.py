@@ -10,6 +10,7 @@ before and after the delink; the real model's weights gathered into one folder l
 
 import copy
 import math
+import tempfile
 
 import pytest
 import torch
@@ -28,9 +29,12 @@ from hf_p2r.distributed.pipeline import (
     pipeline_model_config,
     pipeline_state,
 )
+from hf_p2r.training import parse_config, train
 from hf_p2r.training.delink import _Before, carry_optimizer_state
+from hf_p2r.training.metrics import read_metrics
 
 from ..conftest import tiny_config
+from ..training.helpers import tiny_argv
 from . import spawn
 
 SEQ, LR = 16, 1e-2
@@ -45,6 +49,18 @@ PATTERNS = {
     "giant": dict(share_layers=True, num_unique_layers=1, sharing_pattern="cycle"),  # M6-10T's fully shared model
 }
 FLUSH_PATTERNS = ("real", "sequence", "cycle", "tied")
+TRAINER = dict(
+    pipeline_parallel_size=2,
+    pipeline_schedule="2bw",
+    num_microbatches=2,
+    shared_lr_scale="none",
+    num_unique_layers=2,
+    pseudo_steps=2,
+    real_steps=2,
+    save_steps=1,
+    eval_steps=0,
+    cpu="true",
+)
 
 
 def model_of(pattern: str, layers: int = 4) -> P2RForCausalLM:
@@ -253,15 +269,33 @@ def delink_checks(world: int, folder: str) -> dict:
     return out
 
 
-def two_processes(rank: int, world: int) -> dict:
-    import tempfile
+def trainer_runs(folder: str) -> dict:
+    """The trainer with pipeline_parallel_size 2 (2bw, tiny cycle model, delink at step 2): a full run, and a run
+    resumed from the checkpoint after the delink; their losses, and what real/ loads as."""
+    output_dir = f"{folder}/run"
+    argv = tiny_argv(output_dir, **TRAINER)
+    assert train(parse_config(argv)) == 0
+    full = [
+        (record["step"], record["loss"]) for record in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in record
+    ]
+    checkpoint = f"{output_dir}/checkpoints/checkpoint-3"
+    assert train(parse_config([*argv, "--resume_from_checkpoint", checkpoint])) == 0
+    resumed = [
+        (record["step"], record["loss"]) for record in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in record
+    ]
+    real = P2RForCausalLM.from_pretrained(f"{output_dir}/real")
+    return {"full": full, "resumed": resumed, "real_blocks": real.config.num_unique_layers}
 
-    folder = tempfile.mkdtemp() if rank == 0 else None
+
+def two_processes(rank: int, world: int) -> dict:
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
     return {
         "flush": flush_schedules(world),
         "replicas_equal": replicas_stay_equal(world),
         "2bw": pipedream_2bw(world),
-        **delink_checks(world, folder),
+        **delink_checks(world, folder[0]),
+        "trainer": trainer_runs(folder[0]),
     }
 
 
@@ -333,3 +367,25 @@ def test_manual_split_is_checked():
     with pytest.raises(ValueError, match=r"^pipeline_split: \[4, 3\] must give 2 stages"):
         check_split(tiny_config(), [4, 3], 2)
     assert check_split(tiny_config(share_layers=True, num_unique_layers=2), [3, 5], 2) == [3, 5]  # cycle: any depth
+
+
+def test_the_trainer_runs_a_pipeline_and_resumes_after_the_delink(two):
+    run = two["trainer"]
+    assert [step for step, _ in run["full"]] == [1, 2, 3, 4]
+    assert run["resumed"] == run["full"]
+    assert run["real_blocks"] == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--offload", "0.5"], r"^offload: not supported with pipeline_parallel_size > 1"),
+        (["--data_parallel_size", "2"], r"^data_parallel_size: not supported with pipeline_parallel_size > 1"),
+        (["--num_microbatches", "3"], r"^num_microbatches: 3 must divide per_device_batch_size"),
+        (["--pipeline_schedule", "2bw", "--num_microbatches", "1"], r"^num_microbatches: PipeDream-2BW needs"),
+    ],
+)
+def test_the_trainer_refuses_what_a_pipeline_does_not_support(tmp_path, extra, message):
+    argv = tiny_argv(tmp_path, pipeline_parallel_size=2, shared_lr_scale="none")
+    with pytest.raises(ValueError, match=message):
+        parse_config([*argv, *extra])
