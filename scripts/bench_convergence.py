@@ -1041,6 +1041,30 @@ def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def depth_series(sweeps: dict[str, dict]) -> dict[str, dict[str, list[tuple[int, dict]]]]:
+    """{corpus: {"k=L/4" | "k=1": [(L, row)] by L}}: the depth sweep's runs (its schedule and delink step) in every
+    sweep's groups, each (corpus, L, run) where it has the most seeds (the L = 8 runs may come from another sweep)."""
+    depth = sweeps["depth"]
+    scheduler, names = depth["groups"][0]["scheduler"], {r["name"] for g in depth["groups"] for r in g["rows"][1:]}
+    at = {name.partition("-at")[2] for name in names}
+    best: dict[tuple[str, int, str], dict] = {}
+    for result in sweeps.values():
+        for group in result["groups"]:
+            if group["scheduler"] != scheduler:
+                continue
+            for row in group["rows"][1:]:
+                kind = _kind(row["name"], group["depth"])
+                if kind not in ("k=L/4", "k=1") or row["name"].partition("-at")[2] not in at:
+                    continue
+                key = (group["corpus"], group["depth"], kind)
+                if key not in best or len(row["speedup_steps_per_seed"]) > len(best[key]["speedup_steps_per_seed"]):
+                    best[key] = row
+    series: dict[str, dict[str, list[tuple[int, dict]]]] = {}
+    for (corpus, size, kind), row in sorted(best.items(), key=lambda item: item[0][1]):
+        series.setdefault(corpus, {}).setdefault(kind, []).append((size, row))
+    return series
+
+
 def _rows_by(result: dict) -> dict[tuple[str, int, str], dict[str, dict]]:
     """{(corpus, depth, scheduler): {run name: row}} of a sweep."""
     return {(g["corpus"], g["depth"], g["scheduler"]): {r["name"]: r for r in g["rows"]} for g in result["groups"]}
@@ -1089,21 +1113,22 @@ def _findings(sweeps: dict[str, dict]) -> list[str]:
         if parts:
             lines.append("- **Schedule** (mean speed-up, cosine → WSD): " + "; ".join(parts) + ".")
     if "depth" in sweeps:
-        rows = _rows_by(sweeps["depth"])
         parts = []
-        for corpus in sweeps["depth"]["corpora"]:
-            series: dict[str, list[str]] = {}
-            for (c, depth, _), runs in sorted(rows.items(), key=lambda item: item[0][1]):
-                if c != corpus:
-                    continue
-                for name, row in runs.items():
-                    if name != "scratch":
-                        series.setdefault(_kind(name, depth), []).append(
-                            f"{_times(row['speedup_steps_mean'])} (worst {_times(_worst(row))})"
-                        )
-            parts.append(f"{corpus}: " + "; ".join(f"{k} {' / '.join(v)}" for k, v in series.items()))
-        depths = "/".join(str(d) for d in sorted({g["depth"] for g in sweeps["depth"]["groups"]}))
-        lines.append(f"- **Depth** (mean speed-up at L = {depths}, same width and tokens): " + "; ".join(parts) + ".")
+        for corpus, kinds in depth_series(sweeps).items():
+            cells = [
+                f"{kind} "
+                + ", ".join(
+                    f"L={size} {_times(row['speedup_steps_mean'])} ({len(row['speedup_steps_per_seed'])} seed(s), "
+                    f"worst {_times(_worst(row))})"
+                    for size, row in points
+                )
+                for kind, points in kinds.items()
+            ]
+            parts.append(f"{corpus}: " + "; ".join(cells))
+        lines.append(
+            f"- **Depth** (mean speed-up, {sweeps['depth']['groups'][0]['scheduler']}, delink at a third of the run, "
+            "same width and tokens): " + "; ".join(parts) + "."
+        )
     if "growth" in sweeps:
         rows = _rows_by(sweeps["growth"])
         parts = []
@@ -1248,13 +1273,12 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
     written["convergence"] = "convergence.png"
     if "depth" in sweeps:
         figure, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.5), squeeze=False)
+        by_corpus = depth_series(sweeps)
         for ax, corpus in zip(axes[0], corpora):
-            series: dict[str, list[tuple[int, list[float]]]] = {}
-            for group in sweeps["depth"]["groups"]:
-                if group["corpus"] == corpus:
-                    for row in group["rows"][1:]:
-                        values = [x or 0.0 for x in row["speedup_steps_per_seed"]]
-                        series.setdefault(_kind(row["name"], group["depth"]), []).append((group["depth"], values))
+            series = {
+                kind: [(size, [x or 0.0 for x in row["speedup_steps_per_seed"]]) for size, row in points]
+                for kind, points in by_corpus.get(corpus, {}).items()
+            }
             for index, (kind, points) in enumerate(series.items()):
                 color = plt.cm.tab10(index)
                 ax.plot(
@@ -1269,7 +1293,7 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
             ax.axhline(TARGET, color="gray", linestyle="--", linewidth=1)
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xscale("log", base=2)
-            depths = sorted({g["depth"] for g in sweeps["depth"]["groups"]})
+            depths = sorted({size for points in series.values() for size, _ in points})
             ax.set_xticks(depths, [str(d) for d in depths])
             ax.minorticks_off()
             ax.set_xlabel("depth L (same width, same tokens)")
