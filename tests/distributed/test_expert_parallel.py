@@ -3,8 +3,9 @@
 The plan comes from the config (`base_model_ep_plan`: the 3-D experts sharded on the expert dimension, tokens sent to
 their experts' rank by `ep_dispatch_experts`): each rank holds half the experts of every stored block, and a pseudo
 model's shared block still runs at every depth. transformers lays the experts over `fsdp_size * tp_size` ranks, so EP
-runs here with `fsdp_size=2` (FSDP2 over the dense parameters); `from_pretrained(pseudo, share_layers=False)` refuses
-a `distributed_config`, so the real model is the converted checkpoint (`hf-p2r convert`), loaded with EP.
+runs here with `fsdp_size=2` (FSDP2 over the dense parameters); `from_pretrained(pseudo, share_layers=False)` and
+`delink()` in memory refuse a model transformers distributes, so the real model is the converted checkpoint
+(`hf-p2r convert`), loaded with EP.
 """
 
 import tempfile
@@ -52,7 +53,13 @@ def expert_parallel_runs(rank: int, world_size: int) -> dict:
         out.loss.backward()
         expected.loss.backward()
         reference_grads = dict(reference.named_parameters())
+        try:
+            model.delink()
+            refused = None
+        except ValueError as error:
+            refused = str(error)
         output[name] = {
+            "delink": refused,
             "logits": logits,
             "loss": abs(out.loss.item() - expected.loss.item()),
             "grads": max(
@@ -77,3 +84,7 @@ def test_expert_parallel_matches_one_process(runs, name):
     assert run["local_experts"] == 2 and run["local_gate_up"] == [2, 96, 32], "half the experts on each rank"
     assert run["logits"] <= ATOL, "each rank's own batch: the pseudo model's logits, before and after the delink"
     assert run["loss"] <= ATOL and run["grads"] <= ATOL, "the same batch on both ranks: one process's gradients"
+    if name == "pseudo":  # in memory, the copies would run the original block's experts: refused in one line
+        assert run["delink"].startswith("delink() of a model distributed by transformers") and "\n" not in run["delink"]
+    else:
+        assert run["delink"] == "this model is already real (share_layers=False): there is nothing to delink"

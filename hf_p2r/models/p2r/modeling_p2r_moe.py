@@ -163,6 +163,20 @@ class P2RMoePreTrainedModel(P2RPreTrainedModel):
         # (whose module has no experts) would answer False for these classes too, and the experts would run eagerly.
         return True
 
+    def delink(self, num_unique_layers: int | None = None):
+        """`P2RPreTrainedModel.delink`; refused (`ValueError`) on a model that transformers distributed with
+        `distributed_config` (expert or tensor parallelism): its parallel blocks' forwards are bound to the original
+        modules, so a copy would run the original's weights. Convert the checkpoint instead (`hf-p2r convert`) and load
+        the real model with the same `distributed_config`."""
+        self._delink_sources(num_unique_layers)  # a real model, or an invalid k', says so first
+        if any(getattr(module, "_is_hooked", False) for module in self.modules()):
+            raise ValueError(
+                "delink() of a model distributed by transformers (distributed_config: expert or tensor parallelism) "
+                "would copy blocks whose forwards run the original's weights; convert the checkpoint (hf-p2r convert) "
+                "and load the real model with the same distributed_config"
+            )
+        return super().delink(num_unique_layers)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
