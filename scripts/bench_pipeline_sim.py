@@ -45,6 +45,7 @@ GPT_MODELS = {
     "gpt-13B": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=64),
 }
 SCALE_DEPTHS = (8, 16, 32)
+SWEEP_DEPTHS = (4, 8, 16, 32, 64)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,22 +245,29 @@ def predict(run: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def gpt_config(model_name: str):
+    """`GPT_MODELS[model_name]` as a real P2R config: no GQA, 2048 positions, GPT-2's vocabulary padded, untied."""
+    from hf_p2r import P2RConfig
+
+    dims = GPT_MODELS[model_name]
+    return P2RConfig(
+        **dims,
+        num_key_value_heads=dims["num_attention_heads"],
+        vocab_size=51200,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+
+
 def at_scale(model_name: str, stages: int, microbatches: int) -> dict:
     """Throughput and memory of each schedule for one GPT-style model on `stages` GPUs (one pipeline, micro-batch
     of one sequence of 2048 tokens, mixed precision), the fastest setting (recompute or not) that fits."""
-    from hf_p2r import P2RConfig
     from hf_p2r.distributed.simulate import StageCost, simulate_schedule
     from hf_p2r.planning import PRECISIONS, Hardware, Layout, Workload, estimate, parameter_tensors
     from hf_p2r.planning.plan import stage_seconds
 
     seq = 2048
-    config = P2RConfig(
-        **GPT_MODELS[model_name],
-        num_key_value_heads=GPT_MODELS[model_name]["num_attention_heads"],
-        vocab_size=51200,
-        max_position_embeddings=seq,
-        tie_word_embeddings=False,
-    )
+    config = gpt_config(model_name)
     hardware = Hardware()
     workload = Workload(seq_len=seq, micro_batch=1, global_batch=microbatches, precision=PRECISIONS["mixed"])
     tensors = parameter_tensors(config)
@@ -287,6 +295,46 @@ def at_scale(model_name: str, stages: int, microbatches: int) -> dict:
             elif best is None:
                 best = row
         rows[schedule] = best
+    return rows
+
+
+def sweep(model_name: str, stages: int, microbatches: int) -> dict:
+    """The simulator alone over d = 4 ... 64: step time, bubble and peak memory (weight versions + in-flight
+    activations, as the simulator counts them along the action lists) of each schedule, no recomputation."""
+    from hf_p2r.distributed.simulate import StageCost, simulate_schedule
+    from hf_p2r.planning import PRECISIONS, Hardware, Layout, Workload, parameter_tensors
+    from hf_p2r.planning.memory import (
+        head_activation_bytes,
+        layer_activation_bytes,
+        logits_bytes,
+        model_state_bytes,
+        pipeline_stages,
+        stage_tensors,
+    )
+    from hf_p2r.planning.plan import stage_seconds
+
+    config, seq = gpt_config(model_name), 2048
+    precision = PRECISIONS["mixed"]
+    workload = Workload(seq_len=seq, micro_batch=1, global_batch=microbatches, precision=precision)
+    tensors = parameter_tensors(config)
+    layer = layer_activation_bytes(config, seq, 1, precision)
+    head = head_activation_bytes(config, seq, precision) + logits_bytes(config, seq, precision)
+    times = stage_seconds(config, tensors, Layout(dp=1, pp=stages), workload, Hardware())
+    costs = []
+    for stage, (forward, backward) in zip(pipeline_stages(config, stages), times["stages"]):
+        weights = model_state_bytes(stage_tensors(tensors, stage, False), Layout(dp=1), precision).weights
+        activations = len(stage.depths) * layer + (8 * seq if stage.first else 0) + (head if stage.last else 0)
+        costs.append(StageCost(forward, backward, weights=weights, activations=activations))
+    rows = {}
+    for schedule in ("gpipe", "1f1b", "2bw"):
+        sim = simulate_schedule(schedule, costs, microbatches, p2p=times["p2p"], batches=4)
+        rows[schedule] = {
+            "step_s": sim.step_time,
+            "bubble": sim.bubble,
+            "peak_in_flight": max(sim.peak_in_flight),
+            "peak_versions": max(sim.peak_versions),
+            "peak_gib": max(sim.peak_bytes) / 2**30,
+        }
     return rows
 
 
@@ -333,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         model: {str(d): {str(m): at_scale(model, d, m) for m in (d, 4 * d)} for d in SCALE_DEPTHS}
         for model in GPT_MODELS
     }
+    sweep_rows = {str(d): sweep("gpt-13B", d, 2 * d) for d in SWEEP_DEPTHS}
     from hf_p2r.planning import Hardware
 
     result = {
@@ -344,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": {"start": load[0], "end": os.getloadavg()[0]},
         "hardware": Hardware().__dict__,
         "at_scale": scale,
+        "sweep": {"model": "gpt-13B", "microbatches": "2 d", "rows": sweep_rows},
     }
     write(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
     markdown = render_markdown(result)
@@ -451,6 +501,22 @@ def render_markdown(r: dict) -> str:
         "",
         "bubble: idle share of the busiest stage's step (flush bubble and send waits); idle: of all stages' time, "
         "which adds the waits of stages lighter than the last one (it also runs the 51200-word head).",
+        "",
+        "### The simulator from d = 4 to 64",
+        "",
+        f"{r['sweep']['model']} (64 layers: one per stage at d = 64), m = 2d micro-batches, no recomputation, the same "
+        "hardware; peak memory as the simulator counts it along the action lists (weight versions x the stage's "
+        "bf16 weights + in-flight micro-batches x the stage's saved activations; gradients and optimizer state, the "
+        "same for every schedule, left out), on the most loaded stage.",
+        "",
+        "| d | m | schedule | step s | seq/s | bubble | peak in-flight | weight versions | peak GiB |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {d} | {2 * int(d)} | {schedule} | {row['step_s']:.3f} | {2 * int(d) / row['step_s']:.1f} | "
+            f"{max(row['bubble'], 0):.0%} | {row['peak_in_flight']} | {row['peak_versions']} | {row['peak_gib']:.1f} |"
+            for d, rows in r["sweep"]["rows"].items()
+            for schedule, row in rows.items()
+        ),
         "",
         "What the paper reports, as far as our notes (../shared/notes/offload-and-distributed-anchors.md, B1) give it:",
         "",

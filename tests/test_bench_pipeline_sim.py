@@ -1,6 +1,7 @@
 """scripts/bench_pipeline_sim.py: its simulator-at-scale rows and its report, without the (minutes-long) CPU runs."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ def test_report_names_what_the_notes_lack(bench):
         "load_average_1min": {"start": 1.0, "end": 2.0},
         "hardware": vars(__import__("hf_p2r.planning", fromlist=["Hardware"]).Hardware()),
         "at_scale": {"gpt-2.7B": {"8": {"8": bench.at_scale("gpt-2.7B", 8, 8)}}},
+        "sweep": {"model": "gpt-2.7B", "microbatches": "2 d", "rows": {"4": bench.sweep("gpt-2.7B", 4, 8)}},
     }
     text = bench.render_markdown(result)
     # Two equal stages, m = 4, send 1 ms: (m + d - 1)(f + b) + 2 sends = 5 x 30 ms + 2 ms.
@@ -57,3 +59,7 @@ def test_report_names_what_the_notes_lack(bench):
     assert run["predicted"]["2bw"]["predicted_together_s"] == [pytest.approx(0.126)] * 3
     assert "| 2bw | 0.140 (0.130 - 0.150) | 0.126 | 0.90 (0.84 - 0.97) |" in text
     assert "not in our notes" in text and "up to 3.2x" in text
+    rows = result["sweep"]["rows"]["4"]
+    assert [rows[s]["peak_in_flight"] for s in ("gpipe", "1f1b", "2bw")] == [8, 4, 4]  # m, d, d
+    assert [rows[s]["peak_versions"] for s in ("gpipe", "1f1b", "2bw")] == [1, 1, 2]
+    assert re.search(r"^\| 4 \| 8 \| 2bw \| [0-9.]+ \| [0-9.]+ \| 0% \| 4 \| 2 \|", text, flags=re.MULTILINE)
