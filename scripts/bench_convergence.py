@@ -1174,10 +1174,32 @@ def _findings(sweeps: dict[str, dict]) -> list[str]:
             + "; ".join(parts)
             + ". A pseudo step costs what a real step costs (same depth, same FLOPs), so where the real model needs "
             "offload and the pseudo model does not, the pseudo stage runs at the device's full speed while the real "
-            "model pays offload's slowdown on every step; the wall-clock gain is the speed-up in steps times that "
-            "slowdown over the pseudo stage's share of the steps (see [offload](offload.md) for offload's cost)."
+            "model pays offload's slowdown s on every step: scratch takes T·s, P2R D + (N − D)·s step-times (T "
+            "scratch's steps, N P2R's steps to scratch's final loss, D its pseudo steps)."
+            + (_offload_gain(best[0]) if best else "")
         )
     return lines
+
+
+def offload_gain(total: float, steps: float, pseudo: float, slowdown: float) -> float:
+    """Wall-clock speed-up to scratch's final loss when every real-model step is `slowdown` times slower (offload)
+    and the pseudo model's `pseudo` steps are not: scratch's `total` steps against P2R's `steps`."""
+    real = max(0.0, steps - pseudo)
+    return total * slowdown / (min(steps, pseudo) + real * slowdown)
+
+
+def _offload_gain(entry: dict) -> str:
+    cells = []
+    for corpus, row in sorted(entry["by_corpus"].items()):
+        if row["speedup_steps_mean"] is None:
+            continue
+        total = row["schedule"]["pseudo_steps"] + row["schedule"]["real_steps"]
+        steps = total / row["speedup_steps_mean"]
+        gains = ", ".join(
+            f"{offload_gain(total, steps, row['schedule']['pseudo_steps'], s):.2f}x at s = {s}" for s in (1, 2, 4)
+        )
+        cells.append(f"{corpus} {gains}")
+    return f" For {entry['key']}: " + "; ".join(cells) + "." if cells else ""
 
 
 def _lead(group: dict, index: int, at: float) -> tuple[float, float]:
@@ -1300,7 +1322,8 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
             ax.set_ylabel("speed-up to scratch's final loss (steps)")
             ax.set_title(corpus)
             ax.grid(alpha=0.3)
-            ax.legend()
+            if series:
+                ax.legend()
         figure.suptitle("Speed-up vs depth: mean (line) and seeds (dots); dashed: the 1.5x target")
         figure.tight_layout()
         figure.savefig(out / "convergence_depth.png", dpi=90)

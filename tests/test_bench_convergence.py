@@ -286,3 +286,10 @@ def test_merge_sweep_keeps_earlier_groups_and_the_sweep_page_names_the_best(tmp_
     )
     assert "| prose | 8 | wsd | p2r | 30 |" in text
     assert "| stdlib | 16 | wsd | p2r | 1: 50, 16: 50 | 0.0 / 0.0 | 0.42 / 1.00 | 100 / 100 | 100 |" in text
+
+
+def test_offload_gain_counts_the_pseudo_steps_at_full_speed():
+    # Scratch: 300 steps, each 2x slower offloaded; P2R: 100 pseudo steps at full speed + 80 offloaded real steps.
+    assert bench.offload_gain(300, 180, 100, 2.0) == pytest.approx(600 / 260)
+    assert bench.offload_gain(300, 180, 100, 1.0) == pytest.approx(300 / 180)  # no offload: the speed-up in steps
+    assert bench.offload_gain(300, 90, 100, 4.0) == pytest.approx(1200 / 90)  # reached within the pseudo stage
