@@ -8,7 +8,8 @@
 
 Timing: every schedule's pipeline is built in the same two processes and they are timed round by round (gpipe, 1f1b,
 interleaved_1f1b, zero_bubble, 2bw, gpipe, ...), so each median compares runs taken seconds apart. A step is one
-batch's micro-batches, forward and backward, and the optimizer step (2BW steps its optimizer inside). Memory per
+batch's micro-batches, forward and backward, and the optimizer step (2BW steps its optimizer inside; its round ends
+with a drain, counted: one pipeline fill and drain per round of --steps steps). Memory per
 stage: the peak bytes of tensors autograd saved for backward (a `saved_tensors_hooks` count: the activations the
 schedule keeps in flight), the bytes of weight versions (2BW keeps two) and of optimizer state; CPU processes have
 no per-schedule allocator statistics, so these are counted, not read from the OS (`ru_maxrss` of each process is
@@ -157,6 +158,10 @@ def _worker(rank: int, world: int, port: int, preset: dict, rounds: int, steps: 
                     if schedule != "2bw":
                         run["optimizer"].step()
                         run["optimizer"].zero_grad(set_to_none=True)
+                # 2BW's last micro-batches are still in flight: finish them before another schedule uses the
+                # processes' channels (their messages would be taken for the next schedule's). One fill and drain
+                # per round, as a flush schedule has one per step.
+                run["pipeline"].drain()
                 dist.barrier()
                 elapsed = (time.perf_counter() - started) / steps
             if index >= warmup:
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--convergence", action="store_true", help="also run 1f1b vs 2bw on configs/demo.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

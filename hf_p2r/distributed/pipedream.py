@@ -18,9 +18,10 @@ versions of a weight (`live_versions` counts them from the autograd graphs), and
 optimizer's state follows its parameter from one set to the other.
 
 `drain()` finishes the in-flight micro-batches and applies the last batch's update, without changing the rule (the
-next batch still runs on W(t-1)): call it before a checkpoint, a delink or the end of training. Sends are never waited
-for before `drain()` (a stage may send a gradient that its peer receives in the next `step()` call), and the
-collectives of an update (replica reduction, gradient norm) run at the end of `step()`, where every stage is.
+next batch still runs on W(t-1)): call it before a checkpoint, a delink, the end of training, and before anything
+else sends between the same processes (a gradient still on its way would be taken for that other message). Sends
+are never waited for before `drain()` (a stage may send a gradient that its peer receives in the next `step()` call),
+and the collectives of an update (replica reduction, gradient norm) run at the end of `step()`, where every stage is.
 """
 
 from collections import deque
