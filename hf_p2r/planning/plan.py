@@ -142,7 +142,7 @@ def estimate(
     tokens_per_step = workload.global_batch * workload.seq_len
     bubble = pipeline_bubble(layout.schedule, layout.pp, micro_batches)
     compute = _compute_seconds(config, tensors, layout, tokens_per_step, workload.seq_len, hardware) / (1 - bubble)
-    engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name)
+    engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, config)
     return Estimate(
         model,
         layout,
@@ -425,7 +425,7 @@ def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware)
     return micro_batches * traffic / hardware.pcie_bandwidth + numel / cpu_rate
 
 
-def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precision: str = "mixed") -> str:
+def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precision: str = "mixed", config=None) -> str:
     if layout.pp > 1:
         # The trainer's fields (scripts/train.py --config, launched with torchrun): its batch per pipeline,
         # `per_device_batch_size`, is split into `num_microbatches` micro-batches of `micro_batch` sequences.
@@ -435,6 +435,9 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
             f"num_microbatches: {microbatches}",
             f"per_device_batch_size: {microbatches * micro_batch}",
         ]
+        if config is not None:  # the split sized here (equal layers), instead of the trainer's FLOP-balanced one
+            per_stage = config.num_hidden_layers // layout.pp
+            fields.append(f"pipeline_split: [{','.join([str(per_stage)] * layout.pp)}]")
         if layout.dp > 1:
             fields.append(f"data_parallel_size: {layout.dp}")
         if layout.recompute:
@@ -445,6 +448,8 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
         # What `TrainArguments` refuses with a pipeline so far: such layouts are sized, not run.
         refused = ["data-parallel pipelines"] if layout.dp > 1 else []
         refused += ["mixed precision (stages run in fp32)"] if precision != "fp32" else []
+        if config is not None and _cuts_a_block(config, layout.pp):
+            refused.append("a stage starting inside a block of a sequence pseudo model")
         sharded = " (FSDP2 in each stage)" if layout.zero == 3 else ""
         return (
             ", ".join(fields)
@@ -462,6 +467,15 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
     if layout.zero in (1, 2):
         return f"deepspeed_zero2.yaml (zero_stage: {layout.zero})"
     return "fsdp2_offload.yaml or deepspeed_zero3_offload.yaml" if layout.offload else "fsdp2.yaml"
+
+
+def _cuts_a_block(config: P2RConfig, pp: int) -> bool:
+    """Whether equal stages start inside a stored block of a `sequence` pseudo model (whose depths must stay on one
+    stage: `hf_p2r.distributed.pipeline.check_split` refuses such a `pipeline_split`)."""
+    if not (config.share_layers and config.sharing_pattern == "sequence"):
+        return False
+    order, per_stage = config.block_of_depth, config.num_hidden_layers // pp
+    return any(order[start] == order[start - 1] for start in range(per_stage, config.num_hidden_layers, per_stage))
 
 
 def _divisors(n: int) -> list[int]:

@@ -152,7 +152,7 @@ def test_a_one_pipeline_fp32_layout_is_run_not_sized():
     assert "sizing only" not in engine and "data_parallel_size" not in engine
     assert engine == (
         "pipeline_parallel_size: 4, pipeline_schedule: 2bw, num_microbatches: 8, per_device_batch_size: 16, "
-        'activation_checkpointing: true, shared_lr_scale: none, mixed_precision: "no"'
+        'pipeline_split: [2,2,2,2], activation_checkpointing: true, shared_lr_scale: none, mixed_precision: "no"'
     )
 
 
@@ -175,4 +175,24 @@ def test_the_trainer_accepts_what_plan_prints(tmp_path, schedule):
         raise
     assert (run.train.pipeline_parallel_size, run.train.pipeline_schedule) == (STAGES, schedule)
     assert (run.train.num_microbatches, run.train.per_device_batch_size) == (MICROBATCHES, MICROBATCHES * MICRO_BATCH)
+    assert run.train.pipeline_split == [2, 2, 2, 2]  # the equal split the planner sized
     assert run.model.activation_checkpointing and run.train.mixed_precision == "no"
+
+
+@pytest.mark.parametrize("blocks,sized_only", [(4, False), (2, True), (3, True), (None, False)])
+def test_a_sequence_pseudo_model_is_not_cut_inside_a_block(blocks, sized_only):
+    """8 depths, 4 equal stages of 2: the trainer refuses a stage that starts inside a `sequence` block, so does the
+    planner. 4 blocks of 2 depths: cuts between blocks; 2 blocks of 4, or 3 of 3, 3 and 2: depth 2 starts a stage
+    inside block 0; a real model (None): any cut."""
+    shared = {"share_layers": True, "num_unique_layers": blocks, "sharing_pattern": "sequence"} if blocks else {}
+    config = tiny_config(**shared)
+    fp32 = dataclasses.replace(workload(), precision=PRECISIONS["fp32"])
+    engine = estimate(config, Layout(dp=1, pp=STAGES, schedule="1f1b"), fp32, Hardware()).engine
+    assert ("inside a block of a sequence pseudo model" in engine) == sized_only
+    from hf_p2r.distributed.pipeline import check_split
+
+    if sized_only:
+        with pytest.raises(ValueError, match="starts a stage inside a shared block"):
+            check_split(config, [2, 2, 2, 2], STAGES)
+    else:
+        check_split(config, [2, 2, 2, 2], STAGES)
