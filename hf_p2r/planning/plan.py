@@ -434,6 +434,7 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
             f"pipeline_schedule: {layout.schedule}",
             f"num_microbatches: {microbatches}",
             f"per_device_batch_size: {microbatches * micro_batch}",
+            "gradient_accumulation_steps: 1",  # the micro-batches are the accumulation
         ]
         if config is not None:  # the split sized here (equal layers), instead of the trainer's FLOP-balanced one
             per_stage = config.num_hidden_layers // layout.pp

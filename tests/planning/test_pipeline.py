@@ -152,7 +152,8 @@ def test_a_one_pipeline_fp32_layout_is_run_not_sized():
     assert "sizing only" not in engine and "data_parallel_size" not in engine
     assert engine == (
         "pipeline_parallel_size: 4, pipeline_schedule: 2bw, num_microbatches: 8, per_device_batch_size: 16, "
-        'pipeline_split: [2,2,2,2], activation_checkpointing: true, shared_lr_scale: none, mixed_precision: "no"'
+        "gradient_accumulation_steps: 1, pipeline_split: [2,2,2,2], activation_checkpointing: true, "
+        'shared_lr_scale: none, mixed_precision: "no"'
     )
 
 
@@ -176,6 +177,7 @@ def test_the_trainer_accepts_what_plan_prints(tmp_path, schedule):
     assert (run.train.pipeline_parallel_size, run.train.pipeline_schedule) == (STAGES, schedule)
     assert (run.train.num_microbatches, run.train.per_device_batch_size) == (MICROBATCHES, MICROBATCHES * MICRO_BATCH)
     assert run.train.pipeline_split == [2, 2, 2, 2]  # the equal split the planner sized
+    assert run.train.gradient_accumulation_steps == 1
     assert run.model.activation_checkpointing and run.train.mixed_precision == "no"
 
 
