@@ -7,7 +7,13 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 
 from huggingface_hub.serialization._base import parse_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
-__all__ = ["in_backward", "parse_size_to_int", "pipeline_order", "reshard_after_backward"]
+__all__ = [
+    "in_backward",
+    "initialize_pipeline_stage",
+    "parse_size_to_int",
+    "pipeline_order",
+    "reshard_after_backward",
+]
 
 
 def reshard_after_backward(module) -> bool:
@@ -51,3 +57,11 @@ def pipeline_order(schedule: str, stages: int, microbatches: int) -> list[list[t
         ]
         for rank in get_schedule_ops(schedule, stages, microbatches)
     ]
+
+
+def initialize_pipeline_stage(schedule, slots: int, args, kwargs, target) -> None:
+    """Set up the stage of a `PipelineScheduleSingle` subclass for `slots` micro-batch slots (P2P warm-up, shape
+    inference, receive buffers): torch's own `_initialize_stage`, which sizes the buffers by the schedule's private
+    `_n_microbatches` (PipeDream-2BW keeps micro-batches in flight across steps in 2m slots)."""
+    schedule._n_microbatches = slots
+    schedule._initialize_stage(args, kwargs, target)

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from ..compat import initialize_pipeline_stage
 from .pipeline import model_name
 
 
@@ -44,9 +45,10 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         if n_microbatches < stage.num_stages:
             raise ValueError(f"num_microbatches: PipeDream-2BW needs m >= d (m={n_microbatches}, d={stage.num_stages})")
-        self.m = n_microbatches
+        self.m, self.stage, self.loss_fn = n_microbatches, stage, loss_fn
         # Micro-batch g uses the stage's infrastructure slot g mod 2m (fewer than m are ever in flight).
-        self._n_microbatches = 2 * n_microbatches
+        self.slots = 2 * n_microbatches
+        self._ready = False
         self._warmup = stage.num_stages - stage.stage_index
         self._in_flight: deque[int] = deque()
         self._losses: dict[int, torch.Tensor] = {}  # until the micro-batch's backward
@@ -60,7 +62,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         """Create the second weight version and the optimizer (over the first; it follows the updated set)."""
         self.pipeline, self.max_grad_norm = pipeline, max_grad_norm
         self.optimizer_factory = optimizer_factory
-        first = dict(self._stage.submod.named_parameters())
+        first = dict(self.stage.submod.named_parameters())
         self.versions = [first, _clone(first)]
         self.installed = 0  # the set the module holds
         self.optimizer = optimizer_factory(list(first.values()))
@@ -82,11 +84,12 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     def _step_microbatches(
         self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=False, loss_kwargs=None
     ):
-        stage, m = self._stage, self.m
+        stage, m = self.stage, self.m
         stage.has_backward = True
         target_mbs = target_mbs if target_mbs is not None else [None] * m
-        if not self._stage_forward_initialized:
-            self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0])
+        if not self._ready:
+            initialize_pipeline_stage(self, self.slots, arg_mbs[0], kwarg_mbs[0], target_mbs[0])
+            self._ready = True
             for param in stage.submod.parameters():
                 param.grad = None  # metadata inference ran a backward
         batch = self.batches
@@ -116,24 +119,24 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
             self._update(self.batches - 1)
 
     def _slot(self, micro_batch: int) -> int:
-        return micro_batch % self._n_microbatches
+        return micro_batch % self.slots
 
     def _forward(self, micro_batch: int, args, kwargs, target) -> None:
-        stage, slot = self._stage, self._slot(micro_batch)
+        stage, slot = self.stage, self._slot(micro_batch)
         for info in stage.args_recv_info[slot]:
             if info.buffer is not None:
                 info.buffer.grad = None  # the slot's previous micro-batch left its input gradient there
         _wait(stage.get_fwd_recv_ops(slot))
         output = stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
         if stage.is_last:
-            self._losses[micro_batch] = self._compute_loss(output, target)
+            self._losses[micro_batch] = self.loss_fn(output, target)
             self._loss_values[micro_batch] = self._losses[micro_batch].detach()
         self._sends.extend(_start(stage.get_fwd_send_ops(slot)))
         self._in_flight.append(micro_batch)
         self._observe()
 
     def _backward(self, micro_batch: int) -> None:
-        stage, slot = self._stage, self._slot(micro_batch)
+        stage, slot = self.stage, self._slot(micro_batch)
         _wait(stage.get_bwd_recv_ops(slot))
         stage.backward_one_chunk(slot, loss=self._losses.pop(micro_batch, None), last_backward=False)
         self._sends.extend(_start(stage.get_bwd_send_ops(slot)))
@@ -147,7 +150,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     # --- the versions ---------------------------------------------------------------------------------------------
     def _install(self, index: int) -> None:
         """Make set `index` the module's parameters (the next forwards run on it)."""
-        module = self._stage.submod
+        module = self.stage.submod
         for name, param in self.versions[index].items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, param)
@@ -193,12 +196,12 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         the two sets, the optimizer's parameters and every parameter the in-flight micro-batches' autograd graphs
         reach (counted per shape and position, so a leaked copy anywhere on those paths shows)."""
         tensors: set[int] = set()
-        tensors.update(id(param) for param in self._stage.submod.parameters())
+        tensors.update(id(param) for param in self.stage.submod.parameters())
         for version in self.versions:
             tensors.update(id(param) for param in version.values())
         for group in self.optimizer.param_groups:
             tensors.update(id(param) for param in group["params"])
-        for outputs, _ in self._stage.fwd_cache.values():
+        for outputs, _ in self.stage.fwd_cache.values():
             tensors.update(_graph_leaves(outputs))
         return -(-len(tensors) // len(self.versions[0]))
 
@@ -208,7 +211,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         set is the module's; the other is delinked alike (each new weight a copy of the weight its depth ran)."""
         installed = self.installed  # after `drain()`, the newest weights (the last update went there)
         other = self.versions[1 - installed]
-        module_params = dict(self._stage.submod.named_parameters())
+        module_params = dict(self.stage.submod.named_parameters())
         self.versions[installed] = module_params
         self.versions[1 - installed] = {
             name: nn.Parameter(other[source].detach().clone(), requires_grad=other[source].requires_grad)
