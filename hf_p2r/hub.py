@@ -57,11 +57,16 @@ def render_model_card(
     num_parameters = sum(info.numel for info in weights)
     dtypes = sorted({info.dtype_name for info in weights})
 
-    if model_type == "p2r":
+    moe = model_type in ("p2r_moe", "mixtral")
+    if model_type in ("p2r", "p2r_moe"):
+        shape = "a Mixtral-shaped mixture-of-experts decoder" if moe else "a Llama-shaped decoder"
         summary = (
-            f"A *pseudo* P2R model: a Llama-shaped decoder whose {depth} layers share {blocks} block(s) of parameters."
+            f"A *pseudo* P2R model: {shape} whose {depth} layers share {blocks} block(s) of parameters (experts and "
+            "routers included)."
+            if share and moe
+            else f"A *pseudo* P2R model: {shape} whose {depth} layers share {blocks} block(s) of parameters."
             if share
-            else "A *real* P2R model: a Llama-shaped decoder in which every layer has its own parameters."
+            else f"A *real* P2R model: {shape} in which every layer has its own parameters."
         )
         blocks_text = (
             f"{blocks} (pseudo: shared, `sharing_pattern: {config.get('sharing_pattern')}`)"
@@ -91,6 +96,14 @@ def render_model_card(
         dtypes=", ".join(dtypes),
         usage=_usage(
             model_id, model_type, remote_code, has_tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES)
+        ),
+        weight_names="Mixtral's" if moe else "Llama's",
+        experts=(
+            f"{config.get('num_experts') or config.get('num_local_experts')} x FFN "
+            f"{config.get('moe_intermediate_size') or config.get('intermediate_size')}, "
+            f"top-{config.get('num_experts_per_tok')} per token"
+            if moe
+            else None
         ),
         **{key: config.get(key) for key in _CONFIG_FIELDS},
     )
@@ -188,7 +201,7 @@ def _report(folder, repo_id, files, card, card_note, *, private, revision) -> st
 
 def _usage(model_id: str, model_type: str, remote_code: bool, *, has_tokenizer: bool) -> str:
     lines = []
-    if model_type == "p2r" and not remote_code:
+    if model_type in ("p2r", "p2r_moe") and not remote_code:
         lines.append("import hf_p2r  # registers the P2R architecture with transformers")
     lines.append(f"from transformers import AutoModelForCausalLM{', AutoTokenizer' if has_tokenizer else ''}")
     lines.append("")

@@ -87,6 +87,25 @@ def test_card_tags_custom_code_only_for_remote_code_folders(tmp_path):
     assert llama.data.tags == ["pseudo-to-real", "llama"] and "import hf_p2r" not in str(llama)
 
 
+def test_cards_of_moe_checkpoints_say_what_loads_them(tmp_path):
+    from hf_p2r.checkpoint.mixtral import export_mixtral
+
+    from .models.test_modeling_p2r_moe import moe_model
+
+    moe_model(share_layers=True, num_unique_layers=2).save_pretrained(tmp_path / "pseudo")
+    export_mixtral(moe_model(), tmp_path / "mixtral")
+    pseudo, mixtral = render_model_card(tmp_path / "pseudo"), render_model_card(tmp_path / "mixtral")
+    assert pseudo.data.tags == ["pseudo-to-real", "p2r_moe"] and mixtral.data.tags == ["pseudo-to-real", "mixtral"]
+    assert "mixture-of-experts decoder whose 8 layers share 2 block(s)" in str(pseudo)
+    assert "import hf_p2r" in str(pseudo) and "without hf-p2r" not in str(pseudo)
+    assert "import hf_p2r" not in str(mixtral) and "it loads in transformers without hf-p2r" in str(mixtral)
+    for card in (pseudo, mixtral):
+        assert "Weight names are Mixtral's." in str(card) and "| Experts | 4 x FFN 48, top-2 per token |" in str(card)
+    tiny_model().save_pretrained(tmp_path / "dense")
+    dense = str(render_model_card(tmp_path / "dense"))
+    assert "Weight names are Llama's." in dense and "| Experts |" not in dense
+
+
 def test_dry_run_lists_files_and_card_without_network(converted, hub, capsys):
     (converted / ".cache").mkdir()
     (converted / ".cache" / "lock").write_text("")
