@@ -19,6 +19,7 @@ micro-batch in the 1f1b runs (communication waits excluded: they happen before),
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -147,7 +148,9 @@ def _worker(rank: int, world: int, port: int, preset: dict, rounds: int, steps: 
         for stage in pipeline.stages:
             _timed(stage, "forward", times)
             _timed(stage, "backward", times)
-        runs[schedule] = dict(pipeline=pipeline, optimizer=optimizer, saved=SavedBytes(), step_s=[], times=times)
+        runs[schedule] = dict(
+            pipeline=pipeline, optimizer=optimizer, saved=SavedBytes(), step_s=[], times=times, live_after_round=[]
+        )
     for index in range(warmup + rounds):
         for schedule, run in runs.items():
             dist.barrier()
@@ -164,6 +167,8 @@ def _worker(rank: int, world: int, port: int, preset: dict, rounds: int, steps: 
                 run["pipeline"].drain()
                 dist.barrier()
                 elapsed = (time.perf_counter() - started) / steps
+            gc.collect()
+            run["live_after_round"].append(run["saved"].live)  # a schedule that frees everything: constant
             if index >= warmup:
                 run["step_s"].append(elapsed)
             else:
@@ -181,6 +186,7 @@ def _worker(rank: int, world: int, port: int, preset: dict, rounds: int, steps: 
         result[schedule] = {
             "step_s": run["step_s"],
             "saved_activation_peak_bytes": run["saved"].peak,
+            "saved_alive_after_each_round_bytes": run["live_after_round"],
             "weight_bytes": weights,
             "optimizer_state_bytes": state,
             "forward_s": statistics.mean(run["times"]["forward"]) if run["times"]["forward"] else None,
@@ -303,9 +309,10 @@ def render(report: dict) -> str:
         f"({report['preset_fields']}); {report['rounds']} interleaved rounds of {report['steps']} step(s) after "
         f"{report['warmup']} warm-up round(s), gloo, one thread per process.",
         "",
-        "| schedule | step time median (s) | min | max | saved activations peak, stage 0 / 1 (MiB) | weights "
-        "(MiB, all versions) stage 0 / 1 | optimizer state (MiB) stage 0 / 1 |",
-        "|---|---|---|---|---|---|---|",
+        "| schedule | step time median (s) | min | max | saved activations peak, stage 0 / 1 (MiB) | saved tensors "
+        "still alive after the first / last round, stage 0; stage 1 (MiB) | weights (MiB, all versions) stage 0 / 1 "
+        "| optimizer state (MiB) stage 0 / 1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for schedule in SCHEDULES:
@@ -314,14 +321,23 @@ def render(report: dict) -> str:
         def pair(key, ranks=ranks):
             return " / ".join(f"{rank[key] / mib:.2f}" for rank in ranks)
 
+        alive = "; ".join(
+            f"{rank['saved_alive_after_each_round_bytes'][0] / mib:.2f} / "
+            f"{rank['saved_alive_after_each_round_bytes'][-1] / mib:.2f}"
+            for rank in ranks
+        )
         lines.append(
             f"| {schedule} | {row['step_s_median']:.3f} | {row['step_s_min']:.3f} | {row['step_s_max']:.3f} | "
-            f"{pair('saved_activation_peak_bytes')} | {pair('weight_bytes')} | {pair('optimizer_state_bytes')} |"
+            f"{pair('saved_activation_peak_bytes')} | {alive} | {pair('weight_bytes')} | "
+            f"{pair('optimizer_state_bytes')} |"
         )
     lines += [
         "",
         "Interleaved schedules run two stages per process (stages 0, 2 and 1, 3). 2BW's step includes the previous "
-        "batch's optimizer step and keeps two weight versions; the flush schedules step after the flush.",
+        "batch's optimizer step and keeps two weight versions; the flush schedules step after the flush. Saved tensors "
+        "still alive after a round (after `gc.collect()`): what no later step frees stays counted, so a value that "
+        "grows from the first round to the last is memory a schedule keeps from step to step, and the peak column "
+        "includes it.",
         "",
         "Per-stage mean times per micro-batch under 1f1b (what `stage_times()` returns, the simulator's input):",
         "",
@@ -367,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--convergence-steps", type=int, default=None, help="default: the demo's 240")
     parser.add_argument("--keep-timing", action="store_true", help="reuse OUT.json's timing (and its date, machine)")
+    parser.add_argument("--keep-convergence", action="store_true", help="reuse OUT.json's convergence results")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "pipeline"), help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
     report = {
@@ -378,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
     }
+    if args.keep_convergence:
+        kept = json.loads(Path(args.out + ".json").read_text())
+        report.update({key: kept[key] for key in ("convergence", "convergence_date") if key in kept})
     if args.keep_timing:
         kept = json.loads(Path(args.out + ".json").read_text())
         report.update({key: value for key, value in kept.items() if key != "convergence"})
