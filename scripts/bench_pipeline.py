@@ -298,6 +298,66 @@ def convergence(seeds: list[int], steps: int | None, out: Path) -> dict:
     }
 
 
+def rule_check(steps: int) -> dict:
+    """One process, no pipeline: plain AdamW vs the 2BW update rule W(t+1) = W(t) - AdamW(grad f_t(W(t-1))) on the
+    demo's pseudo model, data, micro-batches, learning-rate schedule and clipping, `steps` steps; final validation loss
+    of each. Separates what the rule does at this scale from what the pipeline does."""
+    import copy
+
+    from hf_p2r.training import parse_config
+    from hf_p2r.training.data import BlockOrder, build_blocks, load_tokenizer
+    from hf_p2r.training.optim import build_optimizer, learning_rate_at
+    from hf_p2r.training.train import build_model
+
+    torch.set_num_threads(1)
+    config = parse_config(
+        [
+            "--config",
+            str(REPO / "configs/demo.yaml"),
+            "--shared_lr_scale",
+            "none",
+            "--pseudo_steps",
+            str(steps),
+            "--real_steps",
+            "0",
+        ]
+    )
+    args = config.train
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    train, validation = build_blocks(config.data, tokenizer, args.seed)
+    order = BlockOrder(len(train), args.seed)
+    batch = args.per_device_batch_size
+    chosen = [index * len(validation) // args.eval_blocks for index in range(min(len(validation), args.eval_blocks))]
+
+    def run(delayed: bool) -> float:
+        torch.manual_seed(args.seed)
+        model = build_model(config, tokenizer, config.initial_blocks())
+        optimizer = build_optimizer(model, args)
+        previous = copy.deepcopy(model)
+        for step in range(steps):
+            ids = train[order.indices(step * batch, batch)]["input_ids"]
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate_at(step, args, [])
+            net = previous if delayed else model
+            net.zero_grad()
+            for chunk in ids.chunk(4):
+                (net(input_ids=chunk, labels=chunk).loss / 4).backward()
+            if delayed:
+                snapshot = copy.deepcopy(model.state_dict())
+                for param, used in zip(model.parameters(), previous.parameters(), strict=True):
+                    param.grad = used.grad
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+            if delayed:
+                previous.load_state_dict(snapshot)
+        with torch.no_grad():
+            ids = validation[chosen]["input_ids"]
+            return statistics.mean(model(input_ids=c, labels=c).loss.item() for c in ids.split(batch))
+
+    return {"steps": steps, "flush_val_loss": run(False), "rule_2bw_val_loss": run(True)}
+
+
 def render(report: dict) -> str:
     m, t = report["machine"], report["timing"]
     lines = [
@@ -335,9 +395,9 @@ def render(report: dict) -> str:
         "",
         "Interleaved schedules run two stages per process (stages 0, 2 and 1, 3). 2BW's step includes the previous "
         "batch's optimizer step and keeps two weight versions; the flush schedules step after the flush. Saved tensors "
-        "still alive after a round (after `gc.collect()`): what no later step frees stays counted, so a value that "
-        "grows from the first round to the last is memory a schedule keeps from step to step, and the peak column "
-        "includes it.",
+        "still alive after a round (after `gc.collect()`): a value that grows from the first round to the last is "
+        "saved-tensor memory not freed by the end of a step (not diagnosed here: see the process's peak resident "
+        "memory below), and the peak column includes it.",
         "",
         "Per-stage mean times per micro-batch under 1f1b (what `stage_times()` returns, the simulator's input):",
         "",
@@ -370,6 +430,15 @@ def render(report: dict) -> str:
             f"Mean difference {c['mean_difference']:+.4f}; seed-to-seed spread of the flush schedule's final loss "
             f"{'n/a' if spread is None else f'{spread:.4f}'}.",
         ]
+    r = report.get("rule_check")
+    if r is not None:
+        lines += [
+            "",
+            f"The update rule alone (one process, no pipeline, seed 0, the demo's pseudo model, {r['steps']} steps, "
+            f"same data, micro-batches, schedule and clipping): final validation loss {r['flush_val_loss']:.4f} with "
+            f"plain AdamW, {r['rule_2bw_val_loss']:.4f} with W(t+1) = W(t) − AdamW(∇f(W(t−1))), a difference of "
+            f"{r['rule_2bw_val_loss'] - r['flush_val_loss']:+.4f}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -384,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--convergence-steps", type=int, default=None, help="default: the demo's 240")
     parser.add_argument("--keep-timing", action="store_true", help="reuse OUT.json's timing (and its date, machine)")
     parser.add_argument("--keep-convergence", action="store_true", help="reuse OUT.json's convergence results")
+    parser.add_argument("--rule-check", type=int, default=0, help="steps of the one-process 2BW-rule check (0: none)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "pipeline"), help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
     report = {
@@ -403,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         report.update({key: value for key, value in kept.items() if key != "convergence"})
     else:
         report["timing"] = measure(PRESETS[args.preset], args.rounds, args.steps, args.warmup)
+    if args.keep_convergence and "rule_check" in kept:
+        report["rule_check"] = kept["rule_check"]
+    if args.rule_check:
+        report["rule_check"] = rule_check(args.rule_check)
     if args.convergence:
         report["convergence_date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         report["convergence"] = convergence(args.seeds, args.convergence_steps, Path(args.out))
