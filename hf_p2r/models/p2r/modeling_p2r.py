@@ -486,12 +486,14 @@ class P2RModel(P2RPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
         if self.config.share_layers and self.config.sharing_pattern == "cycle":
-            # Pipeline splitting keeps a contiguous range of *stored* blocks per stage; a cycle runs every block at
-            # every stage, so a split model would silently compute another function.
+            # transformers' own pipeline split keeps a contiguous range of *stored* blocks per stage; a cycle runs
+            # every block at every stage, so a model split that way would silently compute another function.
+            # hf_p2r.distributed.build_pipeline splits by depth instead, with a replica of the shared blocks per stage.
             if any(isinstance(layer, PipelineIdentityLayer) for layer in self.layers):
                 raise ValueError(
-                    "sharing_pattern='cycle' pseudo models cannot be split into pipeline stages; use "
-                    "sharing_pattern='sequence' or delink the model first"
+                    "sharing_pattern='cycle' pseudo models cannot be split by transformers' pipeline split (it keeps "
+                    "stored blocks, not depths, per stage); use hf_p2r.distributed.build_pipeline (trainer field "
+                    "pipeline_parallel_size), which keeps a replica of the shared blocks on every stage"
                 )
 
         # The one place sharing shows: depth i runs block `block_of_depth[i]` and uses cache slot i.
