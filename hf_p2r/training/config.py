@@ -164,7 +164,7 @@ class TrainArguments:
         metadata={
             "help": "Learning rate of a shared block: depth (divided by the number of depths the block runs at, so its "
             "update moves the function as much as an unshared block's; logged as lr_shared, the most shared block's; "
-            "see benchmarks/convergence.md) or none (the same as every parameter)."
+            "see benchmarks/convergence_carry.md) or none (the same as every parameter)."
         },
     )
     lr_after_delink: Literal["continue", "rewarm"] = field(
