@@ -8,7 +8,7 @@ line up (the layers of a block whose size is a multiple of the filesystem block:
 Where the kernel or filesystem refuses both, ranges are copied with pread/pwrite. Where ranges are copied, not cloned,
 a shard's blocks are first allocated in one call (`fallocate`): a full disk fails before anything is copied, and the
 filesystem lays the shard out in long extents instead of allocating block by block as the pages are written back
-(measured faster than letting it allocate on write back, and faster than `cp`, which does not preallocate). No torch:
+(`cp` does not preallocate; benchmarks/convert.md compares the two). No torch:
 a delinked checkpoint is mostly copies of its pseudo blocks, so converting one needs no tensor.
 """
 
