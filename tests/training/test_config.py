@@ -34,15 +34,18 @@ def test_demo_config_is_what_the_readme_describes():
     (the demo test in test_launch.py runs it shrunk to a tiny model)."""
     config = parse_config(["--config", str(REPO / "configs/demo.yaml")])
     model, train = config.model, config.train
-    assert (model.num_hidden_layers, model.num_unique_layers, model.sharing_pattern) == (8, 2, "cycle")
+    assert (model.num_hidden_layers, model.num_unique_layers, model.sharing_pattern) == (8, 1, "cycle")
     assert (train.pseudo_steps, train.real_steps, train.total_steps) == (80, 160, 240)
-    assert config.delink_schedule() == [(80, 8)]
-    assert [config.blocks_at(step) for step in (0, 79, 80, 239)] == [2, 2, 8, 8]
+    assert config.delink_schedule() == [(27, 2), (53, 4), (80, 8)]
+    assert [config.blocks_at(step) for step in (0, 27, 53, 79, 80, 239)] == [1, 2, 4, 4, 8, 8]
     # Nothing to download: the standard library's sources and the built-in byte-level tokenizer.
     assert (config.data.dataset_name, config.data.train_files, config.data.tokenizer_name) == (None, [], None)
 
     readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
-    depth, blocks = model.num_hidden_layers, model.num_unique_layers
+    depth, blocks = (
+        model.num_hidden_layers,
+        " → ".join(map(str, [model.num_unique_layers, *train.partial_delink_blocks])),
+    )
     assert f"trains a pseudo model ({depth} layers sharing {blocks} blocks) for {train.pseudo_steps} steps" in readme
     assert (
         f"into the real model ({depth} blocks, same function) and trains that for {train.real_steps} more steps"
@@ -60,7 +63,7 @@ def test_gpu_1b_config_is_a_one_billion_parameter_model():
         with torch.device("meta"):  # shapes only, no memory
             model = P2RForCausalLM(config.p2r_config(config.model.vocab_size, blocks, special_tokens={}))
         counts[blocks] = sum(p.numel() for p in model.parameters())
-    assert counts == {5: 328_488_960, 20: 1_004_881_920}  # the numbers stated in configs/gpu_1b.yaml
+    assert counts == {1: 148_117_504, 20: 1_004_881_920}  # the numbers stated in configs/gpu_1b.yaml
 
 
 @pytest.mark.parametrize(
