@@ -1017,7 +1017,9 @@ def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
         f"optimizer steps of {f['per_device_batch_size']} x {f['block_size']} tokens), peak learning rate "
         f"({f['learning_rate']:g}) and schedule over the whole run; P2R runs train shared blocks at 1/n of the rate "
         "(`shared_lr_scale: depth`) and carry the optimizer state with `scale`. A pseudo step runs the full depth, "
-        "so equal steps are equal compute. kK-atD: K shared blocks, delinked to the real model at step D; "
+        "so equal steps are equal compute; the speed-up in training time (mean (time)) compares runs that may have "
+        "run at different loads of a shared machine (see each invocation's load): read it only where that stayed "
+        "flat. kK-atD: K shared blocks, delinked to the real model at step D; "
         "kK-grow-atD: K blocks doubled at evenly spaced partial delinks (1 -> 2 -> 4 -> L), the last at step D. "
         f"Corpora: stdlib, {CORPORA['stdlib']}; prose, {CORPORA['prose']}.",
         "",

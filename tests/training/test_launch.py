@@ -44,11 +44,19 @@ def _run(command: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_demo_through_accelerate_launch(tmp_path):
     output_dir = tmp_path / "demo"
-    # The README's command with the demo configuration, shrunk to a few steps of a tiny model.
-    overrides = tiny_argv(output_dir, pseudo_steps=3, real_steps=2, eval_steps=2, corpus_max_bytes=20000)
+    # The README's command with the demo configuration, shrunk to a few steps of a tiny model (its growth too).
+    overrides = tiny_argv(
+        output_dir,
+        pseudo_steps=3,
+        real_steps=2,
+        eval_steps=2,
+        corpus_max_bytes=20000,
+        partial_delink_steps=[1],
+        partial_delink_blocks=[2],
+    )
     _run([ACCELERATE, "launch", "--num_processes", "1", TRAIN_SCRIPT, "--config", "configs/demo.yaml", *overrides])
     records = read_metrics(output_dir / "metrics.jsonl")
-    assert [(r["step"], r["num_blocks"]) for r in records if r.get("event") == "delink"] == [(3, 4)]
+    assert [(r["step"], r["num_blocks"]) for r in records if r.get("event") == "delink"] == [(1, 2), (3, 4)]
     assert [r["stage"] for r in records if "loss" in r] == ["pseudo"] * 3 + ["real"] * 2
     assert all("val_loss" in r for r in records if r["step"] in (0, 2, 3, 4, 5) and "event" not in r)
     model = AutoModelForCausalLM.from_pretrained(output_dir / "real")
