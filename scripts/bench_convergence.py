@@ -1216,27 +1216,39 @@ def _lead(group: dict, index: int, at: float) -> tuple[float, float]:
     return statistics.fmean(descent), statistics.fmean(lead)
 
 
+def widest_groups(sweeps: dict[str, dict]) -> list[dict]:
+    """Each group once, where it has the most seeds (then runs): groups recur across sweeps."""
+    widest: dict[str, dict] = {}
+    for result in sweeps.values():
+        for group in result["groups"]:
+            size = (len(group["seeds"]), len(group["rows"]))
+            name = group["name"]
+            if name not in widest or size > (len(widest[name]["seeds"]), len(widest[name]["rows"])):
+                widest[name] = group
+    order = {corpus: i for i, corpus in enumerate(CORPORA)}
+    return sorted(widest.values(), key=lambda g: (order.get(g["corpus"], 9), g["depth"], g["scheduler"]))
+
+
 def _why(sweeps: dict[str, dict]) -> list[str]:
     """Per group, its best P2R run's lead over scratch at T / 1.5 against what 1.5x needs there."""
     parts = []
-    for result in sweeps.values():
-        for group in result["groups"]:
-            scored = [
-                (i, r)
-                for i, r in enumerate(group["rows"])
-                if i
-                and r["schedule"]["real_steps"] + r["schedule"]["pseudo_steps"]
-                == group["rows"][0]["schedule"]["real_steps"]
-            ]
-            if not scored or any(group["name"] in part for part in parts):
-                continue
-            index, row = max(scored, key=lambda item: _worst(item[1]))
-            at = group["rows"][0]["schedule"]["real_steps"] / TARGET
-            descent, lead = _lead(group, index, at)
-            parts.append(
-                f"{group['name']} {row['name']}: needs {descent:.3f}, has {lead:+.3f} (final Δ "
-                f"{row['delta_vs_scratch_mean']:+.3f})"
-            )
+    for group in widest_groups(sweeps):
+        scored = [
+            (i, r)
+            for i, r in enumerate(group["rows"])
+            if i
+            and r["schedule"]["real_steps"] + r["schedule"]["pseudo_steps"]
+            == group["rows"][0]["schedule"]["real_steps"]
+        ]
+        if not scored:
+            continue
+        index, row = max(scored, key=lambda item: _worst(item[1]))
+        at = group["rows"][0]["schedule"]["real_steps"] / TARGET
+        descent, lead = _lead(group, index, at)
+        parts.append(
+            f"{group['name']} {row['name']}: needs {descent:.3f}, has {lead:+.3f} (final Δ "
+            f"{row['delta_vs_scratch_mean']:+.3f})"
+        )
     if not parts:
         return []
     return [
@@ -1258,18 +1270,7 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
     except ImportError:
         return {}
     written = {}
-    # Each group once, where it has the most runs (then seeds): groups recur across sweeps.
-    widest: dict[str, dict] = {}
-    for result in sweeps.values():
-        for group in result["groups"]:
-            size = (len(group["rows"]), len(group["seeds"]))
-            if group["name"] not in widest or size > (
-                len(widest[group["name"]]["rows"]),
-                len(widest[group["name"]]["seeds"]),
-            ):
-                widest[group["name"]] = group
-    order = {corpus: i for i, corpus in enumerate(CORPORA)}
-    groups = sorted(widest.values(), key=lambda g: (order.get(g["corpus"], 9), g["depth"], g["scheduler"]))
+    groups = widest_groups(sweeps)
     corpora = list(dict.fromkeys(g["corpus"] for g in groups))
     columns = max(sum(g["corpus"] == c for g in groups) for c in corpora)
     figure, axes = plt.subplots(len(corpora), columns, figsize=(5.5 * columns, 4.2 * len(corpora)), squeeze=False)
