@@ -1127,9 +1127,14 @@ def _findings(sweeps: dict[str, dict]) -> list[str]:
                 for kind, points in kinds.items()
             ]
             parts.append(f"{corpus}: " + "; ".join(cells))
+        measured = {size for kinds in depth_series(sweeps).values() for points in kinds.values() for size, _ in points}
+        missing = [size for size in SWEEP_DEFAULTS["depth"]["depths"] if size not in measured]
         lines.append(
             f"- **Depth** (mean speed-up, {sweeps['depth']['groups'][0]['scheduler']}, delink at a third of the run, "
-            "same width and tokens): " + "; ".join(parts) + "."
+            "same width and tokens): "
+            + "; ".join(parts)
+            + "."
+            + (f" Not measured: L = {', '.join(map(str, missing))} (not run)." if missing else "")
         )
     if "growth" in sweeps:
         rows = _rows_by(sweeps["growth"])
