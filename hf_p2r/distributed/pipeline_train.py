@@ -12,30 +12,25 @@ Launch with `torchrun --nproc-per-node 2 scripts/train.py --config ... --pipelin
 `accelerate launch --num_processes 2 scripts/train.py ...` (Accelerate only starts the processes and the group here).
 """
 
-import dataclasses
-import json
 import math
-import shutil
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint import atomic_directory
 from ..checkpoint import save_model as write_model_folder
 from ..models.p2r import P2RForCausalLM
 from ..training.checkpointing import (
-    STATE_FILE,
     TrainState,
-    checkpoint_path,
     list_checkpoints,
     read_state,
     resolve_checkpoint,
+    save_checkpoint,
 )
 from ..training.config import TrainConfig
 from ..training.data import BlockOrder, build_blocks, load_tokenizer
@@ -264,26 +259,6 @@ def _save_model(accelerator: Accelerator, pipeline: Pipeline, tokenizer, directo
 
 def _save_checkpoint(accelerator, output_dir: Path, state: TrainState, config: TrainConfig, pipeline, optimizer):
     """`checkpoint-{step}/`: `stage-{rank}.pt` per process (`pipeline_state`) and `trainer_state.json`, atomically."""
-    destination = checkpoint_path(output_dir, state.step)
-    payload = {
-        "stage": state.stage(config.model.num_hidden_layers),
-        "state": dataclasses.asdict(state),
-        "config": config.to_dict(),
-    }
     part = pipeline_state(pipeline, optimizer)
     name = f"stage-{dist.get_rank()}.pt"
-    if accelerator.is_main_process:
-        with atomic_directory(destination, overwrite=True) as tmp:
-            broadcast_object_list([str(tmp)])
-            torch.save(part, tmp / name)
-            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-            accelerator.wait_for_everyone()
-        limit = config.train.save_total_limit
-        if limit is not None:
-            for old in list_checkpoints(output_dir)[:-limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    else:
-        [tmp] = broadcast_object_list([None])
-        torch.save(part, Path(tmp) / name)
-        accelerator.wait_for_everyone()
-    accelerator.wait_for_everyone()
+    return save_checkpoint(accelerator, output_dir, state, config, write=lambda folder: torch.save(part, folder / name))

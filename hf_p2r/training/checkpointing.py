@@ -13,6 +13,7 @@ the same writer as the converter and the exporter.
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,12 +70,20 @@ def _step_of(path: Path) -> int | None:
     return int(suffix) if suffix.isdigit() else None
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: TrainState, config: TrainConfig) -> Path:
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir: str | Path,
+    state: TrainState,
+    config: TrainConfig,
+    write: Callable[[Path], None] | None = None,
+) -> Path:
     """Write `checkpoint-{step}` atomically and keep the newest `save_total_limit`; call on every process.
 
-    The main process makes the temporary folder and tells the others its name (each writes its RNG state there);
-    it is renamed into place once every process has finished writing.
+    The main process makes the temporary folder and tells the others its name; every process writes its part there
+    with `write(folder)` (default: `accelerator.save_state`: model, optimizer, scheduler, RNG states; the pipelined
+    trainer writes its stages), and the folder is renamed into place once every process has finished writing.
     """
+    write = write or accelerator.save_state
     destination = checkpoint_path(output_dir, state.step)
     payload = {
         "stage": state.stage(config.model.num_hidden_layers),
@@ -84,7 +93,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: Tra
     if accelerator.is_main_process:
         with atomic_directory(destination, overwrite=True) as tmp:
             broadcast_object_list([str(tmp)])
-            accelerator.save_state(tmp)
+            write(tmp)
             (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
             accelerator.wait_for_everyone()
         limit = config.train.save_total_limit
@@ -93,7 +102,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, state: Tra
                 shutil.rmtree(old, ignore_errors=True)
     else:
         [tmp] = broadcast_object_list([None])
-        accelerator.save_state(tmp)
+        write(Path(tmp))
         accelerator.wait_for_everyone()
     accelerator.wait_for_everyone()
     return destination
