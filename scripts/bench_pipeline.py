@@ -20,9 +20,9 @@ micro-batch in the 1f1b runs (communication waits excluded: they happen before),
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -35,6 +35,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_spec = importlib.util.spec_from_file_location("bench_throughput", Path(__file__).with_name("bench_throughput.py"))
+bench_throughput = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_throughput)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "2bw")
@@ -66,23 +70,8 @@ PRESETS = {
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    """bench_throughput's machine description, with the load average at the start."""
+    return {**bench_throughput.machine(), "load_average": os.getloadavg()}
 
 
 class SavedBytes:

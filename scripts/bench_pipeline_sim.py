@@ -19,15 +19,19 @@ scale to reproduce PipeDream-2BW's comparison (arXiv 2006.09503) of 2BW, GPipe a
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("bench_throughput", Path(__file__).with_name("bench_throughput.py"))
+bench_throughput = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_throughput)
 
 PRESETS = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -341,21 +345,6 @@ def sweep(model_name: str, stages: int, microbatches: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def machine() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -386,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": bench_throughput.machine(),
         "command": "python scripts/bench_pipeline_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "preset": {"name": args.preset, **PRESETS[args.preset]},
         "measured": measured,
