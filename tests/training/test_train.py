@@ -150,6 +150,9 @@ def test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once(
 import signal, sys, time
 from hf_p2r.training.train import _StopOnSignal
 
+# As in a terminal: a shell starting this suite in the background (`cmd &`) hands its children SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 class Counting(_StopOnSignal):
     handled = 0
 
