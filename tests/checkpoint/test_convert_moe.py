@@ -26,6 +26,7 @@ from hf_p2r.models.p2r.sharing_p2r import delink_names, delink_sources
 
 from ..conftest import tiny_model
 from ..models.test_modeling_p2r_moe import moe_config, moe_model
+from .test_convert import _assert_same_weights, _logits
 
 LAYOUTS = {
     "k=1": dict(num_unique_layers=1),
@@ -46,18 +47,6 @@ def _pseudo(tmp_path, seed=0, **overrides):
 
 def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _assert_same_weights(loaded, reference):
-    ours, theirs = loaded.state_dict(), reference.state_dict()
-    assert ours.keys() == theirs.keys()
-    for name in ours:
-        assert torch.equal(ours[name], theirs[name]), name
-
-
-def _logits(model, input_ids):
-    with torch.no_grad():
-        return model(input_ids).logits
 
 
 @pytest.mark.parametrize("fields", LAYOUTS.values(), ids=LAYOUTS)
