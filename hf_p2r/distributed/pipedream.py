@@ -163,7 +163,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
             if param.grad is not None:
                 param.grad.div_(self.m)  # the mean over the micro-batches, as the flush schedules' scale_grads
         named = {model_name(name, self.pipeline.config.tie_word_embeddings): param for name, param in updated.items()}
-        self.pipeline.reduce_replicas(named)
+        self.pipeline.reduce_gradients(named)
         if self.max_grad_norm:
             self.pipeline.clip_grad_norm_(self.max_grad_norm, named)
         with torch.no_grad():

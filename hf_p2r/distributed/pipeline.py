@@ -28,6 +28,17 @@ attention scores, 12 * seq * hidden per layer) and bytes of parameters, gradient
 parameter). The embedding lookup costs no FLOPs; the head costs 6 * hidden * vocab per token, so a big vocabulary
 makes the last stage heavy and the split gives it fewer layers. The split minimises the largest stage's FLOPs, then
 its bytes.
+
+Data parallelism beside the pipeline (`pipeline_mesh`): `data_parallel_size` pipelines of `pipeline_parallel_size`
+processes on a 2-D DeviceMesh ("dp", "pp"): a process's pipeline is its "pp" row, its data-parallel peers (the same
+stage in the other pipelines) its "dp" column. Each pipeline reads its own part of the batch. Replicated stages
+(`shard=False`) average their gradients over the column in one coalesced all-reduce after the replicas' sum (what DDP
+does, once per step, so it also serves PipeDream-2BW's delayed update); sharded stages (`shard=True`) are FSDP2 units
+over the column (`fully_shard` on each block and on the stage, as torchtitan does inside its pipeline stages):
+weights, gradients and optimizer state are split over the data-parallel processes, torch's `PipelineStage` defers the
+reduce-scatter to the last micro-batch, and the replicas' sum runs on the local shards (the same layout on every stage
+of a column). PipeDream-2BW keeps two weight versions and swaps them in the module, which FSDP2's sharded parameters
+do not allow: 2BW runs replicated stages only.
 """
 
 import copy
@@ -39,6 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -287,7 +300,9 @@ class Pipeline:
     steps it: see `pipedream.py`).
     """
 
-    def __init__(self, model, modules, stages, schedule, group, split, schedule_name, num_microbatches, config):
+    def __init__(
+        self, model, modules, stages, schedule, group, split, schedule_name, num_microbatches, config, layout=None
+    ):
         self.modules: list[P2RPipelineStage] = modules
         self.stages: list[PipelineStage] = stages
         self.schedule = schedule
@@ -299,6 +314,12 @@ class Pipeline:
         self.model_config = model.config
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        layout = layout or _Layout.single(group)
+        # Every pipeline's ranks (the same list on every process), the data-parallel column, whether it is sharded.
+        self.pipelines, self.data_group, self.sharded = layout.pipelines, layout.data_group, layout.sharded
+        self.data_mesh = layout.data_mesh
+        self.data_size = len(self.pipelines)
+        self.data_rank = next(i for i, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
         self._replicas = _replica_groups(self)
 
     @property
@@ -333,23 +354,19 @@ class Pipeline:
             for param in self.parameters():
                 if param.grad is not None:
                     param.grad.div_(self.num_microbatches)  # the mean over the micro-batches
-            self.reduce_replicas()
+            self.reduce_gradients()
         return torch.stack(losses).mean().detach() if losses else None
 
-    def reduce_replicas(self, params: dict[str, nn.Parameter] | None = None) -> None:
-        """Sum the gradients of replicated parameters over the processes holding them (one coalesced all-reduce per
-        group of processes). `params` ({model name: parameter}, default this process's) lets 2BW reduce a version."""
+    def reduce_gradients(self, params: dict[str, nn.Parameter] | None = None) -> None:
+        """Sum the gradients of replicated parameters over the processes of the pipeline holding them, then average
+        every gradient over the data-parallel column (replicated stages; FSDP2 has reduce-scattered sharded ones).
+        One coalesced all-reduce per group. `params` ({model name: parameter}, default this process's) lets 2BW
+        reduce a version."""
         params = dict(self.named_parameters()) if params is None else params
         for names, group in self._replicas:
-            grads = [
-                params[name].grad if params[name].grad is not None else torch.zeros_like(params[name]) for name in names
-            ]
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for name, grad in zip(names, grads, strict=True):
-                params[name].grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
-                offset += grad.numel()
+            _all_reduce_grads([params[name] for name in names], group)
+        if self.data_size > 1 and not self.sharded:
+            _all_reduce_grads(list(params.values()), self.data_group, divide=self.data_size)
 
     def clip_grad_norm_(self, max_norm: float, params: dict[str, nn.Parameter] | None = None) -> torch.Tensor:
         """Clip the gradients of the whole pipelined model to `max_norm` (replicas counted once); returns the norm."""
@@ -359,8 +376,9 @@ class Pipeline:
         for name in owned:
             grad = params[name].grad
             if grad is not None:
-                square += grad.detach().double().pow(2).sum().cpu()
-        dist.all_reduce(square, group=self.group)
+                square += _local(grad).detach().double().pow(2).sum().cpu()
+        # Replicated columns hold the same gradients: the pipeline's sum is the norm. Sharded ones hold a part each.
+        dist.all_reduce(square, group=None if self.sharded else self.group)
         norm = square.sqrt()
         coefficient = max_norm / (float(norm) + 1e-6)
         if coefficient < 1:
@@ -377,9 +395,12 @@ class Pipeline:
                 counted_elsewhere.update(names)
         return [name for name in params if name not in counted_elsewhere]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This process's weights under the model's names (a tied head under the embeddings' name)."""
-        return {name: param.detach() for name, param in self.named_parameters()}
+    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """This process's weights under the model's names (a tied head under the embeddings' name); sharded stages
+        give the whole weights (`full`: a collective over the data-parallel column) or this process's shards."""
+        if not self.sharded:
+            return {name: param.detach() for name, param in self.named_parameters()}
+        return {name: _full(param) if full else _local(param) for name, param in self.named_parameters()}
 
     def drain(self) -> None:
         """Finish 2BW's in-flight micro-batches and apply its pending update (nothing to do for flush schedules)."""
@@ -391,38 +412,85 @@ class Pipeline:
         self._replicas = _replica_groups(self)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where a pipeline sits among the processes: every pipeline's ranks, its data-parallel group, sharded or not."""
+
+    pipelines: list[list[int]]
+    data_group: dist.ProcessGroup | None = None
+    sharded: bool = False
+    data_mesh: DeviceMesh | None = None  # the "dp" column, for FSDP2
+
+    @classmethod
+    def single(cls, group: dist.ProcessGroup) -> "_Layout":
+        return cls([dist.get_process_group_ranks(group)])
+
+
+def pipeline_mesh(pipeline_parallel_size: int, data_parallel_size: int = 1, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D DeviceMesh ("dp", "pp") of `data_parallel_size` pipelines of `pipeline_parallel_size` processes each
+    (ranks row by row: a pipeline's processes are consecutive ranks); a collective over the default group."""
+    return init_device_mesh(device_type, (data_parallel_size, pipeline_parallel_size), mesh_dim_names=("dp", "pp"))
+
+
+def _all_reduce_grads(params: list[nn.Parameter], group, divide: int = 1) -> None:
+    """Sum (then divide) the gradients of `params` over `group` in one coalesced all-reduce; a missing gradient
+    counts as zeros. Sharded parameters reduce their local shards (the same layout on every member)."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [_local(param.grad) for param in params]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat.div_(divide)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a sharded (DTensor) tensor, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) one: a collective over its mesh."""
+    return tensor.detach().full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
 def _replica_groups(pipeline: Pipeline) -> list[tuple[list[str], dist.ProcessGroup]]:
     """[(model names of this process's replicated parameters, process group of the ranks holding them)].
 
-    Every process computes every stage's keys from the split and the config (the same on all), so all create the
-    same groups in the same order, as `new_group` requires.
+    Every process computes every pipeline's stage keys from the split and the config (the same on all), so all create
+    the same groups in the same order, as `new_group` requires.
     """
     config, split = pipeline.config, pipeline.split
     depths = stage_depths(split)
-    ranks = dist.get_process_group_ranks(pipeline.group)
-    holders: dict[str, set[int]] = {}
-    for stage, stage_range in enumerate(depths):
-        rank = ranks[stage % len(ranks)]
-        keys = {f"layers.{config.block_of_depth[depth]}" for depth in stage_range}
-        if stage == 0:
-            keys.add("embed_tokens")
-        if stage == len(split) - 1:
-            keys.update({"norm", "embed_tokens" if config.tie_word_embeddings else "lm_head"})
-        for key in keys:
-            holders.setdefault(key, set()).add(rank)
+    holders: dict[tuple[int, str], set[int]] = {}  # (pipeline, key) -> ranks
+    for index, ranks in enumerate(pipeline.pipelines):
+        for stage, stage_range in enumerate(depths):
+            rank = ranks[stage % len(ranks)]
+            keys = {f"layers.{config.block_of_depth[depth]}" for depth in stage_range}
+            if stage == 0:
+                keys.add("embed_tokens")
+            if stage == len(split) - 1:
+                keys.update({"norm", "embed_tokens" if config.tie_word_embeddings else "lm_head"})
+            for key in keys:
+                holders.setdefault((index, key), set()).add(rank)
     local = {}
     for module in pipeline.modules:
         for key, names in module.replica_keys().items():
             local.setdefault(key, set()).update(model_name(name, config.tie_word_embeddings) for name in names)
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     result = []
-    for key in sorted(holders):
-        members = tuple(sorted(holders[key]))
+    for index, key in sorted(holders):
+        members = tuple(sorted(holders[index, key]))
         if len(members) < 2:
             continue
         if members not in groups:
             groups[members] = dist.new_group(list(members))  # collective: every process, same order
-        if key in local:
+        if index == pipeline.data_rank and key in local:
             result.append((sorted(local[key]), groups[members]))
     return result
 
@@ -434,6 +502,8 @@ def build_pipeline(
     num_microbatches: int = 4,
     split: Sequence[int] | None = None,
     group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    shard: bool = False,
     virtual_stages: int = 2,
     seq_len: int = 128,
     device: torch.device | str = "cpu",
@@ -446,13 +516,29 @@ def build_pipeline(
     keeps its stages' pieces (the rest of `model` can be dropped). `split`: layers per stage (manual, checked); None
     balances them (`balanced_split`) and logs the choice. Interleaved schedules run `virtual_stages` stages per
     process (stage s on process s mod size). `2bw` needs `optimizer_factory` (it steps the optimizer itself).
+
+    `mesh` (`pipeline_mesh`) runs data-parallel pipelines: this process's pipeline is its "pp" row (`group` is then
+    ignored); `shard` makes each stage FSDP2 units over the "dp" column, else the column's replicas average their
+    gradients (see the module docstring).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
     config = model.config
     if getattr(config, "num_experts", 0):
         raise ValueError("pipeline_parallel_size: mixture-of-experts P2R models are not supported in a pipeline yet")
-    group = group if group is not None else dist.group.WORLD
+    if shard and schedule == "2bw":
+        raise ValueError(
+            "data_parallel_shard: PipeDream-2BW swaps two weight versions in the stage, which FSDP2's sharded "
+            "parameters do not allow; use replicated data-parallel stages (data_parallel_shard: false)"
+        )
+    if shard and mesh is None:
+        raise ValueError("data_parallel_shard: sharded stages need the data-parallel mesh (pipeline_mesh)")
+    if mesh is not None:
+        group = mesh["pp"].get_group()
+        layout = _Layout(mesh.mesh.tolist(), mesh["dp"].get_group(), shard, mesh["dp"])
+    else:
+        group = group if group is not None else dist.group.WORLD
+        layout = _Layout.single(group)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     per_process = virtual_stages if schedule in VIRTUAL_SCHEDULES else 1
     num_stages = size * per_process
@@ -474,31 +560,57 @@ def build_pipeline(
     depths = stage_depths(split)
     indices = list(range(rank, num_stages, size))
     modules = [P2RPipelineStage(model, depths[i], i == 0, i == num_stages - 1, stage_config) for i in indices]
+    if shard:
+        _check_shardable(modules)
+        for module in modules:
+            shard_stage(module, mesh["dp"])
     device = torch.device(device)
     stages = [
         PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices, strict=True)
     ]
-    loss_fn = causal_lm_loss(config.vocab_size)
-    if schedule == "2bw":
-        from .pipedream import SchedulePipeDream2BW
-
-        if optimizer_factory is None:
-            raise ValueError("pipeline_schedule: 2bw steps the optimizer itself; pass optimizer_factory")
-        runner = SchedulePipeDream2BW(stages[0], num_microbatches, loss_fn)
-    else:
-        # Gradients are scaled by 1/m in `Pipeline.step`, once per parameter: torch scales per stage, which would
-        # scale a block shared by two virtual stages of one process twice.
-        runner = TORCH_SCHEDULES[schedule](
-            stages if schedule in VIRTUAL_SCHEDULES else stages[0],
-            num_microbatches,
-            loss_fn=loss_fn,
-            scale_grads=False,
-        )
-    pipeline = Pipeline(model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config)
+    if schedule == "2bw" and optimizer_factory is None:
+        raise ValueError("pipeline_schedule: 2bw steps the optimizer itself; pass optimizer_factory")
+    runner = _schedule(schedule, stages, num_microbatches, causal_lm_loss(config.vocab_size))
+    pipeline = Pipeline(model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config, layout)
     pipeline.explanation = explanation
     if schedule == "2bw":
         runner.attach(pipeline, optimizer_factory, max_grad_norm)
     return pipeline
+
+
+def _schedule(name: str, stages: list[PipelineStage], num_microbatches: int, loss_fn):
+    """The schedule object driving this process's `stages`."""
+    if name == "2bw":
+        from .pipedream import SchedulePipeDream2BW
+
+        return SchedulePipeDream2BW(stages[0], num_microbatches, loss_fn)
+    # Gradients are scaled by 1/m in `Pipeline.step`, once per parameter: torch scales per stage, which would scale a
+    # block shared by two virtual stages of one process twice.
+    return TORCH_SCHEDULES[name](
+        stages if name in VIRTUAL_SCHEDULES else stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+
+
+def _check_shardable(modules: list[P2RPipelineStage]) -> None:
+    """FSDP2 makes each stage a root unit: a parameter held by two virtual stages of one process (a cycle block, a
+    tied head) would belong to two roots. ValueError naming the field."""
+    owner: dict[int, int] = {}
+    for index, module in enumerate(modules):
+        for name, param in module.named_parameters():
+            if owner.setdefault(id(param), index) != index:
+                raise ValueError(
+                    f"data_parallel_shard: {model_name(name)} runs in two virtual stages of one process (a shared "
+                    "block or a tied head under an interleaved schedule), which FSDP2 cannot shard; use 1f1b or gpipe"
+                )
+
+
+def shard_stage(module: P2RPipelineStage, mesh: DeviceMesh) -> P2RPipelineStage:
+    """FSDP2 on a stage, in place: one unit per block it holds (a shared block is one unit, run at several depths),
+    then the stage itself (embeddings, final norm, head), as `fully_shard_p2r` does for a whole model."""
+    for block in module.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
 
 
 def delink_stages(pipeline: Pipeline) -> dict[str, str]:
@@ -512,6 +624,8 @@ def delink_stages(pipeline: Pipeline) -> dict[str, str]:
     config = pipeline.config
     if not config.share_layers:
         raise ValueError("this pipelined model is already real (share_layers=False): there is nothing to delink")
+    if pipeline.sharded:
+        return _delink_sharded(pipeline)
     order = config.block_of_depth
     taken: dict[int, nn.Module] = {}
     mapping: dict[str, str] = {}
@@ -529,6 +643,53 @@ def delink_stages(pipeline: Pipeline) -> dict[str, str]:
         module.layers = nn.ModuleDict(layers)
     for name, _ in pipeline.named_parameters():
         mapping.setdefault(name, name)
+    config.share_layers, config.num_unique_layers = False, config.num_hidden_layers
+    pipeline.refresh()
+    return mapping
+
+
+def _delink_sharded(pipeline: Pipeline) -> dict[str, str]:
+    """`delink_stages` for FSDP2-sharded stages, without gathering a weight (as `delink_fully_sharded`): new stage
+    modules with one block per depth are built on the meta device, sharded over the same column, and filled shard by
+    shard (a new block is a copy of the block its depth ran: equal shapes shard equally); then new `PipelineStage`s
+    and a new schedule drive them."""
+    config, order = pipeline.config, pipeline.config.block_of_depth
+    real = pipeline_model_config(pipeline)
+    real.share_layers, real.num_unique_layers = False, real.num_hidden_layers
+    with torch.device("meta"):
+        skeleton = P2RForCausalLM(real)
+    stage_config = copy.deepcopy(real)
+    mapping: dict[str, str] = {}
+    modules, stages = [], []
+    for old, old_stage in zip(pipeline.modules, pipeline.stages, strict=True):
+        new = P2RPipelineStage(
+            skeleton, old.depths, old.embed_tokens is not None, old.lm_head is not None, stage_config
+        )
+        shard_stage(new, pipeline.data_mesh)
+        device = _local(next(old.parameters())).device
+        new.to_empty(device=device)
+        sources = dict(old.named_parameters())
+        with torch.no_grad():
+            for name, param in new.named_parameters():
+                if name.startswith("layers."):
+                    depth, rest = name.split(".", 2)[1:]
+                    source = f"layers.{order[int(depth)]}.{rest}"
+                else:
+                    source = name
+                _local(param).copy_(_local(sources[source]))
+                mapping[model_name(name, real.tie_word_embeddings)] = model_name(source, real.tie_word_embeddings)
+        for name, buffer in old.named_buffers():  # the rotary tables
+            if not name.startswith("layers."):
+                owner, _, leaf = name.rpartition(".")
+                new.get_submodule(owner)._buffers[leaf] = buffer.detach().clone()
+        new.train(old.training)
+        modules.append(new)
+        stages.append(
+            PipelineStage(new, old_stage.stage_index, old_stage.num_stages, old_stage.device, group=pipeline.group)
+        )
+    loss_fn = causal_lm_loss(real.vocab_size)
+    pipeline.modules, pipeline.stages = modules, stages
+    pipeline.schedule = _schedule(pipeline.schedule_name, stages, pipeline.num_microbatches, loss_fn)
     config.share_layers, config.num_unique_layers = False, config.num_hidden_layers
     pipeline.refresh()
     return mapping
@@ -585,9 +746,10 @@ def delink_pipeline(
 
 def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None) -> dict:
     """What this process saves of a pipelined run (2BW drained first): its weights under the model's names, its
-    optimizer's state, its stages' layout, and under 2BW the other weight version and the schedule's counters."""
+    optimizer's state, its stages' layout, and under 2BW the other weight version and the schedule's counters.
+    Sharded stages save this process's shards (of the weights and of the optimizer state)."""
     state = {
-        "weights": pipeline.state_dict(),
+        "weights": pipeline.state_dict(full=False),
         "split": list(pipeline.split),
         "num_unique_layers": pipeline.config.num_unique_layers,
         "share_layers": pipeline.config.share_layers,
@@ -601,7 +763,12 @@ def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None) 
         state["other_version"] = {model_name(name, tied): param.detach() for name, param in other.items()}
         state["batches"], state["updated"] = schedule.batches, schedule.updated
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        saved = optimizer.state_dict()
+        if pipeline.sharded:  # DTensors -> their local shards (plain tensors load with weights_only)
+            saved["state"] = {
+                index: {key: _local(value) for key, value in values.items()} for index, values in saved["state"].items()
+            }
+        state["optimizer"] = saved
     return state
 
 
@@ -617,7 +784,7 @@ def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | N
     params = dict(pipeline.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(state["weights"][name])
+            _local(param).copy_(state["weights"][name])
     if pipeline.schedule_name == "2bw":
         schedule = pipeline.schedule
         schedule.batches, schedule.updated = state["batches"], state["updated"]
@@ -632,6 +799,13 @@ def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | N
         optimizer = schedule.optimizer
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
+        if pipeline.sharded:  # the saved local shards -> DTensors laid out like their parameters
+            from torch.distributed.tensor import DTensor
+
+            for param, values in optimizer.state.items():
+                for key, value in values.items():
+                    if torch.is_tensor(value) and value.shape == _local(param).shape and value.dim():
+                        values[key] = DTensor.from_local(value, param.device_mesh, param.placements)
 
 
 def gather_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor] | None:

@@ -1,12 +1,15 @@
 """The trainer's pipelined run (`pipeline_parallel_size > 1`), called by `hf_p2r.training.train.train`.
 
 The same story as the one-process loop (build -> pseudo steps -> delink -> real steps -> save), on a model split into
-stages (`build_pipeline`): every process builds the same seeded model and keeps its stages; every process reads the
-same batch (the pipeline splits it into `num_microbatches`); the last stage's loss is shared by one collective with the
-stop signal. The delink is `delink_pipeline` (each stage its own blocks, optimizer state carried per
-`optimizer_carry`); a checkpoint is one file per process beside `trainer_state.json`; `pseudo/` and `real/` are
-ordinary checkpoints written by the first process from the gathered weights. The validation loss is computed by the
-first process on the gathered model (cheap at the sizes a CPU pipeline runs; a pipelined evaluation is future work).
+stages (`build_pipeline`): every process builds the same seeded model and keeps its stages; every process of a
+pipeline reads the same batch (the pipeline splits it into `num_microbatches`), and with `data_parallel_size` > 1
+each pipeline reads its own `per_device_batch_size` blocks of the step's batch (`pipeline_mesh`: pipelines x
+data-parallel replicas, replicated or FSDP2-sharded stages); the last stages' mean loss is shared by one collective
+with the stop signal. The delink is `delink_pipeline` (each stage its own blocks, optimizer state carried per
+`optimizer_carry`); a checkpoint is one file per process beside `trainer_state.json` (a sharded stage's file holds
+its shards); `pseudo/` and `real/` are ordinary checkpoints written by the first process from the gathered weights.
+The validation loss is computed by each pipeline's first process on the gathered model (cheap at the sizes a CPU
+pipeline runs; a pipelined evaluation is future work).
 
 Launch with `torchrun --nproc-per-node 2 scripts/train.py --config ... --pipeline_parallel_size 2` or
 `accelerate launch --num_processes 2 scripts/train.py ...` (Accelerate only starts the processes and the group here).
@@ -42,6 +45,7 @@ from .pipeline import (
     delink_pipeline,
     gather_state_dict,
     load_pipeline_state,
+    pipeline_mesh,
     pipeline_model_config,
     pipeline_state,
 )
@@ -75,6 +79,12 @@ def train_pipelined(config: TrainConfig) -> int:
     with accelerator.main_process_first():
         train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
     model = build_model(config, tokenizer, config.initial_blocks())
+    data_parallel = args.data_parallel_size
+    mesh = (
+        pipeline_mesh(args.pipeline_parallel_size, data_parallel, accelerator.device.type)
+        if data_parallel > 1
+        else None
+    )
 
     def new_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return build_optimizer(nn.ParameterList(params), args)
@@ -86,6 +96,8 @@ def train_pipelined(config: TrainConfig) -> int:
         split=args.pipeline_split,
         seq_len=config.data.block_size,
         device=accelerator.device,
+        mesh=mesh,
+        shard=args.data_parallel_shard,
         optimizer_factory=new_optimizer,
         max_grad_norm=args.max_grad_norm or None,
     )
@@ -102,8 +114,9 @@ def train_pipelined(config: TrainConfig) -> int:
         _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
 
     order = BlockOrder(len(train_blocks), args.seed)
-    batch_size = args.per_device_batch_size
-    tokens_per_step = batch_size * config.data.block_size
+    batch_size = args.per_device_batch_size  # per pipeline; the step's batch is data_parallel_size times that
+    mine = slice(pipeline.data_rank * batch_size, (pipeline.data_rank + 1) * batch_size)
+    tokens_per_step = batch_size * data_parallel * config.data.block_size
     metrics_path = output_dir / METRICS_FILE
     progress = tqdm(
         total=args.total_steps,
@@ -138,8 +151,9 @@ def train_pipelined(config: TrainConfig) -> int:
             # 2BW steps its optimizer inside `step` (the previous batch's update): it takes this rate.
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
-            batch = train_blocks[order.indices(state.blocks_consumed, batch_size)]["input_ids"].to(accelerator.device)
-            state.blocks_consumed += batch_size
+            indices = order.indices(state.blocks_consumed, batch_size * data_parallel)[mine]
+            batch = train_blocks[indices]["input_ids"].to(accelerator.device)
+            state.blocks_consumed += batch_size * data_parallel
             loss = pipeline.step(batch)
             grad_norm = None
             if not two_bw:
@@ -147,10 +161,12 @@ def train_pipelined(config: TrainConfig) -> int:
                     grad_norm = pipeline.clip_grad_norm_(args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            # One collective gives every process the last stage's loss and the same stop decision.
-            shared = torch.tensor([-math.inf if loss is None else loss.item(), float(stop.signum)])
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-            loss_value, signum = shared[0].item(), int(shared[1].item())
+            # Every process gets the last stages' mean loss (over the data-parallel pipelines) and the same stop.
+            shared = torch.tensor([0.0 if loss is None else loss.item(), float(loss is not None)])
+            dist.all_reduce(shared)
+            signal = torch.tensor(float(stop.signum))
+            dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+            loss_value, signum = shared[0].item() / shared[1].item(), int(signal.item())
             if not math.isfinite(loss_value):
                 last = list_checkpoints(output_dir)
                 raise NonFiniteLossError(
@@ -242,7 +258,7 @@ def _save_model(accelerator: Accelerator, pipeline: Pipeline, tokenizer, directo
     """`pseudo/` or `real/`: one ordinary checkpoint, written by the first process from the gathered weights."""
     pipeline.drain()
     weights = gather_state_dict(pipeline)
-    if weights is not None:
+    if weights is not None and accelerator.is_main_process:  # the first pipeline's first process
         with torch.device("meta"):
             skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
         write_model_folder(

@@ -441,21 +441,21 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
             fields.append(f"pipeline_split: [{','.join([str(per_stage)] * layout.pp)}]")
         if layout.dp > 1:
             fields.append(f"data_parallel_size: {layout.dp}")
+            if layout.zero == 3:  # FSDP2 in each stage over the data-parallel pipelines
+                fields.append("data_parallel_shard: true")
         if layout.recompute:
             fields.append("activation_checkpointing: true")
         fields.append("shared_lr_scale: none")  # a pipelined run scales no shared block's learning rate
         if precision == "fp32":
             fields.append('mixed_precision: "no"')  # quoted: YAML reads a bare no as false
         # What `TrainArguments` refuses with a pipeline so far: such layouts are sized, not run.
-        refused = ["data-parallel pipelines"] if layout.dp > 1 else []
+        sharded_2bw = layout.dp > 1 and layout.zero == 3 and layout.schedule == "2bw"
+        refused = ["FSDP2-sharded stages under 2BW"] if sharded_2bw else []
         refused += ["mixed precision (stages run in fp32)"] if precision != "fp32" else []
         if config is not None and _cuts_a_block(config, layout.pp):
             refused.append("a stage starting inside a block of a sequence pseudo model")
-        sharded = " (FSDP2 in each stage)" if layout.zero == 3 else ""
-        return (
-            ", ".join(fields)
-            + sharded
-            + (f"; sizing only: the trainer refuses {' and '.join(refused)} yet" if refused else "")
+        return ", ".join(fields) + (
+            f"; sizing only: the trainer refuses {' and '.join(refused)} yet" if refused else ""
         )
     if layout.tp > 1:
         if layout.dp > 1:

@@ -233,7 +233,18 @@ class TrainArguments:
         default=None, metadata={"help": "Layers per stage, e.g. [3, 5] (default: balanced from FLOPs and bytes)."}
     )
     data_parallel_size: int = field(
-        default=1, metadata={"help": "Data-parallel pipelines beside pipeline_parallel_size (only 1 so far)."}
+        default=1,
+        metadata={
+            "help": "Data-parallel pipelines beside pipeline_parallel_size (a 2-D mesh of data_parallel_size x "
+            "pipeline_parallel_size processes); each reads per_device_batch_size blocks per step."
+        },
+    )
+    data_parallel_shard: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard each pipeline stage with FSDP2 over the data-parallel pipelines (weights, gradients and "
+            "optimizer state split data_parallel_size ways); default: replicated stages that average gradients."
+        },
     )
 
     def __post_init__(self):
@@ -266,6 +277,12 @@ class TrainArguments:
         check_range("data_parallel_size", self.data_parallel_size, low=1)
         if self.pipeline_parallel_size > 1:
             self._check_pipeline()
+        elif self.data_parallel_size != 1 or self.data_parallel_shard:
+            name = "data_parallel_size" if self.data_parallel_size != 1 else "data_parallel_shard"
+            raise ValueError(
+                f"{name}: applies to pipelined runs (pipeline_parallel_size > 1); without a pipeline, data parallelism "
+                "is the launcher's process count (accelerate launch --num_processes N, with FSDP2 or DeepSpeed)"
+            )
         if self.lr_scheduler == "wsd" and self.warmup_steps + self.decay_steps > self.total_steps:
             raise ValueError(
                 f"lr_decay_fraction: warm-up ({self.warmup_steps} steps) and decay ({self.decay_steps}) must fit in "
@@ -276,9 +293,9 @@ class TrainArguments:
         """Refuse, in one line naming the fields, what a pipelined run does not support."""
         refused = [
             (
-                "data_parallel_size",
-                self.data_parallel_size != 1,
-                "pipelines x data-parallel replicas are not built yet",
+                "data_parallel_shard",
+                self.data_parallel_shard and self.pipeline_schedule == "2bw",
+                "PipeDream-2BW swaps two weight versions, which FSDP2's sharded parameters do not allow",
             ),
             ("offload", self.offload is not None, "granular offload runs in one process"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps != 1, "num_microbatches splits the batch"),
@@ -289,6 +306,8 @@ class TrainArguments:
         for name, bad, why in refused:
             if bad:
                 raise ValueError(f"{name}: not supported with pipeline_parallel_size > 1 ({why})")
+        if self.data_parallel_shard and self.data_parallel_size == 1:
+            raise ValueError("data_parallel_shard: shards a stage over data_parallel_size > 1 pipelines, got 1")
         microbatches = self.num_microbatches or self.pipeline_parallel_size
         if self.per_device_batch_size % microbatches:
             raise ValueError(

@@ -5,7 +5,9 @@ schedules equal one-process gradient accumulation over the same micro-batches, f
 patterns and a tied head; cycle replicas stay bitwise equal; PipeDream-2BW's weights equal a one-process run of
 W(t+1) = W(t) - step(grad f_t(W(t-1))) with the same AdamW, with never more than two weight versions; the delink inside
 a pipelined run equals the one-process trainer's delink (optimizer state carried); a resumed run gives the same losses
-before and after the delink; the real model's weights gathered into one folder load with `from_pretrained`.
+before and after the delink; the real model's weights gathered into one folder load with `from_pretrained`. Four
+processes also run two data-parallel pipelines of two stages (a 2-D mesh), with replicated and with FSDP2-sharded
+stages: training, 2BW, the delink and a checkpoint equal one process on the whole batch.
 """
 
 import copy
@@ -26,6 +28,7 @@ from hf_p2r.distributed.pipeline import (
     explain_split,
     gather_state_dict,
     load_pipeline_state,
+    pipeline_mesh,
     pipeline_model_config,
     pipeline_state,
 )
@@ -190,13 +193,23 @@ def pipedream_2bw(world: int, patterns=("real", "cycle"), steps: int = 4) -> dic
     return out
 
 
-def run_with_delink(schedule: str, world: int, stop: int | None = None, state=None, before: int = 2, after: int = 2):
+def run_with_delink(
+    schedule: str, world: int, stop: int | None = None, state=None, before: int = 2, after: int = 2, mesh=None, **kw
+):
     """Cycle pseudo model: `before` steps, delink (optimizer_carry scale), `after` steps; returns (losses on every
     process, pipeline, optimizer). With `stop`, returns after that many steps (with the state to resume from);
-    with `state` (a (step, saved) pair), resumes from it."""
-    microbatches = world
+    with `state` (a (step, saved) pair), resumes from it. With `mesh` (2 x 2), two pipelines each take half of
+    every batch (`kw`: build_pipeline's, e.g. shard)."""
+    pipelines = 1 if mesh is None else mesh.size(0)
+    microbatches = world // pipelines
     pipeline = build_pipeline(
-        model_of("cycle"), schedule=schedule, num_microbatches=microbatches, seq_len=SEQ, optimizer_factory=adamw
+        model_of("cycle"),
+        schedule=schedule,
+        num_microbatches=microbatches,
+        seq_len=SEQ,
+        optimizer_factory=adamw,
+        mesh=mesh,
+        **kw,
     )
     optimizer = pipeline.schedule.optimizer if schedule == "2bw" else adamw(pipeline.parameters())
     first = 0
@@ -207,16 +220,16 @@ def run_with_delink(schedule: str, world: int, stop: int | None = None, state=No
         load_pipeline_state(pipeline, optimizer, saved)
         optimizer = pipeline.schedule.optimizer if schedule == "2bw" else optimizer
     losses = []
-    for step, ids in enumerate(batches(before + after, 2 * microbatches)):
+    for step, ids in enumerate(batches(before + after, 2 * microbatches * pipelines)):
         if step < first:
             continue
         if step == before:
             optimizer = delink_pipeline(pipeline, optimizer, adamw, "scale")
-        loss = pipeline.step(ids)
+        loss = pipeline.step(ids.chunk(pipelines)[pipeline.data_rank])
         if schedule != "2bw":
             optimizer.step()
             optimizer.zero_grad()
-        losses.append(last_stage_value(None if loss is None else loss.item()))
+        losses.append(mean_loss(loss))
         if stop is not None and step + 1 == stop:
             return losses, (stop, pipeline_state(pipeline, optimizer))
     if schedule == "2bw":
@@ -224,8 +237,16 @@ def run_with_delink(schedule: str, world: int, stop: int | None = None, state=No
     return losses, pipeline, optimizer
 
 
+def mean_loss(loss: torch.Tensor | None) -> float:
+    """The mean of the last stages' losses (one per pipeline), on every process."""
+    out = torch.tensor([0.0 if loss is None else loss.item(), float(loss is not None)])
+    dist.all_reduce(out)
+    return (out[0] / out[1]).item()
+
+
 def one_process_delink(world: int, before: int = 2, after: int = 2) -> P2RForCausalLM:
-    """The one-process trainer's delink (carry_optimizer_state, scale) around the same steps, flush semantics."""
+    """The one-process trainer's delink (carry_optimizer_state, scale) around the same steps, flush semantics, on
+    batches of 2 * world blocks in `world` micro-batches."""
     model = model_of("cycle")
     optimizer = adamw(model.parameters())
     for step, ids in enumerate(batches(before + after, 2 * world)):
@@ -287,6 +308,78 @@ def trainer_runs(folder: str) -> dict:
     return {"full": full, "resumed": resumed, "real_blocks": real.config.num_unique_layers}
 
 
+def data_parallel_checks(world: int, folder: str) -> dict:
+    """Two pipelines of two stages (2-D mesh), replicated and FSDP2-sharded stages, each pipeline on half the batch,
+    against one process on the whole batch: weights after two 1F1B steps (real, cycle), 2BW's delayed update
+    (replicated), the delink, and a checkpoint resumed before and after it (sharded: shards of weights and state)."""
+    mesh = pipeline_mesh(pipeline_parallel_size=2, data_parallel_size=2)
+    out = {}
+    data = batches(2, 8)  # 2 pipelines x 2 micro-batches x 2 blocks
+    for shard in (False, True):
+        kind = "shard" if shard else "replicate"
+        for pattern in ("real", "cycle"):
+            pipeline = build_pipeline(
+                model_of(pattern), schedule="1f1b", num_microbatches=2, seq_len=SEQ, mesh=mesh, shard=shard
+            )
+            optimizer = adamw(pipeline.parameters())
+            reference = model_of(pattern)
+            reference_optimizer = adamw(reference.parameters())
+            for ids in data:
+                pipeline.step(ids.chunk(2)[pipeline.data_rank])
+                pipeline.clip_grad_norm_(1e9)  # the norm's reductions run; nothing is clipped
+                optimizer.step()
+                optimizer.zero_grad()
+                accumulate(reference, ids, 4)
+                reference_optimizer.step()
+                reference_optimizer.zero_grad()
+            weights = dict(reference.named_parameters())
+            mine = pipeline.state_dict()  # whole weights: a collective over the column when sharded
+            out[f"{kind}/{pattern}"] = worst_difference((mine[name], weights[name]) for name in mine)
+        losses, pipeline, _ = run_with_delink("1f1b", 4, mesh=mesh, shard=shard)
+        reference = dict(one_process_delink(4).named_parameters())
+        mine = pipeline.state_dict()
+        out[f"{kind}/delink"] = worst_difference((mine[name], reference[name]) for name in mine)
+        # Sharded: every weight of the delinked stages is an FSDP2 DTensor holding half of its rows here.
+        out[f"{kind}/halves"] = all(
+            hasattr(param, "to_local") and 2 * param.to_local().shape[0] == param.shape[0]
+            for param in pipeline.parameters()
+        )
+        for stop in (2, 3):
+            head, (step, saved) = run_with_delink("1f1b", 4, stop=stop, mesh=mesh, shard=shard)
+            path = f"{folder}/{kind}-{stop}-{dist.get_rank()}.pt"
+            torch.save(saved, path)  # what the trainer writes, loaded as the trainer loads it
+            resumed = run_with_delink(
+                "1f1b", 4, state=(step, torch.load(path, weights_only=True)), mesh=mesh, shard=shard
+            )[0]
+            out[f"{kind}/resume/{stop}"] = (head + resumed, losses)
+    # 2BW with replicated data-parallel stages: W(t+1) = W(t) - AdamW(mean gradient over both pipelines at W(t-1)).
+    pipeline = build_pipeline(
+        model_of("cycle"), schedule="2bw", num_microbatches=2, seq_len=SEQ, optimizer_factory=adamw, mesh=mesh
+    )
+    for ids in batches(3, 8):
+        pipeline.step(ids.chunk(2)[pipeline.data_rank])
+    pipeline.drain()
+    reference, _ = delayed_reference("cycle", batches(3, 8), 4)
+    weights = dict(reference.named_parameters())
+    out["replicate/2bw"] = worst_difference((param, weights[name]) for name, param in pipeline.named_parameters())
+    return out
+
+
+def trainer_data_parallel(folder: str) -> dict:
+    """The trainer with 2 pipelines x 2 stages, FSDP2-sharded stages (1f1b, tiny cycle model, delink at step 2): a
+    full run and a run resumed after the delink; their losses, and what real/ loads as."""
+    output_dir = f"{folder}/dp-run"
+    argv = tiny_argv(
+        output_dir, **{**TRAINER, "pipeline_schedule": "1f1b", "data_parallel_size": 2, "data_parallel_shard": "true"}
+    )
+    assert train(parse_config(argv)) == 0
+    full = [(r["step"], r["loss"]) for r in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in r]
+    assert train(parse_config([*argv, "--resume_from_checkpoint", f"{output_dir}/checkpoints/checkpoint-3"])) == 0
+    resumed = [(r["step"], r["loss"]) for r in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in r]
+    real = P2RForCausalLM.from_pretrained(f"{output_dir}/real")
+    return {"full": full, "resumed": resumed, "real_blocks": real.config.num_unique_layers}
+
+
 def two_processes(rank: int, world: int) -> dict:
     folder = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(folder)
@@ -300,9 +393,13 @@ def two_processes(rank: int, world: int) -> dict:
 
 
 def four_processes(rank: int, world: int) -> dict:
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
     return {
         "replicas_equal": replicas_stay_equal(world, "giant"),
         "2bw": pipedream_2bw(world, patterns=("giant",), steps=3),
+        "data_parallel": data_parallel_checks(world, folder[0]),
+        "trainer_data_parallel": trainer_data_parallel(folder[0]),
     }
 
 
@@ -376,11 +473,44 @@ def test_the_trainer_runs_a_pipeline_and_resumes_after_the_delink(two):
     assert run["real_blocks"] == 4
 
 
+def test_data_parallel_pipelines_equal_one_process_on_the_whole_batch(four):
+    result = four["data_parallel"]
+    for kind in ("replicate", "shard"):
+        # Each pipeline's mean over its micro-batches, then the mean over the pipelines: the one-process mean in
+        # another order, amplified by AdamW as for shared blocks (ATOL).
+        assert result[f"{kind}/real"] < ATOL, kind
+        assert result[f"{kind}/cycle"] < ATOL, kind
+        assert result[f"{kind}/delink"] < ATOL, kind
+        assert result[f"{kind}/halves"] == (kind == "shard")
+        for stop in (2, 3):  # resumed just before the delink and after it
+            resumed, uninterrupted = result[f"{kind}/resume/{stop}"]
+            assert resumed == uninterrupted, (kind, stop)
+    assert result["replicate/2bw"] < ATOL
+
+
+def test_the_trainer_runs_data_parallel_sharded_pipelines_and_resumes(four):
+    run = four["trainer_data_parallel"]
+    assert [step for step, _ in run["full"]] == [1, 2, 3, 4]
+    assert run["resumed"] == run["full"]
+    assert run["real_blocks"] == 4
+
+
+def test_data_parallel_fields_need_a_pipeline(tmp_path):
+    with pytest.raises(ValueError, match=r"^data_parallel_size: applies to pipelined runs"):
+        parse_config(tiny_argv(tmp_path, data_parallel_size=2))
+    with pytest.raises(ValueError, match=r"^data_parallel_shard: applies to pipelined runs"):
+        parse_config(tiny_argv(tmp_path, data_parallel_shard="true"))
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--offload", "0.5"], r"^offload: not supported with pipeline_parallel_size > 1"),
-        (["--data_parallel_size", "2"], r"^data_parallel_size: not supported with pipeline_parallel_size > 1"),
+        (
+            ["--data_parallel_size", "2", "--data_parallel_shard", "true", "--pipeline_schedule", "2bw"],
+            r"^data_parallel_shard: not supported with pipeline_parallel_size > 1 \(PipeDream-2BW swaps",
+        ),
+        (["--data_parallel_shard", "true"], r"^data_parallel_shard: shards a stage over data_parallel_size > 1"),
         (["--num_microbatches", "3"], r"^num_microbatches: 3 must divide per_device_batch_size"),
         (["--pipeline_schedule", "2bw", "--num_microbatches", "1"], r"^num_microbatches: PipeDream-2BW needs"),
     ],

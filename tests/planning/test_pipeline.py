@@ -135,16 +135,17 @@ def test_pipeline_layouts_name_the_trainer_fields_that_run_them():
         assert fields["per_device_batch_size"] == str(e.microbatches * MICRO_BATCH)
         assert fields["data_parallel_size"] == str(e.layout.dp)
         assert fields.get("activation_checkpointing") == ("true" if e.layout.recompute else None)
-        # The trainer refuses data-parallel pipelines and mixed precision in a pipeline so far: sized, not run.
-        assert e.engine.endswith("sizing only: the trainer refuses data-parallel pipelines and mixed precision "
-                                 "(stages run in fp32) yet")  # fmt: skip
+        sharded = e.layout.zero == 3  # FSDP2 in each stage over the data-parallel pipelines
+        assert fields.get("data_parallel_shard") == ("true" if sharded else None)
+        # The trainer refuses mixed precision in a pipeline so far, and sharded stages under 2BW: sized, not run.
+        refused = "FSDP2-sharded stages under 2BW and " if sharded and e.layout.schedule == "2bw" else ""
+        assert e.engine.endswith(f"sizing only: the trainer refuses {refused}mixed precision (stages run in fp32) yet")
 
 
-def fp32_pipeline_engine(schedule: str = "2bw", recompute: bool = True) -> str:
+def fp32_pipeline_engine(schedule: str = "2bw", recompute: bool = True, dp: int = 1, zero: int = 0) -> str:
     fp32 = dataclasses.replace(workload(), precision=PRECISIONS["fp32"])
-    return estimate(
-        tiny_config(), Layout(dp=1, pp=STAGES, schedule=schedule, recompute=recompute), fp32, Hardware()
-    ).engine
+    layout = Layout(dp=dp, pp=STAGES, zero=zero, schedule=schedule, recompute=recompute)
+    return estimate(tiny_config(), layout, fp32, Hardware()).engine
 
 
 def test_a_one_pipeline_fp32_layout_is_run_not_sized():
@@ -157,12 +158,17 @@ def test_a_one_pipeline_fp32_layout_is_run_not_sized():
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
-def test_the_trainer_accepts_what_plan_prints(tmp_path, schedule):
-    """The fields a runnable pipeline layout prints, added to a trainer YAML, pass the trainer's own checks."""
+@pytest.mark.parametrize(
+    ("schedule", "dp", "zero"), [("gpipe", 1, 0), ("1f1b", 1, 0), ("2bw", 1, 0), ("2bw", 2, 0), ("1f1b", 2, 3)]
+)
+def test_the_trainer_accepts_what_plan_prints(tmp_path, schedule, dp, zero):
+    """The fields a runnable pipeline layout prints (one pipeline, data-parallel replicas, FSDP2-sharded stages),
+    added to a trainer YAML, pass the trainer's own checks."""
     from hf_p2r.training.config import parse_config
 
-    printed = fp32_pipeline_engine(schedule).split(", ")  # each "name: value" as printed, one YAML line each
+    engine = fp32_pipeline_engine(schedule, dp=dp, zero=zero)
+    assert "sizing only" not in engine
+    printed = engine.split(", ")  # each "name: value" as printed, one YAML line each
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(
         "hidden_size: 32\nintermediate_size: 64\nnum_hidden_layers: 8\nnum_attention_heads: 4\n"
@@ -175,10 +181,12 @@ def test_the_trainer_accepts_what_plan_prints(tmp_path, schedule):
             pytest.skip("the trainer has no pipeline fields yet")
         raise
     assert (run.train.pipeline_parallel_size, run.train.pipeline_schedule) == (STAGES, schedule)
-    assert (run.train.num_microbatches, run.train.per_device_batch_size) == (MICROBATCHES, MICROBATCHES * MICRO_BATCH)
+    microbatches = MICROBATCHES // dp  # the batch is split over the data-parallel pipelines
+    assert (run.train.num_microbatches, run.train.per_device_batch_size) == (microbatches, microbatches * MICRO_BATCH)
     assert run.train.pipeline_split == [2, 2, 2, 2]  # the equal split the planner sized
     assert run.train.gradient_accumulation_steps == 1
     assert run.model.activation_checkpointing and run.train.mixed_precision == "no"
+    assert (run.train.data_parallel_size, run.train.data_parallel_shard) == (dp, zero == 3)
 
 
 @pytest.mark.parametrize("blocks,sized_only", [(4, False), (2, True), (3, True), (None, False)])
