@@ -62,7 +62,7 @@ from torch.distributed.pipelining import (
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
-from ..models.p2r import P2RForCausalLM
+from ..models.p2r import P2RForCausalLM, delink_sources
 from ..models.p2r.modeling_p2r import CACHE_KWARG
 
 logger = logging.getLogger(__name__)
@@ -342,6 +342,16 @@ class Pipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [param for _, param in self.named_parameters()]
 
+    def shared_lr_scales(self) -> dict[int, float]:
+        """{id(parameter): 1/n} for this process's block parameters, n the depths of the whole model running the
+        block (`shared_lr_scale: depth`, as `hf_p2r.training.optim.shared_lr_scales` for a whole model)."""
+        uses = Counter(self.config.block_of_depth)
+        return {
+            id(param): 1.0 / uses[int(name.split(".")[2])]
+            for name, param in self.named_parameters()
+            if name.startswith("model.layers.")
+        }
+
     def step(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch (split into `num_microbatches`); on the last stage, returns the mean loss
         over the micro-batches (None elsewhere). Gradients hold the mean over the micro-batches, replicas summed."""
@@ -613,71 +623,76 @@ def shard_stage(module: P2RPipelineStage, mesh: DeviceMesh) -> P2RPipelineStage:
     return module
 
 
-def delink_stages(pipeline: Pipeline) -> dict[str, str]:
-    """Delink this process's stages in place (every depth its own block, the real model) and return
+def delink_stages(pipeline: Pipeline, num_unique_layers: int | None = None) -> dict[str, str]:
+    """Delink this process's stages in place to `num_unique_layers` blocks (None: every depth its own block, the real
+    model; fewer: a partial delink, e.g. 1 -> 2 -> 4, valid as for `P2RPreTrainedModel.delink`) and return
     {new model name: old model name} for the parameters, to carry optimizer state.
 
-    Depth i's block is the block it ran: the first depth of a block on this process keeps the block itself, the others
-    get copies (as `P2RPreTrainedModel.delink`, per process). A cycle replica thereby becomes this stage's own real
-    blocks, and with no parameter left on two processes the gradient reduction stops.
+    A new block starts as the block its depths ran: the first new block of an old one on this process keeps the block
+    itself, the others get copies (as `P2RPreTrainedModel.delink`, per process). After a full delink a cycle replica is
+    this stage's own real blocks, and with no parameter left on two processes the gradient reduction stops; after a
+    partial one the replica groups are recomputed for the new blocks.
     """
     config = pipeline.config
     if not config.share_layers:
         raise ValueError("this pipelined model is already real (share_layers=False): there is nothing to delink")
+    depth = config.num_hidden_layers
+    target = depth if num_unique_layers is None else num_unique_layers
+    sources = delink_sources(depth, config.num_unique_layers, target, config.sharing_pattern)
+    new_config = copy.deepcopy(config)
+    new_config.share_layers, new_config.num_unique_layers = target < depth, target
     if pipeline.sharded:
-        return _delink_sharded(pipeline)
-    order = config.block_of_depth
-    taken: dict[int, nn.Module] = {}
+        return _delink_sharded(pipeline, new_config, sources)
+    order = new_config.block_of_depth
+    taken: set[int] = set()  # old blocks whose module a new block already kept
+    made: dict[int, nn.Module] = {}  # new block -> module, shared by this process's stages
     mapping: dict[str, str] = {}
     for module in pipeline.modules:
         layers = {}
-        for depth in module.depths:
-            block = module.layers[str(order[depth])]
-            if order[depth] in taken:
-                block = copy.deepcopy(block, {id(block.self_attn.config): block.self_attn.config})
-            taken[order[depth]] = block
-            block.self_attn.layer_idx = depth
-            layers[str(depth)] = block
-            for name, _ in block.named_parameters():
-                mapping[f"model.layers.{depth}.{name}"] = f"model.layers.{order[depth]}.{name}"
+        for index in dict.fromkeys(order[d] for d in module.depths):
+            if index not in made:
+                block = module.layers[str(sources[index])]
+                if sources[index] in taken:
+                    block = copy.deepcopy(block, {id(block.self_attn.config): block.self_attn.config})
+                taken.add(sources[index])
+                block.self_attn.layer_idx = index
+                made[index] = block
+            layers[str(index)] = made[index]
+            for name, _ in made[index].named_parameters():
+                mapping[f"model.layers.{index}.{name}"] = f"model.layers.{sources[index]}.{name}"
         module.layers = nn.ModuleDict(layers)
     for name, _ in pipeline.named_parameters():
         mapping.setdefault(name, name)
-    config.share_layers, config.num_unique_layers = False, config.num_hidden_layers
+    config.share_layers, config.num_unique_layers = new_config.share_layers, new_config.num_unique_layers
     pipeline.refresh()
     return mapping
 
 
-def _delink_sharded(pipeline: Pipeline) -> dict[str, str]:
+def _delink_sharded(pipeline: Pipeline, new_config, sources: list[int]) -> dict[str, str]:
     """`delink_stages` for FSDP2-sharded stages, without gathering a weight (as `delink_fully_sharded`): new stage
-    modules with one block per depth are built on the meta device, sharded over the same column, and filled shard by
-    shard (a new block is a copy of the block its depth ran: equal shapes shard equally); then new `PipelineStage`s
+    modules with the new blocks are built on the meta device, sharded over the same column, and filled shard by
+    shard (a new block is a copy of the block its depths ran: equal shapes shard equally); then new `PipelineStage`s
     and a new schedule drive them."""
-    config, order = pipeline.config, pipeline.config.block_of_depth
-    real = pipeline_model_config(pipeline)
-    real.share_layers, real.num_unique_layers = False, real.num_hidden_layers
+    whole = pipeline_model_config(pipeline)
+    whole.share_layers, whole.num_unique_layers = new_config.share_layers, new_config.num_unique_layers
     with torch.device("meta"):
-        skeleton = P2RForCausalLM(real)
-    stage_config = copy.deepcopy(real)
+        skeleton = P2RForCausalLM(whole)
+    tied = whole.tie_word_embeddings
     mapping: dict[str, str] = {}
     modules, stages = [], []
     for old, old_stage in zip(pipeline.modules, pipeline.stages, strict=True):
-        new = P2RPipelineStage(
-            skeleton, old.depths, old.embed_tokens is not None, old.lm_head is not None, stage_config
-        )
+        new = P2RPipelineStage(skeleton, old.depths, old.embed_tokens is not None, old.lm_head is not None, new_config)
         shard_stage(new, pipeline.data_mesh)
-        device = _local(next(old.parameters())).device
-        new.to_empty(device=device)
-        sources = dict(old.named_parameters())
+        new.to_empty(device=_local(next(old.parameters())).device)
+        olds = dict(old.named_parameters())
         with torch.no_grad():
             for name, param in new.named_parameters():
+                source = name
                 if name.startswith("layers."):
-                    depth, rest = name.split(".", 2)[1:]
-                    source = f"layers.{order[int(depth)]}.{rest}"
-                else:
-                    source = name
-                _local(param).copy_(_local(sources[source]))
-                mapping[model_name(name, real.tie_word_embeddings)] = model_name(source, real.tie_word_embeddings)
+                    index, rest = name.split(".", 2)[1:]
+                    source = f"layers.{sources[int(index)]}.{rest}"
+                _local(param).copy_(_local(olds[source]))
+                mapping[model_name(name, tied)] = model_name(source, tied)
         for name, buffer in old.named_buffers():  # the rotary tables
             if not name.startswith("layers."):
                 owner, _, leaf = name.rpartition(".")
@@ -687,10 +702,10 @@ def _delink_sharded(pipeline: Pipeline) -> dict[str, str]:
         stages.append(
             PipelineStage(new, old_stage.stage_index, old_stage.num_stages, old_stage.device, group=pipeline.group)
         )
-    loss_fn = causal_lm_loss(real.vocab_size)
     pipeline.modules, pipeline.stages = modules, stages
+    loss_fn = causal_lm_loss(whole.vocab_size)
     pipeline.schedule = _schedule(pipeline.schedule_name, stages, pipeline.num_microbatches, loss_fn)
-    config.share_layers, config.num_unique_layers = False, config.num_hidden_layers
+    pipeline.config = new_config  # the new stages' layout
     pipeline.refresh()
     return mapping
 
@@ -700,12 +715,14 @@ def delink_pipeline(
     optimizer: torch.optim.Optimizer,
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     carry: str,
+    num_unique_layers: int | None = None,
 ) -> torch.optim.Optimizer:
-    """Delink this process's stages (`delink_stages`) and return a new optimizer over their parameters, its state
-    carried from `optimizer` as the one-process trainer carries it (`optimizer_carry`: reset | copy | scale, with
-    `hf_p2r.training.delink`'s per-parameter rules; scale's ratio counts every depth of the whole model that ran the
-    block). Under 2BW the pipeline is drained first, and its other weight version is delinked alike. Call it on every
-    process of the pipeline at the same step, between optimizer steps.
+    """Delink this process's stages (`delink_stages`, to `num_unique_layers` blocks; None: the real model) and return
+    a new optimizer over their parameters, its state carried from `optimizer` as the one-process trainer carries it
+    (`optimizer_carry`: reset | copy | scale, with `hf_p2r.training.delink`'s per-parameter rules; scale's ratio n'/n
+    counts every depth of the whole model that runs the new block and ran the old one). Under 2BW the pipeline is
+    drained first, and its other weight version is delinked alike. Call it on every process of every pipeline at the
+    same step, between optimizer steps.
     """
     from ..training.delink import _scaled_state, _to
 
@@ -719,7 +736,8 @@ def delink_pipeline(
     uses = Counter(pipeline.config.block_of_depth)
     tied = pipeline.config.tie_word_embeddings
     old_stage_name = {model_name(name, tied): name for name, _ in pipeline.modules[0].named_parameters()}
-    mapping = delink_stages(pipeline)
+    mapping = delink_stages(pipeline, num_unique_layers)
+    uses_after = Counter(pipeline.config.block_of_depth)
     new_optimizer = optimizer_factory(pipeline.parameters())
     for name, param in pipeline.named_parameters():
         source = before[mapping[name]]
@@ -729,8 +747,8 @@ def delink_pipeline(
         if not name.startswith("model.layers."):  # outside the blocks: keeps its state in every mode
             new_optimizer.state[param] = {key: _to(value, param) for key, value in state.items()}
         elif carry != "reset":
-            block = int(mapping[name].split(".")[2])
-            ratio = 1.0 / uses[block] if carry == "scale" else 1.0
+            block, new_block = int(mapping[name].split(".")[2]), int(name.split(".")[2])
+            ratio = uses_after[new_block] / uses[block] if carry == "scale" else 1.0
             new_optimizer.state[param] = _scaled_state(state, ratio, param)
     new_optimizer.load_state_dict(new_optimizer.state_dict())
     if two_versions:
@@ -775,11 +793,11 @@ def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None) 
 def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Restore `pipeline_state` into a pipeline built like the saved one (same split and layout) and its optimizer
     (built over `pipeline.parameters()`, or 2BW's own)."""
-    if list(state["split"]) != list(pipeline.split) or state["share_layers"] != pipeline.config.share_layers:
+    saved = (list(state["split"]), state["num_unique_layers"])
+    if saved != (list(pipeline.split), pipeline.config.num_unique_layers):
         raise ValueError(
-            f"resume_from_checkpoint: the checkpoint's pipeline (split {state['split']}, share_layers="
-            f"{state['share_layers']}) differs from this run's (split {pipeline.split}, share_layers="
-            f"{pipeline.config.share_layers})"
+            f"resume_from_checkpoint: the checkpoint's pipeline (split {saved[0]}, {saved[1]} blocks) differs from "
+            f"this run's (split {pipeline.split}, {pipeline.config.num_unique_layers} blocks)"
         )
     params = dict(pipeline.named_parameters())
     with torch.no_grad():

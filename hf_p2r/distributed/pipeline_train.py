@@ -38,7 +38,7 @@ from ..training.checkpointing import (
 from ..training.config import TrainConfig
 from ..training.data import BlockOrder, build_blocks, load_tokenizer
 from ..training.metrics import METRICS_FILE, PLOT_FILE, peak_memory_gb, plot_losses, read_metrics
-from ..training.optim import build_optimizer, learning_rate_at
+from ..training.optim import build_optimizer, learning_rate_at, shared_lr_scales
 from .pipeline import (
     Pipeline,
     build_pipeline,
@@ -86,8 +86,15 @@ def train_pipelined(config: TrainConfig) -> int:
         else None
     )
 
+    pipeline, model_scales = None, shared_lr_scales(model, args)
+
     def new_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return build_optimizer(nn.ParameterList(params), args)
+        # `shared_lr_scale: depth`: a shared block's rate over the depths of the whole model running it (the model's
+        # own parameters until the pipeline holds them: 2BW makes its optimizer while the pipeline is built).
+        scales = model_scales if pipeline is None else {}
+        if pipeline is not None and args.shared_lr_scale == "depth":
+            scales = pipeline.shared_lr_scales()
+        return build_optimizer(nn.ParameterList(params), args, lr_scales=scales)
 
     pipeline = build_pipeline(
         model,
@@ -106,8 +113,9 @@ def train_pipelined(config: TrainConfig) -> int:
     two_bw = args.pipeline_schedule == "2bw"
     optimizer = pipeline.schedule.optimizer if two_bw else new_optimizer(pipeline.parameters())
     if checkpoint:
-        if state.num_blocks == depth and config.initial_blocks() < depth:
-            optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry)
+        if state.num_blocks > config.initial_blocks():  # the layout it saved: delinked (partly or fully)
+            target = state.num_blocks if state.num_blocks < depth else None
+            optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry, target)
         saved = torch.load(checkpoint / f"stage-{dist.get_rank()}.pt", weights_only=True)
         load_pipeline_state(pipeline, optimizer, saved)
         optimizer = pipeline.schedule.optimizer if two_bw else optimizer
@@ -132,14 +140,18 @@ def train_pipelined(config: TrainConfig) -> int:
     # The loop: each pass delinks if the delink is due at this step, then makes one optimizer step.
     with _StopOnSignal() as stop:
         while True:
-            if state.num_blocks < config.blocks_at(state.step):
-                _save_model(accelerator, pipeline, tokenizer, output_dir / "pseudo", args.remote_code)
-                optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry)
-                before, state.num_blocks = state.num_blocks, depth
+            target = config.blocks_at(state.step)
+            if state.num_blocks < target:
+                if target == depth:
+                    _save_model(accelerator, pipeline, tokenizer, output_dir / "pseudo", args.remote_code)
+                optimizer = delink_pipeline(
+                    pipeline, optimizer, new_optimizer, args.optimizer_carry, target if target < depth else None
+                )
+                before, state.num_blocks = state.num_blocks, target
                 _record(accelerator, metrics_path, state, depth, event="delink", num_blocks_before=before)
                 _say(
                     accelerator,
-                    f"step {state.step}: delinked {before} -> {depth} blocks in every stage "
+                    f"step {state.step}: delinked {before} -> {target} blocks in every stage "
                     f"(optimizer_carry={args.optimizer_carry})",
                 )
                 progress.set_description(state.stage(depth))

@@ -445,7 +445,6 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
                 fields.append("data_parallel_shard: true")
         if layout.recompute:
             fields.append("activation_checkpointing: true")
-        fields.append("shared_lr_scale: none")  # a pipelined run scales no shared block's learning rate
         if precision == "fp32":
             fields.append('mixed_precision: "no"')  # quoted: YAML reads a bare no as false
         # What `TrainArguments` refuses with a pipeline so far: such layouts are sized, not run.

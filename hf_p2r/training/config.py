@@ -299,8 +299,6 @@ class TrainArguments:
             ),
             ("offload", self.offload is not None, "granular offload runs in one process"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps != 1, "num_microbatches splits the batch"),
-            ("partial_delink_steps", bool(self.partial_delink_steps), "a pipelined run delinks to the real model only"),
-            ("shared_lr_scale", self.shared_lr_scale != "none", "set shared_lr_scale: none"),
             ("mixed_precision", self.mixed_precision not in (None, "no"), "stages run in fp32 so far"),
         ]
         for name, bad, why in refused:

@@ -19,7 +19,10 @@ from .offload import GranularOffload, measure_activation_bytes
 
 
 def build_optimizer(
-    model: nn.Module, args: TrainArguments, offload: GranularOffload | None = None
+    model: nn.Module,
+    args: TrainArguments,
+    offload: GranularOffload | None = None,
+    lr_scales: dict[int, float] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; weight decay on matrices and embeddings, not on norms and biases.
 
@@ -28,8 +31,9 @@ def build_optimizer(
     torch's fused AdamW is used wherever it applies (not on FSDP2's DTensor shards), with or without offload, so
     the two give the same updates. Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared
     block's by the depths it runs at): the training loop sets each group's rate to the schedule's times it.
+    `lr_scales` ({id(parameter): factor}) replaces the model's own where `model` holds a part of it (pipeline stages).
     """
-    scale_of = _lr_scales(model, args)
+    scale_of = shared_lr_scales(model, args) if lr_scales is None else lr_scales
     buckets: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
@@ -45,7 +49,7 @@ def build_optimizer(
     return torch.optim.AdamW(groups, **options, fused=fused or None)
 
 
-def _lr_scales(model: nn.Module, args: TrainArguments) -> dict[int, float]:
+def shared_lr_scales(model: nn.Module, args: TrainArguments) -> dict[int, float]:
     """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths."""
     if args.shared_lr_scale == "none":
         return {}

@@ -64,6 +64,18 @@ TRAINER = dict(
     eval_steps=0,
     cpu="true",
 )
+# The recommended P2R schedule (growth from one block, shared blocks at 1/n of the rate), pipelined with 1F1B:
+# 1 -> 2 blocks at step 1, -> 4 (real) at step 2.
+GROWTH = {
+    **TRAINER,
+    "pipeline_schedule": "1f1b",
+    "num_unique_layers": 1,
+    "partial_delink_steps": [1],
+    "partial_delink_blocks": [2],
+    "shared_lr_scale": "depth",
+}
+PIPELINE_FIELDS = ("pipeline_parallel_size", "pipeline_schedule", "num_microbatches", "data_parallel_size",
+                   "data_parallel_shard")  # fmt: skip
 
 
 def model_of(pattern: str, layers: int = 4) -> P2RForCausalLM:
@@ -365,19 +377,31 @@ def data_parallel_checks(world: int, folder: str) -> dict:
     return out
 
 
-def trainer_data_parallel(folder: str) -> dict:
-    """The trainer with 2 pipelines x 2 stages, FSDP2-sharded stages (1f1b, tiny cycle model, delink at step 2): a
-    full run and a run resumed after the delink; their losses, and what real/ loads as."""
-    output_dir = f"{folder}/dp-run"
-    argv = tiny_argv(
-        output_dir, **{**TRAINER, "pipeline_schedule": "1f1b", "data_parallel_size": 2, "data_parallel_shard": "true"}
-    )
+def losses_of(output_dir: str) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in r]
+
+
+def trainer_with_resumes(output_dir: str, fields: dict, resume_from: tuple[int, ...]) -> dict:
+    """A full trainer run of `fields`, then runs resumed from each checkpoint in `resume_from`: their losses, the
+    number of blocks at each step, and what real/ loads as."""
+    argv = tiny_argv(output_dir, **fields)
     assert train(parse_config(argv)) == 0
-    full = [(r["step"], r["loss"]) for r in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in r]
-    assert train(parse_config([*argv, "--resume_from_checkpoint", f"{output_dir}/checkpoints/checkpoint-3"])) == 0
-    resumed = [(r["step"], r["loss"]) for r in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in r]
-    real = P2RForCausalLM.from_pretrained(f"{output_dir}/real")
-    return {"full": full, "resumed": resumed, "real_blocks": real.config.num_unique_layers}
+    out = {"argv": argv, "full": losses_of(output_dir)}
+    out["blocks"] = [(r["step"], r["num_blocks"]) for r in read_metrics(f"{output_dir}/metrics.jsonl") if "loss" in r]
+    for step in resume_from:
+        assert (
+            train(parse_config([*argv, "--resume_from_checkpoint", f"{output_dir}/checkpoints/checkpoint-{step}"])) == 0
+        )
+        out[f"resumed/{step}"] = losses_of(output_dir)
+    out["real_blocks"] = P2RForCausalLM.from_pretrained(f"{output_dir}/real").config.num_unique_layers
+    return out
+
+
+def trainer_data_parallel(folder: str) -> dict:
+    """The trainer with 2 pipelines x 2 stages of FSDP2-sharded stages, growing 1 -> 2 -> 4 blocks (GROWTH): a full
+    run and runs resumed after each delink."""
+    fields = {**GROWTH, "data_parallel_size": 2, "data_parallel_shard": "true"}
+    return trainer_with_resumes(f"{folder}/dp-run", fields, resume_from=(2, 3))
 
 
 def two_processes(rank: int, world: int) -> dict:
@@ -389,6 +413,7 @@ def two_processes(rank: int, world: int) -> dict:
         "2bw": pipedream_2bw(world),
         **delink_checks(world, folder[0]),
         "trainer": trainer_runs(folder[0]),
+        "trainer_growth": trainer_with_resumes(f"{folder[0]}/growth-run", GROWTH, resume_from=(2,)),
     }
 
 
@@ -488,10 +513,48 @@ def test_data_parallel_pipelines_equal_one_process_on_the_whole_batch(four):
     assert result["replicate/2bw"] < ATOL
 
 
-def test_the_trainer_runs_data_parallel_sharded_pipelines_and_resumes(four):
+def one_process_losses(argv: list[str], tmp_path, pipelines: int = 1) -> list[tuple[int, float]]:
+    """The one-process trainer's losses for a pipelined run's arguments: its pipeline fields dropped, the batch of
+    all its pipelines in one."""
+    fields, index = {}, 0
+    while index < len(argv):
+        name, values = argv[index][2:], []
+        index += 1
+        while index < len(argv) and not argv[index].startswith("--"):
+            values.append(argv[index])
+            index += 1
+        fields[name] = values
+    for name in PIPELINE_FIELDS:
+        fields.pop(name, None)
+    fields["per_device_batch_size"] = [str(int(fields["per_device_batch_size"][0]) * pipelines)]
+    fields["output_dir"] = [str(tmp_path / "one-process")]
+    assert train(parse_config([item for name, values in fields.items() for item in (f"--{name}", *values)])) == 0
+    return losses_of(str(tmp_path / "one-process"))
+
+
+def assert_same_losses(pipelined, one_process):
+    assert [step for step, _ in pipelined] == [step for step, _ in one_process]
+    for (step, loss), (_, expected) in zip(pipelined, one_process, strict=True):
+        assert loss == pytest.approx(expected, abs=1e-5), step
+
+
+def test_the_trainer_grows_a_pipelined_model_as_one_process_does(two, tmp_path):
+    """Partial delinks (1 -> 2 -> 4) and shared_lr_scale: depth in a 1F1B pipeline give the one-process trainer's
+    losses, and resuming after the partial delink repeats them."""
+    run = two["trainer_growth"]
+    assert run["blocks"] == [[1, 1], [2, 2], [3, 4], [4, 4]]  # step 1 on 1 block, step 2 on 2, then the real model
+    assert_same_losses(run["full"], one_process_losses(run["argv"], tmp_path))
+    assert run["resumed/2"] == run["full"]
+    assert run["real_blocks"] == 4
+
+
+def test_the_trainer_runs_data_parallel_sharded_pipelines_and_resumes(four, tmp_path):
+    """Two pipelines of FSDP2-sharded stages, growing: the one-process trainer's losses on their joint batch, the
+    same losses resumed after the partial and after the full delink."""
     run = four["trainer_data_parallel"]
     assert [step for step, _ in run["full"]] == [1, 2, 3, 4]
-    assert run["resumed"] == run["full"]
+    assert_same_losses(run["full"], one_process_losses(run["argv"], tmp_path, pipelines=2))
+    assert run["resumed/2"] == run["full"] and run["resumed/3"] == run["full"]
     assert run["real_blocks"] == 4
 
 

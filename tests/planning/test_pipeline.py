@@ -154,7 +154,7 @@ def test_a_one_pipeline_fp32_layout_is_run_not_sized():
     assert engine == (
         "pipeline_parallel_size: 4, pipeline_schedule: 2bw, num_microbatches: 8, per_device_batch_size: 16, "
         "gradient_accumulation_steps: 1, pipeline_split: [2,2,2,2], activation_checkpointing: true, "
-        'shared_lr_scale: none, mixed_precision: "no"'
+        'mixed_precision: "no"'
     )
 
 
