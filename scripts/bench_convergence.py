@@ -913,9 +913,8 @@ def best_configurations(sweeps: dict[str, dict]) -> list[dict]:
 def _group_table(result: dict) -> list[str]:
     lines = [
         "| corpus | L | schedule | run | delink at | final val loss | Δ vs scratch | gap at the delink | to scratch's "
-        "final "
-        "loss, per seed | mean (steps) | mean (time) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "final loss, per seed | mean (steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for group in result["groups"]:
         for row in group["rows"]:
@@ -930,7 +929,7 @@ def _group_table(result: dict) -> list[str]:
                 f"{row['final_val_loss_mean']:.4f} | "
                 f"{row['delta_vs_scratch_mean']:+.4f} ± {row['delta_vs_scratch_sd']:.4f} | "
                 f"{'-' if gap is None else format(gap['mean'], '+.4f')} | {_per_seed(row)} | "
-                f"{_times(row['speedup_steps_mean'])} | {_times(row['speedup_time_mean'])} |"
+                f"{_times(row['speedup_steps_mean'])} |"
             )
     return lines
 
@@ -1017,9 +1016,10 @@ def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
         f"optimizer steps of {f['per_device_batch_size']} x {f['block_size']} tokens), peak learning rate "
         f"({f['learning_rate']:g}) and schedule over the whole run; P2R runs train shared blocks at 1/n of the rate "
         "(`shared_lr_scale: depth`) and carry the optimizer state with `scale`. A pseudo step runs the full depth, "
-        "so equal steps are equal compute; the speed-up in training time (mean (time)) compares runs that may have "
-        "run at different loads of a shared machine (see each invocation's load): read it only where that stayed "
-        "flat. kK-atD: K shared blocks, delinked to the real model at step D; "
+        "so equal steps are equal compute. The sweeps give no speed-up in training time: a sweep reuses runs made by "
+        "earlier invocations at other loads of a shared machine, so a time ratio between two runs would measure the "
+        "load; the step time measured per stage (under each table, with its invocation's load) is what to read "
+        "instead. kK-atD: K shared blocks, delinked to the real model at step D; "
         "kK-grow-atD: K blocks doubled at evenly spaced partial delinks (1 -> 2 -> 4 -> L), the last at step D. "
         f"Corpora: stdlib, {CORPORA['stdlib']}; prose, {CORPORA['prose']}.",
         "",

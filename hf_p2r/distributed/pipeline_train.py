@@ -24,7 +24,6 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..checkpoint import save_model as write_model_folder
 from ..models.p2r import P2RForCausalLM
@@ -37,7 +36,7 @@ from ..training.checkpointing import (
 )
 from ..training.config import TrainConfig
 from ..training.data import BlockOrder, build_blocks, load_tokenizer
-from ..training.metrics import METRICS_FILE, PLOT_FILE, peak_memory_gb, plot_losses, read_metrics
+from ..training.metrics import METRICS_FILE, PLOT_FILE, plot_losses, read_metrics
 from ..training.optim import build_optimizer, learning_rate_at, shared_lr_scales
 from .pipeline import (
     Pipeline,
@@ -53,7 +52,15 @@ from .pipeline import (
 
 def train_pipelined(config: TrainConfig) -> int:
     """Run `config` with `pipeline_parallel_size` stages; returns the exit code (as `train`)."""
-    from ..training.train import NonFiniteLossError, _prepare_output_dir, _record, _say, _StopOnSignal, build_model
+    from ..training.train import (
+        NonFiniteLossError,
+        StepLog,
+        _prepare_output_dir,
+        _record,
+        _say,
+        _StopOnSignal,
+        build_model,
+    )
 
     args = config.train
     output_dir, depth = Path(args.output_dir), config.model.num_hidden_layers
@@ -126,17 +133,11 @@ def train_pipelined(config: TrainConfig) -> int:
     mine = slice(pipeline.data_rank * batch_size, (pipeline.data_rank + 1) * batch_size)
     tokens_per_step = batch_size * data_parallel * config.data.block_size
     metrics_path = output_dir / METRICS_FILE
-    progress = tqdm(
-        total=args.total_steps,
-        initial=state.step,
-        desc=state.stage(depth),
-        dynamic_ncols=True,
-        disable=not accelerator.is_main_process,
-    )
+    log = StepLog(state, args, tokens_per_step, accelerator.device, accelerator.is_main_process, depth)
+    progress = log.progress
     if checkpoint is None and args.eval_steps:
         _record(accelerator, metrics_path, state, depth, val_loss=_evaluate(pipeline, validation_blocks, args))
 
-    interval_steps, interval_time = 0, 0.0
     # The loop: each pass delinks if the delink is due at this step, then makes one optimizer step.
     with _StopOnSignal() as stop:
         while True:
@@ -185,28 +186,11 @@ def train_pipelined(config: TrainConfig) -> int:
                     f"non-finite training loss ({loss_value}) at step {state.step + 1}: stopped without saving; last "
                     f"good checkpoint: {last[-1] if last else 'none'}; try a lower learning_rate"
                 )
-            state.step += 1
-            elapsed = time.perf_counter() - started
-            state.train_time_s += elapsed
-            interval_steps, interval_time = interval_steps + 1, interval_time + elapsed
-            state.log_loss_sum += loss_value
-            state.log_steps += 1
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+            log.step(loss_value, lr, time.perf_counter() - started)
 
             final = state.step == args.total_steps
-            measure = {}
-            if state.step % args.logging_steps == 0 or final:
-                measure.update(
-                    loss=state.log_loss_sum / state.log_steps,
-                    lr=lr,
-                    grad_norm=None if grad_norm is None else float(grad_norm),
-                    tokens_per_s=tokens_per_step * interval_steps / interval_time,
-                    train_time_s=state.train_time_s,
-                    memory_gb=peak_memory_gb(accelerator.device),
-                )
-                state.log_loss_sum, state.log_steps = 0.0, 0
-                interval_steps, interval_time = 0, 0.0
+            shared_lr = lr * min(group.get("lr_scale", 1.0) for group in optimizer.param_groups)
+            measure = log.measures(final, lr, shared_lr, grad_norm)
             if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
                 measure["val_loss"] = _evaluate(pipeline, validation_blocks, args)
             if measure:

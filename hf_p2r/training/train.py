@@ -145,19 +145,13 @@ def train(config: TrainConfig) -> int:
         * config.data.block_size
     )
     metrics_path = output_dir / METRICS_FILE
-    progress = tqdm(
-        total=args.total_steps,
-        initial=state.step,
-        desc=state.stage(depth),
-        dynamic_ncols=True,
-        disable=not accelerator.is_local_main_process,
-    )
+    log = StepLog(state, args, tokens_per_step, accelerator.device, accelerator.is_local_main_process, depth)
+    progress = log.progress
     if checkpoint is None and args.eval_steps:
         _record(
             accelerator, metrics_path, state, depth, val_loss=_evaluate(accelerator, model, validation_blocks, args)
         )
 
-    interval_steps, interval_time = 0, 0.0  # in this process since the last record, for tokens_per_s
     # MoE: the training loss includes the load-balancing loss (router_aux_loss_coef); the router statistics are logged.
     router_load = RouterLoad(accelerator.unwrap_model(model).config) if config.model.num_experts else None
     moe_kwargs = {"output_router_logits": True} if router_load is not None else {}
@@ -218,31 +212,12 @@ def train(config: TrainConfig) -> int:
             )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            elapsed = time.perf_counter() - started
-            state.train_time_s += elapsed
-            interval_steps, interval_time = interval_steps + 1, interval_time + elapsed
-            state.log_loss_sum += loss_value
-            state.log_steps += 1
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+            log.step(loss_value, lr, time.perf_counter() - started)
 
             final = state.step == args.total_steps
-            measure = {}
-            if state.step % args.logging_steps == 0 or final:
-                measure.update(
-                    loss=state.log_loss_sum / state.log_steps,
-                    lr=lr,
-                    **({"lr_shared": shared_lr} if shared_lr < lr else {}),  # shared_lr_scale: depth
-                    grad_norm=None if grad_norm is None else float(grad_norm),
-                    tokens_per_s=tokens_per_step * interval_steps / interval_time,
-                    train_time_s=state.train_time_s,
-                    memory_gb=peak_memory_gb(accelerator.device),
-                )
-                if router_load is not None:
-                    measure.update(router_load.pop(accelerator))
-                state.log_loss_sum, state.log_steps = 0.0, 0
-                interval_steps, interval_time = 0, 0.0
+            measure = log.measures(final, lr, shared_lr, grad_norm)
+            if measure and router_load is not None:
+                measure.update(router_load.pop(accelerator))
             if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
                 measure["val_loss"] = _evaluate(accelerator, model, validation_blocks, args)
             if measure:
@@ -329,6 +304,51 @@ def _evaluate(accelerator: Accelerator, model, blocks, args) -> float:
             total += loss * len(ids)
     model.train()
     return accelerator.reduce(total, reduction="sum").item() / count
+
+
+class StepLog:
+    """The per-step accounting of a training loop (the one-process one and the pipelined one): the step's loss and
+    time into the state and the progress bar, and every `logging_steps` (and at the end) the logged measures."""
+
+    def __init__(self, state: TrainState, args, tokens_per_step: int, device, show: bool, depth: int):
+        self.state, self.args, self.tokens_per_step, self.device = state, args, tokens_per_step, device
+        self.interval_steps, self.interval_time = 0, 0.0  # in this process since the last record, for tokens_per_s
+        self.progress = tqdm(
+            total=args.total_steps,
+            initial=state.step,
+            desc=state.stage(depth),
+            dynamic_ncols=True,
+            disable=not show,
+        )
+
+    def step(self, loss: float, lr: float, elapsed: float) -> None:
+        """One optimizer step done: its mean loss, learning rate and training time (seconds)."""
+        state = self.state
+        state.step += 1
+        state.train_time_s += elapsed
+        self.interval_steps, self.interval_time = self.interval_steps + 1, self.interval_time + elapsed
+        state.log_loss_sum += loss
+        state.log_steps += 1
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+
+    def measures(self, final: bool, lr: float, shared_lr: float, grad_norm) -> dict:
+        """The record's measures when one is due (every `logging_steps`, and the last step), else {}."""
+        state = self.state
+        if not (state.step % self.args.logging_steps == 0 or final):
+            return {}
+        measure = dict(
+            loss=state.log_loss_sum / state.log_steps,
+            lr=lr,
+            **({"lr_shared": shared_lr} if shared_lr < lr else {}),  # shared_lr_scale: depth
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            tokens_per_s=self.tokens_per_step * self.interval_steps / self.interval_time,
+            train_time_s=state.train_time_s,
+            memory_gb=peak_memory_gb(self.device),
+        )
+        state.log_loss_sum, state.log_steps = 0.0, 0
+        self.interval_steps, self.interval_time = 0, 0.0
+        return measure
 
 
 def _record(accelerator: Accelerator, path: Path, state: TrainState, depth: int, **values) -> None:
