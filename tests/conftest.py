@@ -36,6 +36,21 @@ def tiny_model(seed: int = 0, **overrides) -> P2RForCausalLM:
     return P2RForCausalLM(tiny_config(**overrides)).eval()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Every test on one intra-op thread. Tiny models gain nothing from more, and where another process shares the
+    cores (`make -j2 compat` runs two test processes on two cores) each op's threads spin-wait for each other: a
+    12-token generate() took 23 s instead of 0.25 s. The processes the tests start get one thread too (they inherit
+    OMP_NUM_THREADS): a remote-code folder's MoE logits in a subprocess equal this process's bitwise only at the same
+    thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def input_ids() -> torch.Tensor:
     return torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))

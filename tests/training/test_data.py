@@ -3,7 +3,6 @@ validation split and the block order."""
 
 import json
 
-import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -102,7 +101,6 @@ def test_json_and_jsonl_files_with_a_local_tokenizer(tmp_path):
     assert blocks == expected  # every document once, in the tokenizer's ids (not bytes), each closed by </s>
 
 
-@pytest.mark.usefixtures("one_thread")
 def test_a_run_on_json_files_saves_the_given_tokenizer_with_the_models(tmp_path):
     folder = _word_tokenizer_folder(tmp_path / "tokenizer")
     documents = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(5 + i % 7)) for i in range(120)]

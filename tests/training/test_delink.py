@@ -9,8 +9,6 @@ from hf_p2r.training.optim import build_optimizer
 
 from ..conftest import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 NON_LAYER = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 

@@ -19,8 +19,6 @@ from hf_p2r.training.metrics import read_metrics
 
 from .helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajectory
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TRAIN_SCRIPT = str(REPO / "scripts/train.py")
 # How long a test waits for a run to get somewhere (start, reach a step, stop after a signal) before failing. Only a
 # hung run waits this long: each wait ends as soon as what it waits for happens, and on a loaded two-core machine

@@ -23,8 +23,6 @@ from hf_p2r.training.train import build_model
 
 from .helpers import tiny_argv
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SCHEDULE = dict(pseudo_steps=3, real_steps=2, partial_delink_steps=[2], partial_delink_blocks=[2], eval_steps=0)
 DTYPES = {"no": torch.float32, "bf16": torch.bfloat16}
 # Blocks offloaded at the start (1 block) and after each delink (2, then 4 blocks).

@@ -13,8 +13,6 @@ from hf_p2r.training.optim import build_optimizer
 from ..models.test_modeling_p2r_moe import moe_model
 from .helpers import REPO, tiny_argv
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.01)
 
 

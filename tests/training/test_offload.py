@@ -28,15 +28,6 @@ from ..conftest import requires_cuda, tiny_model
 PSEUDO = dict(share_layers=True, num_unique_layers=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their spin-waits cost minutes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _batches(n, batch=2, seq=12, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 101, (batch, seq), generator=generator) for _ in range(n)]

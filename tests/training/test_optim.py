@@ -92,7 +92,7 @@ def test_shared_lr_scale_follows_partial_and_full_delinks():
     assert (decay["lr_scale"], no_decay["lr_scale"]) == (1.0, 1.0)
 
 
-def test_training_steps_shared_blocks_at_the_scaled_rate_and_logs_it(tmp_path, one_thread):
+def test_training_steps_shared_blocks_at_the_scaled_rate_and_logs_it(tmp_path):
     argv = tiny_argv(tmp_path, num_unique_layers=2, pseudo_steps=2, real_steps=2, shared_lr_scale="depth")
     assert train(parse_config(argv)) == 0
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "lr" in r]

@@ -19,8 +19,6 @@ from hf_p2r.training.train import _check_gpu_per_process
 
 from .helpers import PYTHON, REPO, subprocess_env, tiny_argv, trajectory
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps; a checkpoint every step.
 SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2], save_steps=1)
 

@@ -16,8 +16,6 @@ from hf_p2r.training.train import build_model
 
 from .helpers import tiny_argv, trajectory
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps.
 SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2])
 
