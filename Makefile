@@ -7,10 +7,16 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 # The tested set of every other package (pip constraints); regenerate on purpose with `make lock`.
 LOCK   ?= requirements/tested.txt
-# The model-family and trainer tests, run by `make compat` on the declared floors and on the newest releases
-# (the launcher's process and signal tests, minutes of subprocess start-ups, run in `make test` only).
+# The model-family and trainer tests, run by `make compat` on the declared floors and on the newest releases.
+# Process and signal tests, subprocess start-ups that call no version-dependent API, run in `make test` only: the
+# launcher's (test_launch.py); the train script's exit code in a subprocess (its messages come from parse_config,
+# which test_bad_values_raise_one_line_naming_the_field checks in-process for the same three bad values, and its
+# main() from test_script_prints_one_line_and_exits_2); the trainer's signal handler (_StopOnSignal: Python's signal
+# module only).
 COMPAT_TESTS ?= tests/models tests/training tests/test_compat.py tests/distributed/test_fsdp2.py \
-	--ignore=tests/training/test_launch.py
+	--ignore=tests/training/test_launch.py \
+	--deselect=tests/training/test_config.py::test_cli_prints_one_line_without_a_traceback_and_exits_2 \
+	--deselect=tests/training/test_train.py::test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once
 
 .PHONY: install demo test compat compat-floors compat-newest lock lint clean
 
