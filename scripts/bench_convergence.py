@@ -1121,7 +1121,7 @@ def _findings(sweeps: dict[str, dict]) -> list[str]:
                 f"{kind} "
                 + ", ".join(
                     f"L={size} {_times(row['speedup_steps_mean'])} ({len(row['speedup_steps_per_seed'])} seed(s), "
-                    f"worst {_times(_worst(row))})"
+                    + ("some never reach scratch's final loss)" if not _worst(row) else f"worst {_times(_worst(row))})")
                     for size, row in points
                 )
                 for kind, points in kinds.items()
@@ -1306,20 +1306,24 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
         by_corpus = depth_series(sweeps)
         for ax, corpus in zip(axes[0], corpora):
             series = {
-                kind: [(size, [x or 0.0 for x in row["speedup_steps_per_seed"]]) for size, row in points]
+                kind: [(size, row["speedup_steps_per_seed"]) for size, row in points]
                 for kind, points in by_corpus.get(corpus, {}).items()
             }
             for index, (kind, points) in enumerate(series.items()):
                 color = plt.cm.tab10(index)
+                reached = [(d, v) for d, v in points if None not in v]
                 ax.plot(
-                    [d for d, _ in points],
-                    [statistics.fmean(v) for _, v in points],
+                    [d for d, _ in reached],
+                    [statistics.fmean(v) for _, v in reached],
                     marker="o",
                     color=color,
                     label=kind,
                 )
                 for depth, values in points:
-                    ax.scatter([depth] * len(values), values, color=color, s=12, alpha=0.5)
+                    ax.scatter([depth] * len(values), [x or 1.0 for x in values], color=color, s=12, alpha=0.5)
+                    never = sum(x is None for x in values)
+                    if never:  # a seed that never reaches scratch's final loss: an x on the no-gain line
+                        ax.scatter([depth] * never, [1.0] * never, color=color, marker="x", s=60)
             ax.axhline(TARGET, color="gray", linestyle="--", linewidth=1)
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xscale("log", base=2)
@@ -1332,7 +1336,10 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
             ax.grid(alpha=0.3)
             if series:
                 ax.legend()
-        figure.suptitle("Speed-up vs depth: mean (line) and seeds (dots); dashed: the 1.5x target")
+        figure.suptitle(
+            "Speed-up vs depth: mean (line) and seeds (dots); dashed: the 1.5x target; x: a seed that never reaches "
+            "scratch's final loss"
+        )
         figure.tight_layout()
         figure.savefig(out / "convergence_depth.png", dpi=90)
         plt.close(figure)
