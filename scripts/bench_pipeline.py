@@ -83,6 +83,12 @@ class SavedBytes:
     def pack(self, tensor: torch.Tensor):
         size = tensor.numel() * tensor.element_size()
         if not isinstance(tensor, torch.nn.Parameter):  # weights are counted as versions
+            # A detached alias (same storage, no grad_fn), one per save. Returning `tensor` itself would make a saved
+            # output hold its own grad_fn: a cycle through C++ that gc cannot collect, so a graph never backwarded
+            # with retain_graph=False (zero bubble's input-gradient half runs with retain_graph=True) would stay
+            # alive; and a tensor saved at every step (torch's reused receive buffers) would be counted once per step
+            # and subtracted once (torch's saved_tensors_hooks docs, pytorch/pytorch#115255).
+            tensor = tensor.detach()
             self.live += size
             self.peak = max(self.peak, self.live)
             weakref.finalize(tensor, self._free, size)
@@ -255,8 +261,6 @@ def convergence(seeds: list[int], steps: int | None, out: Path) -> dict:
                     schedule,
                     "--num_microbatches",
                     "4",
-                    "--shared_lr_scale",
-                    "none",
                     "--save_steps",
                     "0",
                     "--eval_steps",
@@ -287,10 +291,11 @@ def convergence(seeds: list[int], steps: int | None, out: Path) -> dict:
     }
 
 
-def rule_check(steps: int) -> dict:
+def rule_check(steps: int, lr_factors: tuple[float, ...] = (1.0, 0.25)) -> dict:
     """One process, no pipeline: plain AdamW vs the 2BW update rule W(t+1) = W(t) - AdamW(grad f_t(W(t-1))) on the
     demo's pseudo model, data, micro-batches, learning-rate schedule and clipping, `steps` steps; final validation loss
-    of each. Separates what the rule does at this scale from what the pipeline does."""
+    of each, at the demo's peak learning rate times each of `lr_factors`. Separates what the rule does at this scale
+    from what the pipeline does, and shows how the stale gradient's cost depends on the step size."""
     import copy
 
     from hf_p2r.training import parse_config
@@ -318,7 +323,7 @@ def rule_check(steps: int) -> dict:
     batch = args.per_device_batch_size
     chosen = [index * len(validation) // args.eval_blocks for index in range(min(len(validation), args.eval_blocks))]
 
-    def run(delayed: bool) -> float:
+    def run(delayed: bool, factor: float) -> float:
         torch.manual_seed(args.seed)
         model = build_model(config, tokenizer, config.initial_blocks())
         optimizer = build_optimizer(model, args)
@@ -326,7 +331,7 @@ def rule_check(steps: int) -> dict:
         for step in range(steps):
             ids = train[order.indices(step * batch, batch)]["input_ids"]
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate_at(step, args, [])
+                group["lr"] = factor * learning_rate_at(step, args, [])
             net = previous if delayed else model
             net.zero_grad()
             for chunk in ids.chunk(4):
@@ -344,7 +349,15 @@ def rule_check(steps: int) -> dict:
             ids = validation[chosen]["input_ids"]
             return statistics.mean(model(input_ids=c, labels=c).loss.item() for c in ids.split(batch))
 
-    return {"steps": steps, "flush_val_loss": run(False), "rule_2bw_val_loss": run(True)}
+    by_lr = [
+        {
+            "learning_rate": factor * args.learning_rate,
+            "flush_val_loss": run(False, factor),
+            "rule_2bw_val_loss": run(True, factor),
+        }
+        for factor in lr_factors
+    ]
+    return {"steps": steps, "by_lr": by_lr}
 
 
 def render(report: dict) -> str:
@@ -384,9 +397,10 @@ def render(report: dict) -> str:
         "",
         "Interleaved schedules run two stages per process (stages 0, 2 and 1, 3). 2BW's step includes the previous "
         "batch's optimizer step and keeps two weight versions; the flush schedules step after the flush. Saved tensors "
-        "still alive after a round (after `gc.collect()`): a value that grows from the first round to the last is "
-        "saved-tensor memory not freed by the end of a step (not diagnosed here: see the process's peak resident "
-        "memory below), and the peak column includes it.",
+        "still alive after a round (after `gc.collect()`): 0 where every step frees what it saved; a value that "
+        "grew from round to round would be saved-tensor memory kept past its step, and the peak column would include "
+        "it. (An earlier version of this page showed zero_bubble's growing, 58 -> 320 MiB: the count's own pack hook "
+        "kept each tensor it saw alive through a reference cycle; it now packs a detached alias.)",
         "",
         "Per-stage mean times per micro-batch under 1f1b (what `stage_times()` returns, the simulator's input):",
         "",
@@ -403,9 +417,9 @@ def render(report: dict) -> str:
         lines += [
             "## PipeDream-2BW vs 1F1B (flush) on configs/demo.yaml",
             "",
-            f"Run on {report.get('convergence_date')}. Same data, same steps (pseudo then delink then real, as the "
-            "demo), 2 processes, `shared_lr_scale: none` (refused in a pipeline), 4 micro-batches. Final validation "
-            "loss per seed:",
+            f"Run on {report.get('convergence_date')}. Same data, same steps (the demo's own schedule: pseudo model "
+            "grown 1 -> 2 -> 4 blocks, delinked to 8, `shared_lr_scale: depth`), 2 processes, 4 micro-batches. Final "
+            "validation loss per seed:",
             "",
             "| seed | 1f1b | 2bw | 2bw − 1f1b |",
             "|---|---|---|---|",
@@ -423,11 +437,19 @@ def render(report: dict) -> str:
     if r is not None:
         lines += [
             "",
-            f"The update rule alone (one process, no pipeline, seed 0, the demo's pseudo model, {r['steps']} steps, "
-            f"same data, micro-batches, schedule and clipping): final validation loss {r['flush_val_loss']:.4f} with "
-            f"plain AdamW, {r['rule_2bw_val_loss']:.4f} with W(t+1) = W(t) − AdamW(∇f(W(t−1))), a difference of "
-            f"{r['rule_2bw_val_loss'] - r['flush_val_loss']:+.4f}.",
+            f"The update rule alone (one process, no pipeline, seed 0, the demo's one-block pseudo model, {r['steps']} "
+            "steps, same data, micro-batches, schedule shape and clipping), final validation loss with plain AdamW and "
+            "with W(t+1) = W(t) − AdamW(∇f(W(t−1))), per peak learning rate:",
+            "",
+            "| peak learning rate | AdamW | 2BW rule | difference |",
+            "|---|---|---|---|",
         ]
+        for row in r.get("by_lr") or [{"learning_rate": None, **r}]:
+            rate = "demo's" if row["learning_rate"] is None else f"{row['learning_rate']:g}"
+            lines.append(
+                f"| {rate} | {row['flush_val_loss']:.4f} | {row['rule_2bw_val_loss']:.4f} | "
+                f"{row['rule_2bw_val_loss'] - row['flush_val_loss']:+.4f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
