@@ -771,6 +771,7 @@ def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None) 
         "split": list(pipeline.split),
         "num_unique_layers": pipeline.config.num_unique_layers,
         "share_layers": pipeline.config.share_layers,
+        "data_parallel": (pipeline.data_size, pipeline.sharded),
     }
     if pipeline.schedule_name == "2bw":
         schedule = pipeline.schedule
@@ -793,11 +794,14 @@ def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None) 
 def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Restore `pipeline_state` into a pipeline built like the saved one (same split and layout) and its optimizer
     (built over `pipeline.parameters()`, or 2BW's own)."""
-    saved = (list(state["split"]), state["num_unique_layers"])
-    if saved != (list(pipeline.split), pipeline.config.num_unique_layers):
+    size, sharded = state.get("data_parallel", (1, False))
+    saved = (list(state["split"]), state["num_unique_layers"], size, sharded)
+    if saved != (list(pipeline.split), pipeline.config.num_unique_layers, pipeline.data_size, pipeline.sharded):
         raise ValueError(
-            f"resume_from_checkpoint: the checkpoint's pipeline (split {saved[0]}, {saved[1]} blocks) differs from "
-            f"this run's (split {pipeline.split}, {pipeline.config.num_unique_layers} blocks)"
+            f"resume_from_checkpoint: the checkpoint's pipeline (split {saved[0]}, {saved[1]} blocks, "
+            f"data_parallel_size {size}, data_parallel_shard {sharded}) differs from this run's (split "
+            f"{pipeline.split}, {pipeline.config.num_unique_layers} blocks, data_parallel_size {pipeline.data_size}, "
+            f"data_parallel_shard {pipeline.sharded})"
         )
     params = dict(pipeline.named_parameters())
     with torch.no_grad():

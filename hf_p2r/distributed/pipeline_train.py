@@ -123,7 +123,13 @@ def train_pipelined(config: TrainConfig) -> int:
         if state.num_blocks > config.initial_blocks():  # the layout it saved: delinked (partly or fully)
             target = state.num_blocks if state.num_blocks < depth else None
             optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry, target)
-        saved = torch.load(checkpoint / f"stage-{dist.get_rank()}.pt", weights_only=True)
+        part = checkpoint / f"stage-{dist.get_rank()}.pt"
+        if not part.is_file():
+            raise ValueError(
+                f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes (resume "
+                "with its pipeline_parallel_size and data_parallel_size)"
+            )
+        saved = torch.load(part, weights_only=True)
         load_pipeline_state(pipeline, optimizer, saved)
         optimizer = pipeline.schedule.optimizer if two_bw else optimizer
         _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")

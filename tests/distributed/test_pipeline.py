@@ -356,6 +356,7 @@ def data_parallel_checks(world: int, folder: str) -> dict:
             hasattr(param, "to_local") and 2 * param.to_local().shape[0] == param.shape[0]
             for param in pipeline.parameters()
         )
+        before_delink = None
         for stop in (2, 3):
             head, (step, saved) = run_with_delink("1f1b", 4, stop=stop, mesh=mesh, shard=shard)
             path = f"{folder}/{kind}-{stop}-{dist.get_rank()}.pt"
@@ -364,6 +365,16 @@ def data_parallel_checks(world: int, folder: str) -> dict:
                 "1f1b", 4, state=(step, torch.load(path, weights_only=True)), mesh=mesh, shard=shard
             )[0]
             out[f"{kind}/resume/{stop}"] = (head + resumed, losses)
+            before_delink = saved if stop == 2 else before_delink
+        # A checkpoint of another layout (one pipeline, or the other kind of stages) is refused in one line.
+        other = build_pipeline(
+            model_of("cycle"), schedule="1f1b", num_microbatches=2, seq_len=SEQ, mesh=mesh, shard=not shard
+        )
+        try:
+            load_pipeline_state(other, None, before_delink)  # the same split and blocks, the other stages
+            out[f"{kind}/other_layout"] = None
+        except ValueError as error:
+            out[f"{kind}/other_layout"] = str(error)
     # 2BW with replicated data-parallel stages: W(t+1) = W(t) - AdamW(mean gradient over both pipelines at W(t-1)).
     pipeline = build_pipeline(
         model_of("cycle"), schedule="2bw", num_microbatches=2, seq_len=SEQ, optimizer_factory=adamw, mesh=mesh
@@ -507,6 +518,7 @@ def test_data_parallel_pipelines_equal_one_process_on_the_whole_batch(four):
         assert result[f"{kind}/cycle"] < ATOL, kind
         assert result[f"{kind}/delink"] < ATOL, kind
         assert result[f"{kind}/halves"] == (kind == "shard")
+        assert result[f"{kind}/other_layout"].startswith("resume_from_checkpoint: the checkpoint's pipeline")
         for stop in (2, 3):  # resumed just before the delink and after it
             resumed, uninterrupted = result[f"{kind}/resume/{stop}"]
             assert resumed == uninterrupted, (kind, stop)
