@@ -64,6 +64,7 @@ from transformers.masking_utils import create_causal_mask
 
 from ..models.p2r import P2RForCausalLM, delink_sources
 from ..models.p2r.modeling_p2r import CACHE_KWARG
+from .fsdp import _local
 
 logger = logging.getLogger(__name__)
 
@@ -457,11 +458,6 @@ def _all_reduce_grads(params: list[nn.Parameter], group, divide: int = 1) -> Non
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a sharded (DTensor) tensor, or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
