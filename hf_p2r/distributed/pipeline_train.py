@@ -37,7 +37,7 @@ from ..training.checkpointing import (
 from ..training.config import TrainConfig
 from ..training.data import BlockOrder, build_blocks, load_tokenizer
 from ..training.metrics import METRICS_FILE, PLOT_FILE, plot_losses, read_metrics
-from ..training.optim import build_optimizer, learning_rate_at, shared_lr_scales
+from ..training.optim import build_optimizer, learning_rate_at, set_learning_rate, shared_lr_scales
 from .pipeline import (
     Pipeline,
     build_pipeline,
@@ -96,11 +96,10 @@ def train_pipelined(config: TrainConfig) -> int:
     pipeline, model_scales = None, shared_lr_scales(model, args)
 
     def new_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        # `shared_lr_scale: depth`: a shared block's rate over the depths of the whole model running it (the model's
-        # own parameters until the pipeline holds them: 2BW makes its optimizer while the pipeline is built).
-        scales = model_scales if pipeline is None else {}
-        if pipeline is not None and args.shared_lr_scale == "depth":
-            scales = pipeline.shared_lr_scales()
+        # `shared_lr_scale: depth`: a shared block's rate over the depths of the whole model running it; until the
+        # pipeline exists (2BW makes its optimizer while it is built) the stages hold the model's own parameters.
+        depth_scaled = args.shared_lr_scale == "depth" and pipeline is not None
+        scales = pipeline.shared_lr_scales() if depth_scaled else model_scales if pipeline is None else {}
         return build_optimizer(nn.ParameterList(params), args, lr_scales=scales)
 
     pipeline = build_pipeline(
@@ -120,15 +119,15 @@ def train_pipelined(config: TrainConfig) -> int:
     two_bw = args.pipeline_schedule == "2bw"
     optimizer = pipeline.schedule.optimizer if two_bw else new_optimizer(pipeline.parameters())
     if checkpoint:
-        if state.num_blocks > config.initial_blocks():  # the layout it saved: delinked (partly or fully)
-            target = state.num_blocks if state.num_blocks < depth else None
-            optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry, target)
         part = checkpoint / f"stage-{dist.get_rank()}.pt"
         if not part.is_file():
             raise ValueError(
                 f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes (resume "
                 "with its pipeline_parallel_size and data_parallel_size)"
             )
+        if state.num_blocks > config.initial_blocks():  # the layout it saved: delinked (partly or fully)
+            target = state.num_blocks if state.num_blocks < depth else None
+            optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry, target)
         saved = torch.load(part, weights_only=True)
         load_pipeline_state(pipeline, optimizer, saved)
         optimizer = pipeline.schedule.optimizer if two_bw else optimizer
@@ -168,8 +167,7 @@ def train_pipelined(config: TrainConfig) -> int:
             started = time.perf_counter()
             lr = learning_rate_at(state.step, args, delink_steps)
             # 2BW steps its optimizer inside `step` (the previous batch's update): it takes this rate.
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
+            shared_lr = set_learning_rate(optimizer, lr)
             indices = order.indices(state.blocks_consumed, batch_size * data_parallel)[mine]
             batch = train_blocks[indices]["input_ids"].to(accelerator.device)
             state.blocks_consumed += batch_size * data_parallel
@@ -195,7 +193,6 @@ def train_pipelined(config: TrainConfig) -> int:
             log.step(loss_value, lr, time.perf_counter() - started)
 
             final = state.step == args.total_steps
-            shared_lr = lr * min(group.get("lr_scale", 1.0) for group in optimizer.param_groups)
             measure = log.measures(final, lr, shared_lr, grad_norm)
             if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
                 measure["val_loss"] = _evaluate(pipeline, validation_blocks, args)

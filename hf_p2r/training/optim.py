@@ -49,6 +49,14 @@ def build_optimizer(
     return torch.optim.AdamW(groups, **options, fused=fused or None)
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    """Set every group's rate to the schedule's `lr` times the group's `lr_scale`; returns the smallest rate set (a
+    shared block's under `shared_lr_scale: depth`, else `lr`)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    return min(group["lr"] for group in optimizer.param_groups)
+
+
 def shared_lr_scales(model: nn.Module, args: TrainArguments) -> dict[int, float]:
     """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths."""
     if args.shared_lr_scale == "none":

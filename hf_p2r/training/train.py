@@ -50,7 +50,7 @@ from .metrics import (
     truncate_metrics,
 )
 from .moe import RouterLoad
-from .optim import apply_offload, build_optimizer, learning_rate_at, measure_offload_activations
+from .optim import apply_offload, build_optimizer, learning_rate_at, measure_offload_activations, set_learning_rate
 
 # What a run writes into output_dir (and what overwrite_output_dir removes; nothing else there is touched).
 OUTPUTS = (CHECKPOINTS, "pseudo", "real", METRICS_FILE, PLOT_FILE, "logs", "train_config.yaml")
@@ -182,9 +182,7 @@ def train(config: TrainConfig) -> int:
 
             started = time.perf_counter()
             lr = learning_rate_at(state.step, args, delink_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
-            shared_lr = lr * min(group.get("lr_scale", 1.0) for group in optimizer.param_groups)
+            shared_lr = set_learning_rate(optimizer, lr)
             losses = []
             for _ in range(args.gradient_accumulation_steps):
                 batch = _next_batch(accelerator, train_blocks, order, state, args.per_device_batch_size)
