@@ -302,7 +302,7 @@ class Pipeline:
     """
 
     def __init__(
-        self, model, modules, stages, schedule, group, split, schedule_name, num_microbatches, config, layout=None
+        self, model, modules, stages, schedule, group, split, schedule_name, num_microbatches, config, mesh, sharded
     ):
         self.modules: list[P2RPipelineStage] = modules
         self.stages: list[PipelineStage] = stages
@@ -315,10 +315,11 @@ class Pipeline:
         self.model_config = model.config
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        layout = layout or _Layout.single(group)
-        # Every pipeline's ranks (the same list on every process), the data-parallel column, whether it is sharded.
-        self.pipelines, self.data_group, self.sharded = layout.pipelines, layout.data_group, layout.sharded
-        self.data_mesh = layout.data_mesh
+        # Every pipeline's ranks (the same list on every process: rows of `mesh`, `pipeline_mesh`), this process's
+        # data-parallel column ("dp", None for one pipeline), and whether the stages are sharded over it.
+        self.pipelines = mesh.mesh.tolist() if mesh is not None else [dist.get_process_group_ranks(group)]
+        self.data_mesh = mesh["dp"] if mesh is not None else None
+        self.sharded = sharded
         self.data_size = len(self.pipelines)
         self.data_rank = next(i for i, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
         self._replicas = _replica_groups(self)
@@ -377,7 +378,7 @@ class Pipeline:
         for names, group in self._replicas:
             _all_reduce_grads([params[name] for name in names], group)
         if self.data_size > 1 and not self.sharded:
-            _all_reduce_grads(list(params.values()), self.data_group, divide=self.data_size)
+            _all_reduce_grads(list(params.values()), self.data_mesh.get_group(), divide=self.data_size)
 
     def clip_grad_norm_(self, max_norm: float, params: dict[str, nn.Parameter] | None = None) -> torch.Tensor:
         """Clip the gradients of the whole pipelined model to `max_norm` (replicas counted once); returns the norm."""
@@ -421,20 +422,6 @@ class Pipeline:
     def refresh(self) -> None:
         """Recompute the replica groups after the stages' layout changed (the delink)."""
         self._replicas = _replica_groups(self)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a pipeline sits among the processes: every pipeline's ranks, its data-parallel group, sharded or not."""
-
-    pipelines: list[list[int]]
-    data_group: dist.ProcessGroup | None = None
-    sharded: bool = False
-    data_mesh: DeviceMesh | None = None  # the "dp" column, for FSDP2
-
-    @classmethod
-    def single(cls, group: dist.ProcessGroup) -> "_Layout":
-        return cls([dist.get_process_group_ranks(group)])
 
 
 def pipeline_mesh(pipeline_parallel_size: int, data_parallel_size: int = 1, device_type: str = "cpu") -> DeviceMesh:
@@ -541,10 +528,8 @@ def build_pipeline(
         raise ValueError("data_parallel_shard: sharded stages need the data-parallel mesh (pipeline_mesh)")
     if mesh is not None:
         group = mesh["pp"].get_group()
-        layout = _Layout(mesh.mesh.tolist(), mesh["dp"].get_group(), shard, mesh["dp"])
-    else:
-        group = group if group is not None else dist.group.WORLD
-        layout = _Layout.single(group)
+    elif group is None:
+        group = dist.group.WORLD
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     per_process = virtual_stages if schedule in VIRTUAL_SCHEDULES else 1
     num_stages = size * per_process
@@ -577,7 +562,9 @@ def build_pipeline(
     if schedule == "2bw" and optimizer_factory is None:
         raise ValueError("pipeline_schedule: 2bw steps the optimizer itself; pass optimizer_factory")
     runner = _schedule(schedule, stages, num_microbatches, causal_lm_loss(config.vocab_size))
-    pipeline = Pipeline(model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config, layout)
+    pipeline = Pipeline(
+        model, modules, stages, runner, group, split, schedule, num_microbatches, stage_config, mesh, shard
+    )
     pipeline.explanation = explanation
     if schedule == "2bw":
         runner.attach(pipeline, optimizer_factory, max_grad_norm)
