@@ -18,7 +18,7 @@ import sys
 if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from hf_p2r.training import NonFiniteLossError, parse_config, train  # noqa: E402
+from hf_p2r.training import ConfigError, NonFiniteLossError, parse_config, train  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return train(config)
+    except ConfigError as error:  # a bad configuration only the run could find
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
     except (ValueError, OSError, NonFiniteLossError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 1

@@ -6,11 +6,12 @@ optimizer state), `checkpointing` (atomic checkpoints and model saves), `metrics
 curve), `train` (the run).
 """
 
-from .config import DataArguments, ModelArguments, TrainArguments, TrainConfig, parse_config
+from .config import ConfigError, DataArguments, ModelArguments, TrainArguments, TrainConfig, parse_config
 from .delink import delink_in_training, delink_with_optimizer
 from .train import NonFiniteLossError, build_model, train
 
 __all__ = [
+    "ConfigError",
     "DataArguments",
     "ModelArguments",
     "NonFiniteLossError",

@@ -24,6 +24,12 @@ from transformers import HfArgumentParser
 
 from ..models.p2r import P2RConfig, P2RMoeConfig, delink_sources
 
+
+class ConfigError(ValueError):
+    """A bad configuration (exit code 2 from the trainer's command line), wherever it is found: while parsing, or at
+    run time for what only the run can check (e.g. `offload: auto` with no device memory to plan for)."""
+
+
 # ModelArguments fields passed to P2RMoeConfig when num_experts > 0.
 MOE_FIELDS = (
     "num_experts",
