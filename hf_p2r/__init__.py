@@ -1,9 +1,11 @@
 """hf-p2r: Pseudo-to-Real pretraining (M6-10T) for Hugging Face Transformers.
 
 `import hf_p2r` is light: the names below load on first use (PEP 562), and the Auto classes (`AutoConfig`,
-`AutoModel`, `AutoModelForCausalLM`) learn the `p2r` and `p2r_moe` model types when transformers loads them, or at
-once if it already has. So `from transformers import AutoModelForCausalLM` after `import hf_p2r` finds P2R, as it
-always did, while the `hf-p2r` command line (which imports this package) starts without torch or transformers.
+`AutoModel`, `AutoModelForCausalLM`) learn the `p2r` and `p2r_moe` model types as names when transformers loads them
+(or at once if it already has), importing the P2R classes only when they first look one up, as they do for
+transformers' own models. So `AutoModelForCausalLM.from_pretrained(p2r_folder)` works after `import hf_p2r` in any
+import order, nothing runs inside transformers' own imports, and the `hf-p2r` command line (which imports this
+package) starts without torch or transformers.
 """
 
 import importlib
@@ -29,15 +31,23 @@ _EXPORTS = {
     "llama_config": ".checkpoint",
     "push_to_hub": ".hub",
 }
-# The transformers modules that define the Auto classes: P2R is registered as soon as either has loaded, or the model
-# module has (when it is the one that made transformers load them, registering waits for it to finish).
-_AUTO_MODULES = ("transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto")
-_MODEL_MODULES = (
-    "hf_p2r.models.p2r.configuration_p2r",
-    "hf_p2r.models.p2r.modeling_p2r",
-    "hf_p2r.models.p2r.configuration_p2r_moe",
-    "hf_p2r.models.p2r.modeling_p2r_moe",
-)
+_CONFIG = "hf_p2r.models.p2r.configuration_p2r:P2RConfig"
+_MOE_CONFIG = "hf_p2r.models.p2r.configuration_p2r_moe:P2RMoeConfig"
+_MODELING = "hf_p2r.models.p2r.modeling_p2r"
+_MOE_MODELING = "hf_p2r.models.p2r.modeling_p2r_moe"
+# What the Auto classes learn, by transformers module and mapping: names, imported on first lookup (see `_defer`).
+_AUTO_ENTRIES = {
+    "transformers.models.auto.configuration_auto": {
+        "CONFIG_MAPPING": {"p2r": _CONFIG, "p2r_moe": _MOE_CONFIG},
+    },
+    "transformers.models.auto.modeling_auto": {
+        "MODEL_MAPPING": {_CONFIG: f"{_MODELING}:P2RModel", _MOE_CONFIG: f"{_MOE_MODELING}:P2RMoeModel"},
+        "MODEL_FOR_CAUSAL_LM_MAPPING": {
+            _CONFIG: f"{_MODELING}:P2RForCausalLM",
+            _MOE_CONFIG: f"{_MOE_MODELING}:P2RMoeForCausalLM",
+        },
+    },
+}
 
 
 def __getattr__(name: str):
@@ -51,50 +61,41 @@ def __dir__() -> list[str]:
 
 
 def register_auto_classes() -> None:
-    """Register P2R with transformers' `AutoConfig`, `AutoModel` and `AutoModelForCausalLM` (idempotent).
+    """Register P2R with transformers' `AutoConfig`, `AutoModel` and `AutoModelForCausalLM` now (idempotent).
 
-    Runs by itself when transformers loads its Auto classes after `import hf_p2r`; call it only to register at a
-    moment of your choosing."""
-    _register()
+    Not needed: `import hf_p2r` already makes the Auto classes find P2R, in whatever order transformers is imported.
+    This imports the classes at once (torch and transformers included), as `AutoModel.register` needs them."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    from .models.p2r import P2RConfig, P2RForCausalLM, P2RModel, P2RMoeConfig, P2RMoeForCausalLM, P2RMoeModel
 
-def _register(just_run: str | None = None) -> None:
-    """`register_auto_classes`, called by the import hook right after module `just_run` ran."""
-    if _registering or any(_initializing(name) for name in _MODEL_MODULES if name != just_run):
-        return  # re-entered (loading AutoModel loads modeling_auto), or called again when the model module is done
-    _registering.append(True)
-    try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-        from .models.p2r import P2RConfig, P2RForCausalLM, P2RModel, P2RMoeConfig, P2RMoeForCausalLM, P2RMoeModel
-
-        for config, model, causal_lm in (
-            (P2RConfig, P2RModel, P2RForCausalLM),
-            (P2RMoeConfig, P2RMoeModel, P2RMoeForCausalLM),
-        ):
-            AutoConfig.register(config.model_type, config, exist_ok=True)
-            AutoModel.register(config, model, exist_ok=True)
-            AutoModelForCausalLM.register(config, causal_lm, exist_ok=True)
-    finally:
-        _registering.clear()
-    if _hook in sys.meta_path:
-        sys.meta_path.remove(_hook)
+    for config, model, causal_lm in (
+        (P2RConfig, P2RModel, P2RForCausalLM),
+        (P2RMoeConfig, P2RMoeModel, P2RMoeForCausalLM),
+    ):
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModel.register(config, model, exist_ok=True)
+        AutoModelForCausalLM.register(config, causal_lm, exist_ok=True)
 
 
-_registering: list[bool] = []
+def _defer(module) -> None:
+    """Give the Auto mappings of transformers module `module` (just run) the P2R entries, as names.
+
+    Nothing is imported here: this runs inside transformers' own imports (right after `module` has run, while the
+    module that imported it may still be half-initialised), where importing the P2R classes, and with them
+    transformers' modeling code, would fail. The classes load when the Auto classes first look one up."""
+    from .compat import defer_auto_registration
+
+    for mapping, entries in _AUTO_ENTRIES[module.__name__].items():
+        defer_auto_registration(getattr(module, mapping), entries)
 
 
-def _initializing(name: str) -> bool:
-    """Whether module `name` is being imported right now (in sys.modules, not yet run to the end)."""
-    return getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False)
-
-
-class _RegisterWhenLoaded(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: it lets the other finders find the Auto modules and calls `register_auto_classes` once the
-    module has run (transformers loads its submodules lazily, so this is when the Auto classes come to exist)."""
+class _DeferWhenLoaded(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: it lets the other finders find transformers' Auto modules and gives their mappings the
+    P2R entries once each has run (transformers loads its submodules lazily, so that is when the mappings exist)."""
 
     def find_spec(self, name, path, target=None):
-        if name not in _AUTO_MODULES + _MODEL_MODULES:
+        if name not in _AUTO_ENTRIES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -106,19 +107,26 @@ class _RegisterWhenLoaded(importlib.abc.MetaPathFinder):
             return None
         exec_module = spec.loader.exec_module
 
-        def exec_and_register(module):
+        def exec_and_defer(module):
             exec_module(module)
-            _register(just_run=name)
+            _defer(module)
+            if all(other in sys.modules for other in _AUTO_ENTRIES) and self in sys.meta_path:
+                sys.meta_path.remove(self)
 
-        spec.loader.exec_module = exec_and_register
+        spec.loader.exec_module = exec_and_defer
         return spec
 
 
-_hook = _RegisterWhenLoaded()
-if any(name in sys.modules for name in _AUTO_MODULES):
-    _register()
-else:
-    sys.meta_path.insert(0, _hook)
+def _install() -> None:
+    loaded = [sys.modules[name] for name in _AUTO_ENTRIES if name in sys.modules]
+    for module in loaded:
+        if all(hasattr(module, mapping) for mapping in _AUTO_ENTRIES[module.__name__]):
+            _defer(module)
+    if len(loaded) < len(_AUTO_ENTRIES):
+        sys.meta_path.insert(0, _DeferWhenLoaded())
+
+
+_install()
 
 __all__ = [
     "P2RConfig",

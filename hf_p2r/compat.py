@@ -5,15 +5,118 @@ and on the newest releases (.ci/run's compatibility pass), so a private name tha
 instead of somewhere in a training run. No torch at import: the converter's fast path imports this module.
 """
 
-from huggingface_hub.serialization._base import parse_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
+import importlib
 
 __all__ = [
+    "defer_auto_registration",
     "in_backward",
     "initialize_pipeline_stage",
     "parse_size_to_int",
     "pipeline_order",
     "reshard_after_backward",
 ]
+
+
+def parse_size_to_int(size: int | str) -> int:
+    """ "5GB" -> bytes, as `save_pretrained` reads `max_shard_size` (huggingface_hub's private parser)."""
+    from huggingface_hub.serialization._base import parse_size_to_int as parse
+
+    return parse(size)
+
+
+def defer_auto_registration(mapping, entries: dict[str, str]) -> None:
+    """Register classes with one of transformers' Auto mappings without importing them: each is imported on its
+    first lookup, as transformers' own models are.
+
+    `mapping` is `CONFIG_MAPPING` (keys: model types) or a model mapping such as `MODEL_FOR_CAUSAL_LM_MAPPING` (keys:
+    config classes, named here "module:Class"); `entries` maps each key to the "module:Class" of its value. What
+    `AutoConfig.register` / `AutoModel.register` would put into the mapping's `_extra_content` (the registry of
+    classes from outside transformers) is put there as a name, resolved when transformers asks for it: when it is
+    looking a model up, never while one of its own modules is still being imported (which is what registering with
+    classes at import time cannot avoid: `import hf_p2r; from transformers import pipeline` once failed so).
+    """
+    extra = mapping._extra_content
+    if not isinstance(extra, _DeferredEntries):
+        extra = mapping._extra_content = _DeferredEntries(extra, by_class=any(":" in key for key in entries))
+    extra.pending.update((key, value) for key, value in entries.items() if extra.find(key) is None)
+
+
+def _load(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _DeferredEntries(dict):
+    """An Auto mapping's `_extra_content` whose `pending` entries ("module:Class" names) are imported on first use.
+
+    Every dict read a mapping makes (`in`, `[]`, `get`, `keys`, `values`, `items`, iteration, `dict(...)`) sees the
+    pending entries; a lookup imports the one it needs, a listing imports them all. Writing a key (a later
+    `register` of the same name) replaces its pending entry.
+    """
+
+    def __init__(self, registered: dict, by_class: bool):
+        super().__init__(registered)
+        self.by_class = by_class
+        self.pending: dict[str, str] = {}
+
+    def find(self, key) -> str | None:
+        """The pending name for `key` (a model type, or a class matched by module and name), if any."""
+        if self.by_class and not isinstance(key, str):
+            key = f"{getattr(key, '__module__', '')}:{getattr(key, '__qualname__', '')}"
+        return key if isinstance(key, str) and key in self.pending else None
+
+    def _resolve(self, name: str):
+        value = _load(self.pending.pop(name))
+        key = _load(name) if self.by_class else name
+        dict.__setitem__(self, key, value)
+        return value
+
+    def _resolve_all(self) -> None:
+        for name in list(self.pending):
+            self._resolve(name)
+
+    def __contains__(self, key) -> bool:
+        return dict.__contains__(self, key) or self.find(key) is not None
+
+    def __getitem__(self, key):
+        if dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        name = self.find(key)
+        if name is None:
+            raise KeyError(key)
+        return self._resolve(name)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def __setitem__(self, key, value) -> None:
+        name = self.find(key)
+        if name is not None:
+            del self.pending[name]
+        dict.__setitem__(self, key, value)
+
+    def __len__(self) -> int:
+        return dict.__len__(self) + len(self.pending)
+
+    def keys(self):
+        self._resolve_all()
+        return dict.keys(self)
+
+    def values(self):
+        self._resolve_all()
+        return dict.values(self)
+
+    def items(self):
+        self._resolve_all()
+        return dict.items(self)
+
+    def __iter__(self):
+        self._resolve_all()
+        return dict.__iter__(self)
+
+    def copy(self) -> dict:
+        self._resolve_all()
+        return dict(dict.items(self))
 
 
 def reshard_after_backward(module) -> bool:

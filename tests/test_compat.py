@@ -48,3 +48,29 @@ def test_in_backward_is_true_only_while_autograd_runs_a_backward():
 def test_parse_size_to_int_reads_huggingface_hub_sizes():
     assert parse_size_to_int("5GB") == 5 * 10**9
     assert parse_size_to_int("500MB") == 500 * 10**6
+
+
+def test_deferred_auto_entries_load_on_lookup_and_match_classes_by_module_and_name():
+    import collections
+
+    from transformers.models.auto.auto_factory import _LazyAutoMapping
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_p2r.compat import defer_auto_registration
+
+    mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, collections.OrderedDict())
+    config_path = "hf_p2r.models.p2r.configuration_p2r:P2RConfig"
+    defer_auto_registration(mapping, {config_path: "collections:OrderedDict"})
+    impostor = type("P2RConfig", (), {})  # same name, another module: not the registered class
+    assert impostor not in mapping
+    assert len(mapping._extra_content.pending) == 1  # nothing imported yet
+
+    from hf_p2r import P2RConfig
+
+    assert P2RConfig in mapping
+    assert mapping[P2RConfig] is collections.OrderedDict
+    assert not mapping._extra_content.pending
+    defer_auto_registration(mapping, {config_path: "collections:Counter"})  # already resolved: kept
+    assert mapping[P2RConfig] is collections.OrderedDict
+    mapping.register(P2RConfig, collections.Counter, exist_ok=True)  # a later register replaces it
+    assert mapping[P2RConfig] is collections.Counter and list(mapping._extra_content) == [P2RConfig]
