@@ -4,8 +4,9 @@ Each subcommand lives in `hf_p2r/commands/<name>.py` and exposes `register(subpa
 sets `func` (called with the parsed arguments; returns an exit code or None), and `HELP`, its line in `hf-p2r --help`.
 Only the command being run builds its parser, and heavy imports happen inside `func`: `hf-p2r --help`, every
 command's `--help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and
-`hf-p2r convert` needs them only for a dtype cast or `--verify`. Expected user errors print one line on stderr and
-exit 1, without a traceback.
+`hf-p2r convert` needs them only for a dtype cast or `--verify`. Expected errors print one line on stderr, without a
+traceback, and exit 2 for bad input (a file, a field, an argument) or 1 for a failure at run time (a full disk):
+`hf_p2r.errors.exit_code`.
 
 SIGTERM and SIGHUP (`kill`, `timeout`, a SLURM job ending, a closed terminal) stop a command like Ctrl-C does: the
 partial output is removed, one line is printed and the exit status is 128 + the signal number.
@@ -19,9 +20,10 @@ import threading
 from collections.abc import Iterator
 
 from .commands import convert, env, plan, push
+from .errors import exit_code
 
 COMMANDS = {"convert": convert, "push": push, "plan": plan, "env": env}
-# Errors that mean "bad input or environment", not a bug: shown as one line.
+# Errors that mean "bad input or environment", not a bug: shown as one line (exit status: `exit_code`).
 USER_ERRORS = (ValueError, OSError, KeyError)
 # Signals that end a command the way Ctrl-C (SIGINT) does.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         message = str(error) if not isinstance(error, KeyError) else f"missing {error}"
         print(f"hf-p2r {args.command}: error: {one_line(message)}", file=sys.stderr)
-        return 1
+        return exit_code(error)
 
 
 def one_line(message: str) -> str:

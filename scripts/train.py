@@ -2,8 +2,8 @@
 
     accelerate launch -q --num_processes 1 scripts/train.py --config configs/demo.yaml [--FIELD VALUE ...]
 
-Exit codes of `python scripts/train.py`: 0 done; 2 bad configuration; 1 other expected errors (missing files,
-non-finite loss); 128 + signal number when SIGTERM / SIGINT stopped the run after saving a checkpoint (143 / 130).
+Exit codes of `python scripts/train.py`: 0 done; 2 bad input or configuration (a field, a damaged checkpoint, a
+missing file: `hf_p2r.errors.exit_code`); 1 a failure at run time (a full disk, a non-finite loss); 128 + signal number when SIGTERM / SIGINT stopped the run after saving a checkpoint (143 / 130).
 Through `accelerate launch` the launcher's own code replaces every non-zero one: 1 (with `-q`; without it, after a
 CalledProcessError traceback).
 """
@@ -18,7 +18,8 @@ import sys
 if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from hf_p2r.training import ConfigError, NonFiniteLossError, parse_config, train  # noqa: E402
+from hf_p2r.errors import exit_code  # noqa: E402
+from hf_p2r.training import NonFiniteLossError, parse_config, train  # noqa: E402
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -31,12 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return train(config)
-    except ConfigError as error:  # a bad configuration only the run could find
-        print(f"train.py: error: {error}", file=sys.stderr)
-        return 2
     except (ValueError, OSError, NonFiniteLossError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
-        return 1
+        return exit_code(error)
 
 
 def stop_with_launcher() -> None:

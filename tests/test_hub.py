@@ -188,7 +188,7 @@ def test_broken_folders_are_not_pushed(converted, hub, damage):
 
 
 def test_cli_push_errors_are_one_line(tmp_path, hub, capsys):
-    assert main(["push", str(tmp_path / "missing"), "me/x"]) == 1
+    assert main(["push", str(tmp_path / "missing"), "me/x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hf-p2r push: error: ") and "no such folder" in err
 

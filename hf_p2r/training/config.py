@@ -22,10 +22,11 @@ import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser
 
+from ..errors import InputError
 from ..models.p2r import P2RConfig, P2RMoeConfig, delink_sources
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad configuration (exit code 2 from the trainer's command line), wherever it is found: while parsing, or at
     run time for what only the run can check (e.g. `offload: auto` with no device memory to plan for)."""
 

@@ -408,7 +408,7 @@ def test_cli_converts_and_reports_errors_in_one_line(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "out"), "--num-unique-layers", "4", "--verify"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")
     _assert_same_weights(P2RForCausalLM.from_pretrained(tmp_path / "out"), model.delink(4))
-    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hf-p2r convert: error: ") and "not empty" in err
 
@@ -417,7 +417,7 @@ def _cli_error(capsys, *args) -> str:
     """Run `hf-p2r ARGS`, expecting exit 1 and exactly one line on stderr (no traceback); returns that line."""
     code = main([str(arg) for arg in args])
     out, err = capsys.readouterr()
-    assert code == 1 and err.count("\n") == 1 and "Traceback" not in out + err, (code, err)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in out + err, (code, err)
     return err.rstrip("\n")
 
 

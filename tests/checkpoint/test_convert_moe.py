@@ -238,7 +238,7 @@ def test_bad_input_is_one_line_and_no_dst(tmp_path, capsys, case):
         damage(src)
     code = main(["convert", str(src), str(tmp_path / "out"), *args])
     out, err = capsys.readouterr()
-    assert code == 1 and err.count("\n") == 1 and "Traceback" not in out + err, err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in out + err, err
     assert err.startswith("hf-p2r convert: error: ") and re.search(message, err), err
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
@@ -246,7 +246,7 @@ def test_bad_input_is_one_line_and_no_dst(tmp_path, capsys, case):
 
 def test_dense_checkpoint_to_mixtral_is_refused(tmp_path, capsys):
     tiny_model(share_layers=True, num_unique_layers=2).save_pretrained(tmp_path / "dense")
-    assert main(["convert", str(tmp_path / "dense"), str(tmp_path / "out"), "--target", "mixtral"]) == 1
+    assert main(["convert", str(tmp_path / "dense"), str(tmp_path / "out"), "--target", "mixtral"]) == 2
     err = capsys.readouterr().err
     assert "model_type is 'p2r' (a dense model, no experts): target='mixtral' is for MoE models" in err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()

@@ -170,7 +170,7 @@ def test_plan_command_bad_input_is_one_line(tmp_path, capsys, argv, message):
     tiny_config().save_pretrained(tmp_path)
     if "--config" not in argv:
         argv = ["--config", str(tmp_path), *argv]
-    assert main(["plan", *argv]) == 1
+    assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("hf-p2r plan: error:")
 
