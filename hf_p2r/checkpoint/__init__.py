@@ -18,6 +18,8 @@ _EXPORTS = {
     "convert_pseudo_to_real": ".convert",
     "export_llama": ".llama",
     "export_mixtral": ".mixtral",
+    "file_within": ".io",
+    "files_within": ".io",
     "llama_config": ".llama",
     "mixtral_config": ".mixtral",
     "read_config_dict": ".io",

@@ -1,6 +1,6 @@
 """Filesystem side of checkpoints: outputs are built in a temporary folder beside the destination and renamed into
 place at the end, so a destination is either absent, the old one, or complete; config.json is read with errors that
-name the file."""
+name the file; and what a folder holds is listed without following a link out of it (`files_within`)."""
 
 import contextlib
 import ctypes
@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,6 +95,47 @@ def read_config_dict(folder: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config
+
+
+def file_within(folder: str | os.PathLike, path: str | os.PathLike) -> Path | None:
+    """Where `path` (a file in `folder`) really lies, if it is a regular file within `folder`; None otherwise.
+
+    `folder` itself may be a link (the user named it). A link inside it is followed only as far as `folder`: its
+    target must lie within `folder`, or, when `folder` is a snapshot of the Hugging Face cache
+    (`.../models--org--name/snapshots/<revision>`), within that repository's `blobs/`, which is where the cache keeps
+    every file of a snapshot. Anything else (a link out of the folder, e.g. to /etc/passwd or /proc/self; a dangling
+    link or a link loop; a FIFO, a device, a folder) is None: hf-p2r's tools do not read, copy or upload it.
+    """
+    root = Path(folder).resolve()
+    try:
+        target = Path(path).resolve(strict=True)
+        mode = target.stat().st_mode
+    except (OSError, RuntimeError):  # dangling, a loop, unreadable
+        return None
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        roots.append(root.parent.parent / "blobs")
+    if not any(target.is_relative_to(allowed) for allowed in roots) or not stat.S_ISREG(mode):
+        return None
+    return target
+
+
+def files_within(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(kept, skipped): the files of `folder` and its subfolders as relative POSIX paths, sorted; `kept` are regular
+    files within it (`file_within`), `skipped` what is not (links that leave the folder, FIFOs, devices, links to
+    folders, which are not walked into). Hidden entries (`.name`) and `__pycache__` are left out of both."""
+    folder = Path(folder)
+    kept, skipped = [], []
+    for parent, dirnames, filenames in os.walk(folder):  # does not walk into links to folders
+        base = Path(parent)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in [d for d in dirnames if (base / d).is_symlink()]:
+            dirnames.remove(name)
+            skipped.append((base / name).relative_to(folder).as_posix())
+        for name in sorted(n for n in filenames if not n.startswith(".")):
+            relative = (base / name).relative_to(folder).as_posix()
+            (kept if file_within(folder, base / name) is not None else skipped).append(relative)
+    return sorted(kept), sorted(skipped)
 
 
 def file_mode() -> int:

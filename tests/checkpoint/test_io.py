@@ -113,3 +113,39 @@ def test_output_modes_follow_the_umask(tmp_path, umask, mask):
     for path in (tmp_path / "out").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path.name
     assert io_module.file_mode() == 0o666 & ~mask
+
+
+def test_files_within_keeps_what_lies_in_the_folder_and_skips_links_out(tmp_path):
+    from hf_p2r.checkpoint import file_within, files_within
+
+    folder = tmp_path / "model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "sub" / "notes.txt").write_text("x")
+    (folder / "alias.json").symlink_to("config.json")  # a link within the folder: kept
+    outside = tmp_path / "secret.txt"
+    outside.write_text("token")
+    (folder / "tokenizer.json").symlink_to(outside)  # a link out of the folder: skipped
+    (folder / "proc").symlink_to("/proc/self")  # a link to a folder outside: skipped, never walked
+    (folder / "dangling.json").symlink_to(tmp_path / "missing")
+    os.mkfifo(folder / "pipe.json")
+    (folder / ".hidden").write_text("x")
+    kept, skipped = files_within(folder)
+    assert kept == ["alias.json", "config.json", "sub/notes.txt"]
+    assert skipped == ["dangling.json", "pipe.json", "proc", "tokenizer.json"]
+    assert file_within(folder, folder / "tokenizer.json") is None
+    assert file_within(folder, folder / "alias.json") == (folder / "config.json").resolve()
+
+
+def test_files_within_follows_a_hub_cache_snapshot_into_its_blobs(tmp_path):
+    from hf_p2r.checkpoint import files_within
+
+    repo = tmp_path / "hub" / "models--org--name"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs" / "1234").write_text("{}")
+    (snapshot / "config.json").symlink_to("../../blobs/1234")
+    (tmp_path / "hub" / "other").write_text("x")
+    (snapshot / "escape.json").symlink_to("../../../other")  # out of the repository: skipped
+    assert files_within(snapshot) == (["config.json"], ["escape.json"])
