@@ -1,28 +1,35 @@
 """Writing sharded safetensors checkpoints with constant anonymous memory.
 
-Each shard is one `safetensors.serialize_file` call over raw pointers (`TensorSpec`), so a tensor that is already CPU,
-contiguous and of the output dtype is written straight from where it lives (e.g. a memory-mapped source file), and the
-same tensor can be written under many names without a copy: that is how one pseudo block becomes L real layers.
-Tensors that need work first (a dtype cast, a GPU tensor, a non-contiguous view) are staged one by one into a
-file-backed scratch mapping, so their pages are page cache (reclaimable), not anonymous memory, whatever the shard size.
+Each shard is written by this module as safetensors' `serialize_file` writes it (the header of `headers.build_header`,
+then the tensors' bytes back to back: the same file, byte for byte; a test checks it), in pieces of at most 16 MB:
+
+- a tensor that is already CPU, contiguous and of the output dtype is written straight from where it lives (e.g. a
+  memory-mapped source file), without a copy in this process;
+- a tensor that needs work first (a dtype cast, a GPU tensor, a non-contiguous view) is converted piece by piece into
+  one 16 MB buffer per writing thread, and written from there;
+- a tensor written under several names in one shard (one pseudo block becoming L real layers) is converted once: its
+  later copies are copied from its first one in the same file by the kernel (`ranges.copy_range`).
+
+The shard's blocks are allocated first (`fallocate`), so a full disk fails before anything is written, as one
+`OSError` naming the file (no memory-mapped scratch file, whose writes a full disk would turn into SIGBUS). Between two
+pieces each writer looks at a stop event, set when another shard failed or on Ctrl-C / SIGTERM: a stop takes effect
+within a piece's time (well under a second), not at the end of the shard.
 """
 
-import itertools
+import ctypes
 import os
-import re
-import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, TensorSpec, serialize_file
 from tqdm.auto import tqdm
 
-from .headers import DTYPE_CODE_OF, parse_size, plan_shards, write_index
-from .io import file_mode
+from .headers import DTYPE_CODE_OF, build_header, parse_size, plan_shards, write_index
+from .ranges import Stopped, allocate, copy_range, write_all
 
-_ALIGN = 64  # byte alignment of staged tensors in the scratch mapping (any dtype can view it)
+_PIECE = 16 << 20  # bytes written (and converted) at a time: the most a stop waits for, and each thread's buffer
 
 
 def write_checkpoint(
@@ -42,27 +49,29 @@ def write_checkpoint(
     `dtype` casts floating-point tensors; other tensors keep theirs. `metadata` is added to each file's header (next
     to `"format": "pt"`, which transformers requires). Shards are planned as huggingface_hub plans them
     (`headers.plan_shards`), in the order of `tensors`. `folder` must exist; write into a temporary folder
-    (see `atomic_directory`) to make the checkpoint atomic. A progress bar over bytes is shown on a terminal when
-    `progress`.
+    (see `atomic_directory`) to make the checkpoint atomic. Files get mode 0666 less the umask, as `open()` gives.
+    A progress bar over bytes is shown on a terminal when `progress`.
 
-    Shards are written concurrently by up to `workers` threads (default: the CPU count, at most 4): safetensors
-    releases the GIL while it writes, and on the 2-core machine of benchmarks/convert.md two writers wrote 7 GB 1.6 to
-    2.5 times faster than one. Anonymous memory does not grow with them: each thread only holds pointers.
+    Shards are written concurrently by up to `workers` threads (default: the CPU count, at most 4): the writes and
+    casts release the GIL, and on the 2-core machine of benchmarks/convert.md two writers wrote 7 GB 1.6 to 2.5 times
+    faster than one. Anonymous memory does not grow with the checkpoint: each thread holds one 16 MB buffer. A failure
+    (a full disk: `OSError` naming the file) or an interruption (KeyboardInterrupt, which SIGTERM also is under
+    `hf-p2r`) stops every writer within a piece, then goes on; the caller removes the partial files.
     """
     folder = Path(folder)
     max_shard_size = parse_size(max_shard_size)
     out_dtypes = {name: output_dtype(tensor, dtype) for name, tensor in tensors.items()}
-    codes = {name: DTYPE_CODE_OF[str(out_dtypes[name]).removeprefix("torch.")] for name in tensors}
-    shards = plan_shards({name: (codes[name], tuple(t.shape)) for name, t in tensors.items()}, max_shard_size)
+    shards = plan_shards(
+        {name: (_code(out_dtypes[name]), tuple(t.shape)) for name, t in tensors.items()}, max_shard_size
+    )
     header = {"format": "pt", **(metadata or {})}
     nbytes = {name: t.numel() * out_dtypes[name].itemsize for name, t in tensors.items()}
+    stop = threading.Event()
 
     bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, disable=None if progress else True)
 
     def write_shard(filename: str, names: list[str]) -> Path:
-        with _Staging(folder, {name: tensors[name] for name in names}, out_dtypes) as staged:
-            _serialize({name: _spec(staged[name]) for name in names}, folder / filename, header)
-        os.chmod(folder / filename, file_mode())  # safetensors writes through a 0600 temporary file
+        write_file(folder / filename, {name: tensors[name] for name in names}, out_dtypes, header, stop=stop)
         bar.update(sum(nbytes[name] for name in names))
         return folder / filename
 
@@ -71,7 +80,8 @@ def write_checkpoint(
         futures = [pool.submit(write_shard, *item) for item in shards.files.items()]
         try:
             written = [future.result() for future in futures]
-        except BaseException:  # a failed shard or Ctrl-C: start no further shards
+        except BaseException:  # a failed shard or Ctrl-C: stop the running shards, start no further ones
+            stop.set()
             for future in futures:
                 future.cancel()
             raise
@@ -79,16 +89,83 @@ def write_checkpoint(
     return written + write_index(folder, shards)
 
 
-def _serialize(specs: dict[str, TensorSpec], path: Path, header: dict[str, str]) -> None:
+def write_file(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    out_dtypes: Mapping[str, torch.dtype],
+    header: Mapping[str, str],
+    *,
+    stop: threading.Event | None = None,
+) -> None:
+    """Write one safetensors file `path` (it must not exist) holding `tensors`, each in its `out_dtypes` entry, with
+    `header` as its metadata: the module's docstring says how. Raises `Stopped` when `stop` is set part-way, and an
+    `OSError` naming `path` when the disk is full."""
+    raw, offsets = build_header(
+        {name: (_code(out_dtypes[name]), tuple(t.shape)) for name, t in tensors.items()}, header
+    )
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # readable: later copies are read from the file
     try:
-        serialize_file(specs, path, metadata=header)
-    except SafetensorError as error:
-        # An I/O failure (disk full, file too large...) is an OSError with its errno, like any other write.
-        code = re.search(r"os error (\d+)", str(error))
-        if code is None:
-            raise
-        errno = int(code[1])
-        raise OSError(errno, os.strerror(errno), str(path)) from None
+        size = len(raw) + sum(t.numel() * out_dtypes[name].itemsize for name, t in tensors.items())
+        try:
+            os.ftruncate(fd, size)
+            allocate(fd, len(raw), size - len(raw))  # a full disk fails here, before any tensor is written
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        write_all(fd, raw, 0, path)
+        buffer: list[torch.Tensor] = []  # the conversion buffer, made on first need
+        first: dict[tuple, int] = {}  # (source tensor, output dtype) -> where this file already holds its bytes
+        for name in sorted(tensors, key=offsets.__getitem__):
+            tensor, dtype, offset = tensors[name], out_dtypes[name], offsets[name]
+            nbytes = tensor.numel() * dtype.itemsize
+            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), dtype)
+            try:
+                if key in first:  # an earlier name's bytes: copied by the kernel within the file
+                    copy_range(fd, first[key], fd, offset, nbytes, reflink=False, stop=stop)
+                else:
+                    _write_tensor(fd, offset, tensor, dtype, buffer, stop)
+                    first[key] = offset
+            except OSError as error:
+                raise OSError(error.errno, error.strerror, str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def _write_tensor(fd: int, offset: int, tensor: torch.Tensor, dtype: torch.dtype, buffer: list, stop) -> None:
+    """Write `tensor`'s bytes in `dtype` at `offset` of `fd`, piece by piece, looking at `stop` between pieces."""
+    if _writable_as_is(tensor, dtype):  # from its own memory, in pieces
+        nbytes = tensor.numel() * tensor.element_size()
+        for start in range(0, nbytes, _PIECE):
+            if stop is not None and stop.is_set():
+                raise Stopped
+            length = min(_PIECE, nbytes - start)
+            write_all(fd, (ctypes.c_char * length).from_address(tensor.data_ptr() + start), offset + start)
+        return
+    if not buffer:
+        buffer.append(torch.empty(_PIECE, dtype=torch.uint8))
+    for piece in _pieces(tensor, _PIECE // dtype.itemsize):
+        if stop is not None and stop.is_set():
+            raise Stopped
+        length = piece.numel() * dtype.itemsize
+        buffer[0][:length].view(dtype).view(piece.shape).copy_(piece)  # casts element by element on the way
+        write_all(fd, (ctypes.c_char * length).from_address(buffer[0].data_ptr()), offset)
+        offset += length
+
+
+def _pieces(tensor: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views of `tensor` that together are all of it in row-major order, each of at most `limit` elements."""
+    if tensor.numel() <= limit:
+        yield tensor
+    elif tensor.is_contiguous():
+        flat = tensor.view(-1)
+        for start in range(0, flat.numel(), limit):
+            yield flat[start : start + limit]
+    elif (row := tensor[0].numel()) <= limit:
+        step = limit // row
+        for start in range(0, tensor.shape[0], step):
+            yield tensor[start : start + step]
+    else:
+        for index in range(tensor.shape[0]):
+            yield from _pieces(tensor[index], limit)
 
 
 def output_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -96,56 +173,10 @@ def output_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _spec(tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        shape=list(tensor.shape),
-        data_ptr=tensor.data_ptr(),
-        data_len=tensor.numel() * tensor.element_size(),
-    )
+def _code(dtype: torch.dtype) -> str:
+    """safetensors' code of a torch dtype ("BF16")."""
+    return DTYPE_CODE_OF[str(dtype).removeprefix("torch.")]
 
 
 def _writable_as_is(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype == dtype
-
-
-class _Staging:
-    """The tensors of one shard, ready for `serialize_file`: as they are when possible, else staged in a scratch
-    mapping of an unlinked temporary file in `folder` (so nothing is left behind, even if the process is killed).
-
-    Each distinct source tensor is staged once per shard, however many names it is written under. The mapping, and
-    so every pointer handed to `serialize_file`, lives until the `with` block ends.
-    """
-
-    def __init__(self, folder: Path, shard: Mapping[str, torch.Tensor], out_dtypes: Mapping[str, torch.dtype]):
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._scratch = None
-        groups: dict[tuple, list[str]] = {}  # one entry per (source tensor, output dtype) that needs staging
-        for name, tensor in shard.items():
-            if _writable_as_is(tensor, out_dtypes[name]):
-                self.tensors[name] = tensor
-            else:
-                key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-                groups.setdefault((*key, out_dtypes[name]), []).append(name)
-        if not groups:
-            return
-        sizes = [shard[names[0]].numel() * key[-1].itemsize for key, names in groups.items()]
-        offsets = [0, *itertools.accumulate(-(-size // _ALIGN) * _ALIGN for size in sizes)]
-        fd, path = tempfile.mkstemp(prefix=".scratch-", suffix=".bin", dir=folder)
-        os.close(fd)
-        try:
-            self._scratch = torch.from_file(path, shared=True, size=offsets[-1], dtype=torch.uint8)
-        finally:
-            os.unlink(path)  # the mapping keeps its pages; the name is gone at once
-        for (key, names), offset, size in zip(groups.items(), offsets, sizes):
-            source = shard[names[0]]
-            staged = self._scratch[offset : offset + size].view(key[-1]).view(source.shape)
-            staged.copy_(source)  # casts element by element on the way: no full-size temporary
-            self.tensors.update(dict.fromkeys(names, staged))
-
-    def __enter__(self) -> dict[str, torch.Tensor]:
-        return self.tensors
-
-    def __exit__(self, *exc) -> None:
-        self.tensors.clear()
-        self._scratch = None

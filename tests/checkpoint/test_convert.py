@@ -323,7 +323,7 @@ def test_destination_rules(tmp_path):
 @pytest.mark.parametrize("dtype", [None, "float16"], ids=["copy", "cast"])
 def test_failure_mid_way_leaves_nothing(tmp_path, monkeypatch, failure, dtype):
     src, _ = _pseudo(tmp_path)
-    module, name = (ranges_module, "copy_range") if dtype is None else (writer_module, "serialize_file")
+    module, name = (ranges_module, "copy_range") if dtype is None else (writer_module, "write_file")
     real, written = getattr(module, name), []
 
     def fail_after_first_write(*args, **kwargs):

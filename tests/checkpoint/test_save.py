@@ -30,17 +30,17 @@ LAYOUTS = {
 def no_save_pretrained(monkeypatch):
     """Any weight write through transformers' save_pretrained fails the test: saves go through write_checkpoint."""
     written = []
-    real = writer_module.serialize_file
+    real = writer_module.write_file
 
-    def spy(specs, path, metadata=None):
+    def spy(path, *args, **kwargs):
         written.append(path.name)
-        return real(specs, path, metadata=metadata)
+        return real(path, *args, **kwargs)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("save_pretrained was called")
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", forbidden)
-    monkeypatch.setattr(writer_module, "serialize_file", spy)
+    monkeypatch.setattr(writer_module, "write_file", spy)
     return written
 
 
