@@ -11,12 +11,15 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..compat import parse_size_to_int
+from ..errors import InputError, parse_json, read_json
+from .io import file_within, why_skipped
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -62,12 +65,13 @@ class TensorInfo:
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, in the header's order, after the checks safetensors makes when it opens
-    the file (a `ValueError` naming the file and the problem otherwise)."""
+    the file (a `ValueError` naming the file and the problem otherwise, on one line, whatever the bytes). A path that is
+    not a regular file (a FIFO, a device) is refused without being opened."""
     path = Path(path)
     try:
         return _read_header(path)
     except _Invalid as error:
-        raise ValueError(f"{path}: not a valid safetensors file: {error}") from None
+        raise InputError(f"{path}: not a valid safetensors file: {error}") from None
 
 
 class _Invalid(Exception):
@@ -75,7 +79,10 @@ class _Invalid(Exception):
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
-    size = path.stat().st_size
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode):
+        raise _Invalid(f"{_kind(status.st_mode)}, not a regular file")
+    size = status.st_size
     if size < 8:
         raise _Invalid(f"the file has {size} bytes, less than the 8-byte header length (empty or truncated)")
     with open(path, "rb") as file:
@@ -86,12 +93,16 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             )
         if header_len > _MAX_HEADER:
             raise _Invalid(f"its header length ({header_len} bytes) is over safetensors' limit")
-        try:
-            header = json.loads(file.read(header_len))
-        except ValueError:
-            raise _Invalid("its header is not valid JSON") from None
+        raw = file.read(header_len)
+    try:
+        header = parse_json(raw, "header")
+    except InputError as error:
+        raise _Invalid(f"its header is not valid JSON {str(error).partition(': not valid JSON ')[2]}") from None
     if not isinstance(header, dict):
         raise _Invalid("its header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise _Invalid(f"its __metadata__ must map names to strings, got {_short(metadata)}")
     start = 8 + header_len
     tensors, spans = {}, []
     for name, entry in header.items():
@@ -100,15 +111,17 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         try:
             begin, stop = entry["data_offsets"]
             shape, code = tuple(entry["shape"]), entry["dtype"]
-            if not all(isinstance(n, int) and n >= 0 for n in (begin, stop, *shape)) or code not in _BYTES:
+            if not all(_natural(n) for n in (begin, stop, *shape)) or not isinstance(code, str) or code not in _BYTES:
                 raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise _Invalid(f"tensor {name!r}: expected a dtype, a shape and data_offsets, got {entry!r}") from None
+            raise _Invalid(
+                f"tensor {_short(name)}: expected a dtype, a shape and data_offsets, got {_short(entry)}"
+            ) from None
         nbytes = math.prod(shape) * _BYTES[code]
         if stop - begin != nbytes:
             raise _Invalid(
-                f"tensor {name!r}: shape {list(shape)} of {code} needs {nbytes} bytes but its data_offsets "
-                f"[{begin}, {stop}] hold {stop - begin}"
+                f"tensor {_short(name)}: shape {_short(list(shape))} of {code} needs {nbytes} bytes but its "
+                f"data_offsets [{begin}, {stop}] hold {stop - begin}"
             )
         tensors[name] = TensorInfo(path, code, shape, start + begin, nbytes)
         spans.append((begin, stop, name))
@@ -119,7 +132,7 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     for begin, stop, name in sorted(spans):
         if begin != position:
             raise _Invalid(
-                f"tensor {name!r}: data_offsets [{begin}, {stop}] overlap or leave a gap after byte {position}"
+                f"tensor {_short(name)}: data_offsets [{begin}, {stop}] overlap or leave a gap after byte {position}"
             )
         position = stop
     if end < data_size:
@@ -127,53 +140,88 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
+def _natural(value) -> bool:
+    """A JSON integer >= 0 (not a boolean: JSON's true is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value, limit: int = 120) -> str:
+    """repr(value) cut to `limit` characters: a message quotes a header's values, not megabytes of them."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"))
+    kinds += ((stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
 def read_weights(folder: str | os.PathLike) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint in `folder` (one `model.safetensors`, or the shards its index lists), checked:
     headers that do not describe their file, an index naming a missing shard or a tensor its shard does not hold, and
-    shards holding tensors the index does not list all raise `ValueError` / `FileNotFoundError` naming the file."""
+    shards holding tensors the index does not list all raise `ValueError` / `FileNotFoundError` naming the file.
+
+    Every file read must lie within `folder` (`io.file_within`: a Hub cache snapshot's links into its blobs are
+    fine); a link out of the folder, a FIFO or a device is refused, naming it and what it is."""
     folder = Path(folder)
     index_path = folder / INDEX_NAME
-    if index_path.is_file():
+    if os.path.lexists(index_path):
+        _check_within(folder, index_path)
         weight_map = _read_index(index_path)
-    elif (folder / WEIGHTS_NAME).is_file():
+    elif os.path.lexists(folder / WEIGHTS_NAME):
+        _check_within(folder, folder / WEIGHTS_NAME)
         return read_header(folder / WEIGHTS_NAME)
     else:
         others = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
         hint = f" (found {', '.join(others)}: only safetensors weights are read)" if others else ""
         raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
     files = sorted(set(weight_map.values()))
-    if missing_files := [file for file in files if not (folder / file).is_file()]:
+    if missing_files := [file for file in files if not os.path.lexists(folder / file)]:
         raise FileNotFoundError(f"{index_path}: names shard {missing_files[0]}, which does not exist in {folder}")
+    for file in files:
+        if file_within(folder, folder / file) is None:
+            raise InputError(f"{index_path}: names shard {file}, which is {why_skipped(folder, folder / file)}")
     tensors = {}
     for file in files:
         path = folder / file
         stored = read_header(path)
         listed = {name for name, shard in weight_map.items() if shard == file}
         if missing := sorted(listed - stored.keys()):
-            raise ValueError(f"{index_path}: lists {_some(missing)} in {file}, but {path} does not contain it")
+            raise InputError(f"{index_path}: lists {_some(missing)} in {file}, but {path} does not contain it")
         if extra := sorted(stored.keys() - listed):
-            raise ValueError(f"{path}: holds {_some(extra)}, which {index_path.name} does not list")
+            raise InputError(f"{path}: holds {_some(extra)}, which {index_path.name} does not list")
         tensors.update(stored)
     return tensors
 
 
+def _check_within(folder: Path, path: Path) -> None:
+    if file_within(folder, path) is None:
+        raise InputError(f"{path}: {why_skipped(folder, path)}: not read")
+
+
 def _read_index(index_path: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(
-            f"{index_path}: not a safetensors index (expected JSON with a 'weight_map'): {error}"
-        ) from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()) or not weight_map:
-        raise ValueError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
-    if bad := sorted({file for file in weight_map.values() if Path(file).name != file}):
-        raise ValueError(f"{index_path}: shard names must be plain file names, got {bad[0]!r}")
+    index = read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(
+            f"{index_path}: not a safetensors index: expected a non-empty 'weight_map' from tensor names to shard "
+            f"file names, got {_short(weight_map)}"
+        )
+    if bad := sorted({file for file in weight_map.values() if Path(file).name != file or file in (".", "..")}):
+        raise InputError(f"{index_path}: shard names must be plain file names, got {_short(bad[0])}")
     return weight_map
 
 
 def _some(names: list[str]) -> str:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-    return ", ".join(names[:3]) + more
+    return ", ".join(printable(name) for name in names[:3]) + more
+
+
+def printable(name: str, limit: int = 200) -> str:
+    """A tensor name as a message shows it: as it is when printable, escaped otherwise; cut to `limit` characters."""
+    text = name if name.isprintable() else repr(name)[1:-1]
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 # --- writing -----------------------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Filesystem side of checkpoints: outputs are built in a temporary folder beside the destination and renamed into
-place at the end, so a destination is either absent, the old one, or complete; config.json is read with errors that
-name the file; and what a folder holds is listed without following a link out of it (`files_within`)."""
+place at the end, so a destination is either absent, the old one, or complete (and a folder another process filled
+meanwhile is never replaced without `overwrite`); config.json is read with errors that name the file; and what a folder
+holds is listed without following a link out of it (`files_within`), with the reason for what is skipped
+(`why_skipped`)."""
 
 import contextlib
 import ctypes
 import errno
 import functools
 import glob
-import json
 import os
 import re
 import secrets
@@ -17,7 +18,11 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import InputError, read_json
+
 CONFIG_NAME = "config.json"
+# How deeply a config.json may nest (transformers' configs nest 2 or 3 levels: rope_parameters, quantization_config).
+MAX_CONFIG_DEPTH = 32
 _AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two paths atomically
 
@@ -26,36 +31,87 @@ _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two paths atomically
 def atomic_directory(destination: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside `destination`; on success it replaces `destination`.
 
-    A non-empty `destination` is refused unless `overwrite`. On any exception (KeyboardInterrupt included) the temporary
-    folder is removed and `destination` is left untouched. The folder is named `.{name}.tmp-{pid}-{host}-{random}`, so
-    that temporary folders a killed process (kill -9, out of memory) left behind are recognised and removed by the next
-    `atomic_directory` for the same destination: only those of this host whose process is gone. It is created like
-    `mkdir` creates folders (mode 0777 less the umask). An existing `destination` is swapped with the new folder in one
+    A non-empty `destination` is refused unless `overwrite`, when the call starts and again at the rename: the new
+    folder is renamed onto `destination` by one `rename(2)`, which the kernel refuses when `destination` is a folder
+    that is not empty, so an output another process finished meanwhile (two conversions to one folder) is never
+    replaced without `overwrite` (`FileExistsError`, and this call's folder is removed). An empty `destination` folder
+    is replaced. With `overwrite`, an existing `destination` is swapped with the new folder in one
     `renameat2(RENAME_EXCHANGE)` where the kernel and filesystem support it, so it is never absent, even if the process
     dies at that moment; elsewhere it is moved aside, then replaced (two renames).
+
+    A `destination` that is a link is written through: the output replaces the link's target (the link is kept), and
+    the temporary folder is made beside the target. A link that loops is refused.
+
+    On any exception (KeyboardInterrupt included) the temporary folder, and any parent folder this call created, are
+    removed and `destination` is left untouched. The folder is named `.{name}.tmp-{pid}-{host}-{random}`, so that
+    temporary folders a killed process (kill -9, out of memory) left behind are recognised and removed by the next
+    `atomic_directory` for the same destination: only those of this host whose process is gone. It is created like
+    `mkdir` creates folders (mode 0777 less the umask).
     """
-    destination = Path(destination)
+    destination = resolve_destination(destination)
     if destination.exists() and not destination.is_dir():
         raise FileExistsError(f"{destination}: exists and is not a folder")
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         raise FileExistsError(f"{destination}: folder is not empty (overwrite=True, or --overwrite, replaces it)")
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(destination)
-    tmp = _make_folder(destination, "tmp")
+    created = _make_parents(destination.parent)
+    try:
+        remove_stale_temporaries(destination)
+        tmp = _make_folder(destination, "tmp")
+    except BaseException:
+        _remove_empty(created)
+        raise
     try:
         yield tmp
-        if not destination.exists():
-            os.replace(tmp, destination)
-        elif _exchange(tmp, destination):
-            shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old destination
-        else:
-            old = _make_folder(destination, "old")
-            os.replace(destination, old / destination.name)
-            os.replace(tmp, destination)
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, destination)  # absent, or an empty folder: replaced; a non-empty folder: refused
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            if not overwrite:
+                raise FileExistsError(
+                    f"{destination}: another process wrote this folder while this one ran; it was left as it is and "
+                    "this output was discarded (overwrite=True, or --overwrite, replaces it)"
+                ) from None
+            if _exchange(tmp, destination):
+                shutil.rmtree(tmp, ignore_errors=True)  # `tmp` now holds the old destination
+            else:
+                old = _make_folder(destination, "old")
+                os.replace(destination, old / destination.name)
+                os.replace(tmp, destination)
+                shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
+
+
+def resolve_destination(destination: str | os.PathLike) -> Path:
+    """Where an output named `destination` is written: `destination` itself, or, when it is a link (to a folder, or
+    dangling), the link's final target. A link loop raises `InputError`."""
+    destination = Path(destination)
+    if not destination.is_symlink():
+        return destination
+    target = Path(os.path.realpath(destination))
+    if target.is_symlink():  # realpath stops where the links loop
+        raise InputError(f"{destination}: a link that loops ({destination} -> {os.readlink(destination)})")
+    return target
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """`mkdir -p folder`; returns the folders it created, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        path.mkdir(exist_ok=True)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def remove_stale_temporaries(destination: str | os.PathLike) -> list[Path]:
@@ -81,20 +137,62 @@ def remove_stale_temporaries(destination: str | os.PathLike) -> list[Path]:
 
 
 def read_config_dict(folder: str | os.PathLike) -> dict:
-    """The parsed config.json of a checkpoint folder; `FileNotFoundError` / `ValueError` name the file and problem."""
+    """The parsed config.json of a checkpoint folder; `FileNotFoundError` / `InputError` name the file and problem.
+
+    The file must lie within `folder` (`file_within`: a link into a Hub cache's blobs is fine, a link out of the
+    folder or a FIFO is refused) and is read by `hf_p2r.errors.read_json` (malformed, too large or nested too deeply:
+    one line). Nesting is bounded further (`MAX_CONFIG_DEPTH`), so that writing the config again cannot recurse too
+    deeply either."""
     folder = Path(folder)
     path = folder / CONFIG_NAME
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such folder")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{folder}: no {CONFIG_NAME} (not a checkpoint folder)")
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    if file_within(folder, path) is None:
+        raise InputError(f"{path}: {why_skipped(folder, path)}: not read")
+    config = read_json(path)
+    if _depth(config) > MAX_CONFIG_DEPTH:
+        raise InputError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep (more than any model config)")
     return config
+
+
+def _depth(value) -> int:
+    """How deeply a JSON value nests (a scalar: 0; counted up to `MAX_CONFIG_DEPTH` + 1), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list) and depth < MAX_CONFIG_DEPTH + 1:
+            deepest = max(deepest, depth + 1)
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def why_skipped(folder: str | os.PathLike, path: str | os.PathLike) -> str:
+    """Why `file_within(folder, path)` refuses `path`, in a few words: "a link out of FOLDER (to TARGET)", "a FIFO",
+    "a dangling link"..."""
+    path = Path(path)
+    if path.is_symlink():
+        try:
+            target = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            return "a dangling link or a link loop"
+        if target.is_dir():
+            return f"a link to a folder ({target})"
+        if not target.is_file():
+            return f"a link to {_kind(target)} ({target})"
+        return f"a link out of {folder} (to {target})"
+    return _kind(path)
+
+
+def _kind(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        return f"unreadable ({error.strerror})"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"))
+    kinds += ((stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def file_within(folder: str | os.PathLike, path: str | os.PathLike) -> Path | None:
@@ -136,21 +234,6 @@ def files_within(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
             relative = (base / name).relative_to(folder).as_posix()
             (kept if file_within(folder, base / name) is not None else skipped).append(relative)
     return sorted(kept), sorted(skipped)
-
-
-def file_mode() -> int:
-    """The mode `open()` gives a new file (0666 less the umask): for files written by tools that make them 0600."""
-    return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    # /proc reads it without changing it (os.umask can only set it, which would race with other threads).
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        with open("/proc/self/status") as status:
-            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _make_folder(destination: Path, kind: str) -> Path:

@@ -112,7 +112,6 @@ def test_output_modes_follow_the_umask(tmp_path, umask, mask):
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~mask
     for path in (tmp_path / "out").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path.name
-    assert io_module.file_mode() == 0o666 & ~mask
 
 
 def test_files_within_keeps_what_lies_in_the_folder_and_skips_links_out(tmp_path):
@@ -149,3 +148,89 @@ def test_files_within_follows_a_hub_cache_snapshot_into_its_blobs(tmp_path):
     (tmp_path / "hub" / "other").write_text("x")
     (snapshot / "escape.json").symlink_to("../../../other")  # out of the repository: skipped
     assert files_within(snapshot) == (["config.json"], ["escape.json"])
+
+
+# --- two writers, one destination --------------------------------------------------------------------------------
+
+
+def test_a_destination_filled_meanwhile_is_not_replaced(tmp_path):
+    """Two conversions to one DST: the later one finds, at its rename, the folder the earlier one finished. Without
+    overwrite it is refused at that moment (the check at start passed), the earlier output is kept, nothing of the
+    later one is left."""
+    with pytest.raises(FileExistsError, match="out: another process wrote this folder while this one ran"):
+        with atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "mine.txt").write_text("later")
+            with atomic_directory(tmp_path / "out") as other:  # the earlier conversion finishes first
+                (other / "theirs.txt").write_text("earlier")
+    assert _names(tmp_path) == ["out"] and _names(tmp_path / "out") == ["theirs.txt"]
+
+
+def test_an_empty_destination_is_replaced_and_overwrite_still_replaces_a_filled_one(tmp_path):
+    (tmp_path / "out").mkdir()
+    with atomic_directory(tmp_path / "out") as tmp:  # an empty folder, made by the user: replaced
+        (tmp / "a.txt").write_text("a")
+    assert _names(tmp_path / "out") == ["a.txt"]
+    with atomic_directory(tmp_path / "out", overwrite=True) as tmp:
+        (tmp / "b.txt").write_text("b")
+        with atomic_directory(tmp_path / "out", overwrite=True) as other:
+            (other / "c.txt").write_text("c")
+    assert _names(tmp_path) == ["out"] and _names(tmp_path / "out") == ["b.txt"], "with overwrite the later wins"
+
+
+def test_a_destination_that_is_a_link_is_written_through(tmp_path):
+    """DST a link to a folder (e.g. runs/latest -> runs/2026-01): the output replaces the link's target, the link
+    stays, and nothing is left beside either (the temporary folder once stayed behind as a link, undeletable by
+    rmtree)."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    with atomic_directory(tmp_path / "link") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".target.tmp-")
+        (tmp / "a.txt").write_text("a")
+    assert _names(tmp_path) == ["link", "target"] and (tmp_path / "link").is_symlink()
+    assert _names(tmp_path / "target") == ["a.txt"]
+    with pytest.raises(FileExistsError, match="target: folder is not empty"), atomic_directory(tmp_path / "link"):
+        pass
+    with atomic_directory(tmp_path / "link", overwrite=True) as tmp:
+        (tmp / "b.txt").write_text("b")
+    assert _names(tmp_path) == ["link", "target"] and _names(tmp_path / "link") == ["b.txt"]
+    (tmp_path / "dangling").symlink_to("made/later")  # a dangling link: its target is made
+    with atomic_directory(tmp_path / "dangling") as tmp:
+        (tmp / "c.txt").write_text("c")
+    assert _names(tmp_path / "dangling") == ["c.txt"] and (tmp_path / "dangling").is_symlink()
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(ValueError, match="loop: a link that loops"), atomic_directory(tmp_path / "loop"):
+        pass
+
+
+def test_parents_made_for_a_failed_output_are_removed(tmp_path):
+    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "a" / "b" / "out"):
+        raise RuntimeError("mid-way")
+    assert _names(tmp_path) == []
+
+
+# --- config.json: whatever the file holds, one line ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.write_text("[" * 100_000), "config.json: not valid JSON \\(nested too deeply\\)"),
+        (lambda p: p.write_text("[" * 40 + "]" * 40), "config.json: expected a JSON object, got array"),
+        (lambda p: p.write_text('{"a":' * 40 + "1" + "}" * 40), "config.json: nested more than 32 levels deep"),
+        (lambda p: p.write_bytes(b'{"a": "\xff"}'), "config.json: not valid JSON"),
+        (lambda p: os.mkfifo(p), "config.json: a FIFO: not read"),
+        (lambda p: p.symlink_to("/dev/zero"), "config.json: a link to a character device \\(/dev/zero\\): not read"),
+        (lambda p: p.symlink_to("/proc/self/environ"), "config.json: a link out of .*model \\(to /proc/.*environ\\)"),
+        (lambda p: p.symlink_to(p.parent.parent / "elsewhere.json"), "config.json: a link out of .*model"),
+    ],
+    ids=["deep", "array", "nested config", "bad utf-8", "fifo", "/dev/zero", "/proc", "out of the folder"],
+)
+def test_config_json_is_one_line_whatever_it_holds(tmp_path, make, message):
+    from hf_p2r.checkpoint import read_config_dict
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "elsewhere.json").write_text("{}")
+    make(tmp_path / "model" / "config.json")
+    with pytest.raises(ValueError, match=message) as info:
+        read_config_dict(tmp_path / "model")
+    assert "\n" not in str(info.value)
