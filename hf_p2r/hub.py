@@ -3,20 +3,35 @@
 Everything goes through huggingface_hub: `ModelCard`/`ModelCardData` render the card, `HfApi.create_repo` and one
 `HfApi.create_commit` upload the folder and the card together. (The card is added as an operation of that commit
 instead of being written into the folder, so pushing never modifies the folder.)
+
+Only what lies within the folder is uploaded (`hf_p2r.checkpoint.io.files_within`: regular files, and the links of a
+Hugging Face cache snapshot into its own blobs); a link out of the folder (to /etc/passwd, say), a FIFO or a device is
+skipped and said so. The repo id and the branch are checked before anything is read or sent.
 """
 
+import logging
 import os
+import re
 from pathlib import Path
 
+import yaml
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm import tqdm
 
 from .checkpoint.headers import read_weights
-from .checkpoint.io import read_config_dict
+from .checkpoint.io import file_within, files_within, read_config_dict
+from .errors import InputError
+
+logger = logging.getLogger(__name__)
 
 # hf_p2r/model_cards links to model_cards/ at the top of the repository; a wheel holds a copy.
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "model_card.md"
 CARD_NAME = "README.md"
+# A README.md larger than this is not a card hf-p2r wrote (those are a few KB): it is uploaded as it is, unparsed.
+MAX_CARD_BYTES = 1 << 20
+# Skipped files named in the one line that reports them; the rest are counted.
+_NAMED_SKIPS = 10
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # config.json fields shown in the card's table
 _CONFIG_FIELDS = (
@@ -48,7 +63,10 @@ def render_model_card(
     if provenance is not None:
         provenance = {**provenance, "rendered_for": model_id}
     config = read_config_dict(folder)
-    model_type = config.get("model_type", "unknown")
+    model_type = config.get("model_type")
+    model_type = model_type if isinstance(model_type, str) else "unknown"
+    architectures = config.get("architectures")
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else "?"
     remote_code = "auto_map" in config
     depth = config.get("num_hidden_layers")
     share = bool(config.get("share_layers"))
@@ -88,14 +106,17 @@ def render_model_card(
         template_path=MODEL_CARD_TEMPLATE,
         model_id=model_id,
         summary=summary,
-        architecture=(config.get("architectures") or ["?"])[0],
+        architecture=architecture,
         model_type=model_type,
         blocks=blocks_text,
         share_layers=share,
         num_parameters=f"{num_parameters:,}",
         dtypes=", ".join(dtypes),
         usage=_usage(
-            model_id, model_type, remote_code, has_tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES)
+            model_id,
+            model_type,
+            remote_code,
+            has_tokenizer=any(file_within(folder, folder / f) for f in _TOKENIZER_FILES),
         ),
         weight_names="Mixtral's" if moe else "Llama's",
         experts=(
@@ -124,28 +145,37 @@ def push_to_hub(
 
     The card: a folder without README.md gets one rendered by `render_model_card`; the card `convert_pseudo_to_real`
     wrote is re-rendered with `repo_id` (its provenance kept) as long as it is unedited; any other README.md is
-    uploaded as it is. Hidden files and folders are not uploaded. `private` only applies to a repository this call
-    creates; `revision` is a branch, created if needed. `token` defaults to huggingface_hub's (HF_TOKEN or
-    `hf auth login`) and is never printed.
+    uploaded as it is. Hidden files and folders are not uploaded, nor anything that is not a file within `folder`
+    (`files_within`: a link out of it, a FIFO, a device, a link to a folder); those are named in the dry run's report,
+    or in one warning (logger `hf_p2r.hub`) before a real push. A Hugging Face cache snapshot's links into its blobs
+    are files within it. `private` only applies to a repository this call creates; `revision` is a branch, created if
+    needed. `repo_id` (huggingface_hub's `validate_repo_id`) and `revision` (a branch name git and the Hub accept) are
+    checked first, in a dry run too: `InputError` naming the argument. `token` defaults to huggingface_hub's (HF_TOKEN
+    or `hf auth login`) and is never printed.
 
     ```python
     >>> print(push_to_hub("real_24", "me/p2r-24", dry_run=True))   # files + card, nothing sent
     >>> push_to_hub("real_24", "me/p2r-24", private=True)
     ```
     """
+    check_repo_id(repo_id)
+    check_branch(revision)
     folder = Path(folder)
     card, card_note = _card_for_upload(folder, repo_id)
-    files = _files_to_upload(folder, include_readme=card is None)
+    files, skipped = _files_to_upload(folder, include_readme=card is None)
     commit_message = commit_message or f"Upload {folder.name} with hf-p2r"
     if dry_run:
-        return _report(folder, repo_id, files, card, card_note, private=private, revision=revision)
+        return _report(folder, repo_id, files, skipped, card, card_note, private=private, revision=revision)
+    if skipped:
+        logger.warning(_skipped_line(folder, skipped))
 
     api = HfApi(token=token)
     # private=None (not False) when not asked: the organization's default visibility then applies.
     api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True)
     if revision is not None:
         api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=folder / path) for path in files]
+    # The resolved paths: a file swapped for a link after the listing is not followed out of the folder.
+    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=target) for path, target in files.items()]
     if card is not None:
         operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=str(card).encode()))
     commit = api.create_commit(
@@ -154,48 +184,121 @@ def push_to_hub(
     return commit.commit_url
 
 
+def check_repo_id(repo_id: str) -> None:
+    """`InputError` unless `repo_id` is a Hub repository id ("name" or "namespace/name": huggingface_hub's
+    `validate_repo_id`)."""
+    try:
+        validate_repo_id(repo_id)
+        if not repo_id:
+            raise HFValidationError("it is empty")
+    except HFValidationError as error:
+        raise InputError(f"repo_id {_cut(repr(repo_id))} is not a Hub repository id: {_cut(str(error), 300)}") from None
+
+
+# What git refuses in a branch name (`git check-ref-format --branch`), which is what the Hub accepts as one.
+_BAD_IN_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
+
+
+def check_branch(revision: str | None) -> None:
+    """`InputError` unless `revision` is None or a branch name git accepts (`git check-ref-format --branch`): no
+    space, control character or any of ``~^:?*[\\``, no ``..``, ``@{`` or ``//``, no part starting with ``.`` or
+    ending with ``.lock``, not starting with ``-`` or ``/``, not ending with ``/`` or ``.``, not ``@`` or ``HEAD``."""
+    if revision is None:
+        return
+    problem = None
+    if not isinstance(revision, str) or not revision:
+        problem = "it must be a non-empty string"
+    elif match := _BAD_IN_BRANCH.search(revision):
+        problem = f"it contains {match[0]!r}"
+    elif revision.startswith(("-", "/")) or revision.endswith(("/", ".")) or revision in ("@", "HEAD"):
+        problem = "it must not start with '-' or '/', end with '/' or '.', or be '@' or 'HEAD'"
+    elif any(part.startswith(".") or part.endswith(".lock") for part in revision.split("/")):
+        problem = "no part of it may start with '.' or end with '.lock'"
+    if problem:
+        raise InputError(f"revision {_cut(repr(revision))} is not a branch name git and the Hub accept: {problem}")
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    """`text`, cut to `limit` characters (a message quotes a value, not megabytes of it)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _card_for_upload(folder: Path, repo_id: str) -> tuple[ModelCard | None, str]:
     """(card to upload, why) — None means the folder's own README.md goes up unchanged."""
     readme = folder / CARD_NAME
-    if not readme.is_file():
+    if not os.path.lexists(readme):
         return render_model_card(folder, model_id=repo_id), "rendered from model_cards/"
-    existing = readme.read_text(encoding="utf-8")
-    provenance = ModelCard(existing).data.to_dict().get("hf_p2r")
-    if isinstance(provenance, dict):
-        # The id it was rendered for (cards written before `rendered_for` existed: the folder's name then).
-        rendered_for = provenance.get("rendered_for") or folder.name
-        if existing == str(render_model_card(folder, model_id=rendered_for, provenance=provenance)):
-            card = render_model_card(folder, model_id=repo_id, provenance=provenance)
-            return card, "the card hf-p2r convert wrote, re-rendered for this repo"
+    if file_within(folder, readme) is None:  # a link out of the folder, a FIFO...: never read, never uploaded
+        card = render_model_card(folder, model_id=repo_id)
+        return card, f"rendered from model_cards/: the folder's {CARD_NAME} is not a file within it"
+    with open(readme, "rb") as file:
+        data = file.read(MAX_CARD_BYTES + 1)
+    try:
+        existing = data.decode("utf-8") if len(data) <= MAX_CARD_BYTES else None
+    except UnicodeDecodeError:
+        existing = None  # not hf-p2r's card: the author's, as it is
+    if existing is not None:
+        try:
+            provenance = ModelCard(existing).data.to_dict().get("hf_p2r")
+        except (ValueError, TypeError, KeyError, yaml.YAMLError, RecursionError) as error:
+            message = " ".join(str(error).split())
+            raise InputError(
+                f"{readme}: its metadata block (between the --- lines) is not a YAML mapping the Hub accepts "
+                f"({_cut(message, 300)})"
+            ) from None
+        if isinstance(provenance, dict):
+            # The id it was rendered for (cards written before `rendered_for` existed: the folder's name then).
+            rendered_for = provenance.get("rendered_for") or folder.name
+            rendered_for = rendered_for if isinstance(rendered_for, str) else folder.name
+            if existing == str(render_model_card(folder, model_id=rendered_for, provenance=provenance)):
+                card = render_model_card(folder, model_id=repo_id, provenance=provenance)
+                return card, "the card hf-p2r convert wrote, re-rendered for this repo"
     # Not written by hf-p2r, or edited since: it is the author's card. The weights are still checked.
     read_weights(folder)
-    return None, "the folder's own README.md, unchanged"
+    return None, f"the folder's own {CARD_NAME}, unchanged"
 
 
-def _files_to_upload(folder: Path, *, include_readme: bool) -> list[str]:
-    files = []
-    for path in sorted(folder.rglob("*")):
-        relative = path.relative_to(folder)
-        if not path.is_file() or any(part.startswith(".") or part == "__pycache__" for part in relative.parts):
+def _files_to_upload(folder: Path, *, include_readme: bool) -> tuple[dict[str, Path], list[str]]:
+    """({path in the repo: the file it is}, [skipped paths]): the files within `folder` (`files_within`)."""
+    kept, skipped = files_within(folder)
+    files = {}
+    for path in kept:
+        if path == CARD_NAME and not include_readme:
             continue
-        if relative.as_posix() == CARD_NAME and not include_readme:
-            continue
-        files.append(relative.as_posix())
-    return files
+        target = file_within(folder, folder / path)
+        if target is None:  # changed since it was listed
+            skipped.append(path)
+        else:
+            files[path] = target
+    return files, sorted(skipped)
 
 
-def _report(folder, repo_id, files, card, card_note, *, private, revision) -> str:
+def _skipped_line(folder: Path, skipped: list[str]) -> str:
+    """One line naming what `files_within` skipped (the first `_NAMED_SKIPS`; the rest counted)."""
+    names = ", ".join(skipped[:_NAMED_SKIPS])
+    if len(skipped) > _NAMED_SKIPS:
+        names += f" and {len(skipped) - _NAMED_SKIPS} more"
+    return (
+        f"skipped {len(skipped)} of {folder}'s entries, not files within it (links out of it, FIFOs, devices, links "
+        f"to folders): {names}"
+    )
+
+
+def _report(folder, repo_id, files, skipped, card, card_note, *, private, revision) -> str:
     visibility = "private " if private else ""
     lines = [
         f"Dry run: would create (if needed) the {visibility}model repo {repo_id} and commit to {revision or 'main'}:"
     ]
-    for path in files:
-        lines.append(f"  {path}  ({tqdm.format_sizeof((folder / path).stat().st_size, 'B')})")
+    for path, target in files.items():
+        lines.append(f"  {path}  ({tqdm.format_sizeof(target.stat().st_size, 'B')})")
     if card is not None:
         lines.append(f"  {CARD_NAME}  ({card_note}, below)")
-        lines += ["", str(card)]
     else:
         lines.append(f"  (model card: {card_note})")
+    if skipped:
+        lines.append(f"Not uploaded: {_skipped_line(folder, skipped)}")
+    if card is not None:
+        lines += ["", str(card)]
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,10 +11,13 @@ import httpx2
 import pytest
 from huggingface_hub import CommitInfo, HfApi, ModelCard, constants
 from huggingface_hub.errors import HfHubHTTPError
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_p2r import convert_pseudo_to_real, export_llama, push_to_hub
 from hf_p2r.cli import main
-from hf_p2r.hub import render_model_card
+from hf_p2r.errors import InputError
+from hf_p2r.hub import check_branch, render_model_card
 
 from .conftest import tiny_model
 
@@ -273,3 +277,161 @@ def test_hub_errors_are_one_line_without_the_token(converted, monkeypatch, capsy
     assert main(["push", str(converted), "me/real-8"]) == 1
     err = capsys.readouterr().err
     assert err == f"hf-p2r push: error: {expected.format(endpoint=constants.ENDPOINT)}\n"
+
+
+# Issue 23: nothing out of the folder is uploaded; bad arguments are refused before anything is read or sent.
+
+
+def _outside_files(tmp_path):
+    """A secret file, a folder and a FIFO outside any checkpoint folder."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("root:x:0:0\n")
+    (outside / "folder").mkdir()
+    (outside / "folder" / "inner").write_text("inner")
+    os.mkfifo(outside / "fifo")
+    return outside
+
+
+def test_links_out_of_the_folder_fifos_and_devices_are_skipped_and_named(converted, hub, tmp_path, capsys):
+    outside = _outside_files(tmp_path)
+    (converted / "passwd").symlink_to("/etc/passwd")
+    (converted / "secret").symlink_to(outside / "secret")
+    (converted / "linked").symlink_to(outside / "folder")
+    (converted / "dangling").symlink_to(tmp_path / "nothing")
+    os.mkfifo(converted / "pipe")
+    (converted / "null").symlink_to("/dev/null")
+    (converted / "copy.json").symlink_to("config.json")  # a link within the folder: uploaded
+    skipped = ["dangling", "linked", "null", "passwd", "pipe", "secret"]
+
+    assert main(["push", str(converted), "me/real-8", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    listing = out[: out.index("\n\n")].splitlines()
+    assert [line.split()[0] for line in listing[1:-1]] == [
+        "config.json",
+        "copy.json",
+        "generation_config.json",
+        "model.safetensors",
+        "README.md",
+    ]
+    assert (
+        listing[-1] == f"Not uploaded: skipped 6 of {converted}'s entries, not files within it (links out of it, "
+        f"FIFOs, devices, links to folders): {', '.join(skipped)}"
+    )
+
+    assert main(["push", str(converted), "me/real-8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"hf-p2r push: warning: {listing[-1].removeprefix('Not uploaded: ')}\n"
+    assert captured.out == "https://huggingface.co/me/real-8/commit/abc\n"
+    files = _uploaded(hub)
+    assert sorted(files) == ["README.md", "config.json", "copy.json", "generation_config.json", "model.safetensors"]
+    assert files["copy.json"] == (converted / "config.json").read_bytes()
+    assert b"root:" not in b"".join(files.values())
+
+
+def test_a_hub_cache_snapshots_links_into_its_blobs_are_uploaded(tmp_path, hub):
+    """What `hf download` leaves: snapshots/<revision>/<file> are links to ../../blobs/<hash>."""
+    tiny_model().save_pretrained(tmp_path / "saved")
+    repo = tmp_path / "hub" / "models--me--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for index, file in enumerate(sorted((tmp_path / "saved").iterdir())):
+        blob = repo / "blobs" / f"{index:040x}"
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    push_to_hub(snapshot, "me/tiny")
+    files = _uploaded(hub)
+    assert sorted(files) == ["README.md", "config.json", "generation_config.json", "model.safetensors"]
+    assert files["model.safetensors"] == (repo / "blobs" / f"{2:040x}").read_bytes()
+
+
+@pytest.mark.parametrize("readme", ["fifo in the folder", "link to a fifo outside", "link to a file outside"])
+def test_a_readme_that_is_not_a_file_within_the_folder_is_never_read(converted, tmp_path, readme):
+    """A FIFO would block a reader forever: the command must end, in a fresh process, with a rendered card."""
+    outside = _outside_files(tmp_path)
+    (converted / "README.md").unlink()
+    if readme == "fifo in the folder":
+        os.mkfifo(converted / "README.md")
+    else:
+        (converted / "README.md").symlink_to(outside / ("fifo" if "fifo" in readme else "secret"))
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "push", str(converted), "me/real-8", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "README.md  (rendered from model_cards/: the folder's README.md is not a file within it, below)" in (
+        result.stdout
+    )
+    assert "Not uploaded: skipped 1 of" in result.stdout and result.stdout.count("README.md") >= 2
+    assert "root:x" not in result.stdout and "# me/real-8" in result.stdout
+
+
+BAD_REPO_IDS = ["", "a b", "me/x/y", "me/x..y", "me--x/y", "me/x.git", "-me/x", "me/" + "x" * 97, "../x"]
+BAD_BRANCHES = ["", "a b", "a..b", "-b", "b/", "/b", "b.", "b.lock", ".b", "a/.b", "a//b", "a@{b", "a~1", "a^", "a:b"]
+BAD_BRANCHES += ["a?", "a*", "a[b", "a\\b", "HEAD", "@", "a\tb", "a\x7fb"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry run", "push"])
+@pytest.mark.parametrize(
+    "argument,value", [("repo_id", v) for v in BAD_REPO_IDS] + [("revision", v) for v in BAD_BRANCHES]
+)
+def test_bad_repo_ids_and_branches_are_refused_before_anything_is_read(tmp_path, hub, capsys, dry_run, argument, value):
+    """The folder does not even exist: the arguments are checked first, in a dry run too."""
+    repo_id, options = (value, []) if argument == "repo_id" else ("me/x", [f"--revision={value}"])
+    argv = ["push", *options, *["--dry-run"] * dry_run, "--", str(tmp_path / "missing"), repo_id]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"hf-p2r push: error: {argument} {value!r}"[:60]), captured.err
+    assert hub == []
+
+
+@pytest.mark.parametrize("revision", ["v1", "feature/x", "release-1.0", "user@host", "v1.0_rc", "é"])
+def test_good_branches_are_pushed_to(converted, hub, revision):
+    push_to_hub(converted, "me/real-8", revision=revision)
+    assert [call[3].get("branch") for call in hub if call[0] == "create_branch"] == [revision]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab/.-@{}~^:?*[\\ \t\x7fé") | st.characters(), max_size=12))
+def test_branch_names_follow_git(name):
+    """Every name `check_branch` accepts, git accepts as a branch (`git check-ref-format --branch`); every name git
+    accepts but "@" (which git reads as the current branch), `check_branch` accepts."""
+    try:
+        check_branch(name)
+        ours = True
+    except InputError as error:
+        assert str(error).count("\n") == 0 and str(error).startswith("revision ")
+        ours = False
+    if "\x00" in name:  # cannot be a command-line argument; refused above
+        assert not ours
+        return
+    git = subprocess.run(["git", "check-ref-format", "--branch", name], capture_output=True, cwd="/").returncode == 0
+    assert ours == (git and name != "@"), (name, ours, git)
+
+
+def test_a_readme_with_broken_metadata_is_one_line(converted, hub, capsys):
+    (converted / "README.md").write_text("---\nlicense: [mit\n---\n# Mine\n")
+    assert main(["push", str(converted), "me/real-8", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-p2r push: error: {converted / 'README.md'}: its metadata block") and err.count("\n") == 1
+    assert hub == []
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe not UTF-8", b"x" * ((1 << 20) + 1)], ids=["binary", "over 1 MiB"])
+def test_readmes_that_cannot_be_hf_p2rs_card_go_up_unchanged(converted, hub, content):
+    (converted / "README.md").write_bytes(content)
+    push_to_hub(converted, "me/real-8")
+    assert _uploaded(hub)["README.md"] == content
+
+
+def test_token_shaped_strings_are_masked_too():
+    from hf_p2r.commands.push import _without_token
+
+    other = "hf_" + "A1b2" * 9
+    message = _without_token(f"401: {TOKEN} and {other}", TOKEN)
+    assert message == "401: *** and ***"

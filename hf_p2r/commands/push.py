@@ -1,7 +1,10 @@
 """`hf-p2r push DIR REPO_ID`: publish a checkpoint folder to the Hugging Face Hub; see `hf_p2r.push_to_hub`."""
 
 import argparse
+import re
 
+# What a Hugging Face user access token looks like (hf_ and 34 letters or digits).
+_TOKEN_SHAPE = re.compile(r"\bhf_[A-Za-z0-9]{20,}")
 HELP = "publish a checkpoint folder to the Hugging Face Hub (with a model card)"
 
 
@@ -9,27 +12,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "push",
         help=HELP,
-        description="Create the repository if needed, render the model card and upload the folder. The token comes "
-        "from HF_TOKEN or `hf auth login`; it is never printed.",
+        description="Create the repository if needed, render the model card and upload the folder in one commit. "
+        "Only files within DIR are uploaded (a Hugging Face cache snapshot's links into its blobs included): links "
+        "out of it, FIFOs and devices are skipped, and named. REPO_ID and --revision are checked before anything is "
+        "read or sent. The token comes from HF_TOKEN or `hf auth login`; it is never printed.",
     )
     parser.add_argument("folder", metavar="DIR", help="checkpoint folder to upload")
     parser.add_argument("repo_id", metavar="REPO_ID", help="e.g. user/model-name")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--revision", help="branch to push to (default: main)")
+    parser.add_argument("--revision", help="branch to push to, created if needed (default: main)")
     parser.add_argument("--commit-message", help="commit message (default: 'Upload <folder name> with hf-p2r')")
     parser.add_argument(
-        "--dry-run", action="store_true", help="list the files and print the model card; no network access"
+        "--dry-run",
+        action="store_true",
+        help="list the files (and what is skipped) and print the model card; no network access",
     )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
     import httpx2  # huggingface_hub's HTTP client: its errors are not OSError
     from huggingface_hub import constants, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
-    from ..hub import push_to_hub
+    from ..hub import logger, push_to_hub
 
+    # push_to_hub's warnings (what it skipped) are one line each on stderr.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hf-p2r push: warning: %(message)s"))
+    logger.addHandler(handler)
     try:
         result = push_to_hub(
             args.folder,
@@ -43,10 +57,13 @@ def run(args: argparse.Namespace) -> int:
         raise OSError(_without_token(f"{constants.ENDPOINT}: {error}", get_token())) from None
     except httpx2.HTTPError as error:  # no answer: refused, unreachable, timed out, TLS...
         raise ConnectionError(_without_token(f"cannot reach {constants.ENDPOINT}: {error}", get_token())) from None
+    finally:
+        logger.removeHandler(handler)
     print(result)
     return 0
 
 
 def _without_token(message: str, token: str | None) -> str:
-    """Messages never carry the token; this makes sure of it."""
-    return message.replace(token, "***") if token else message
+    """Messages never carry the token, nor anything shaped like a Hugging Face token; this makes sure of it."""
+    message = message.replace(token, "***") if token else message
+    return _TOKEN_SHAPE.sub("***", message)
