@@ -5,13 +5,20 @@ accelerate launch scripts/train.py --config configs/demo.yaml --pseudo_steps 50 
 ```
 
 Keys are flat (as in transformers' `run_clm.py`): every field of `ModelArguments`, `DataArguments` and
-`TrainArguments` is both a YAML key and a `--flag`. Every bad value raises `ValueError("field: problem")`.
+`TrainArguments` is both a YAML key and a `--flag` (spelled out: no abbreviations). A list flag takes its values one
+after the other (`--partial_delink_blocks 2 4`); `none`, `[]` or no value clears it. Every bad input, whatever the YAML
+file or the command line holds, raises one `ConfigError` (a `ValueError`) of one line naming the field, the key or the
+file, and the problem.
 """
 
 import argparse
 import dataclasses
 import difflib
+import math
+import os
 import re
+import reprlib
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +28,7 @@ from typing import Any, Literal
 import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from ..errors import InputError
 from ..models.p2r import P2RConfig, P2RMoeConfig, delink_sources
@@ -29,6 +37,10 @@ from ..models.p2r import P2RConfig, P2RMoeConfig, delink_sources
 class ConfigError(InputError):
     """A bad configuration (exit code 2 from the trainer's command line), wherever it is found: while parsing, or at
     run time for what only the run can check (e.g. `offload: auto` with no device memory to plan for)."""
+
+
+# The largest YAML configuration the trainer reads (the presets are a few kB).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 # ModelArguments fields passed to P2RMoeConfig when num_experts > 0.
@@ -54,7 +66,9 @@ class ModelArguments:
     num_hidden_layers: int = field(default=8, metadata={"help": "Depth L (of the pseudo and of the real model)."})
     num_attention_heads: int = field(default=4, metadata={"help": "Query heads."})
     num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads (default: query heads)."})
-    num_unique_layers: int = field(default=1, metadata={"help": "k, the distinct blocks of the pseudo model."})
+    num_unique_layers: int = field(
+        default=1, metadata={"help": "k, the distinct blocks of the pseudo model (unused when pseudo_steps is 0)."}
+    )
     sharing_pattern: Literal["cycle", "sequence"] = field(
         default="cycle", metadata={"help": "cycle: depth i runs block i mod k; sequence: block floor(i*k/L)."}
     )
@@ -95,7 +109,7 @@ class ModelArguments:
         check_range("rope_theta", self.rope_theta, low=0.0, strict_low=True)
         kv_heads = self.num_key_value_heads or self.num_attention_heads
         if self.num_attention_heads % kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_key_value_heads: {kv_heads} must divide num_attention_heads ({self.num_attention_heads})"
             )
 
@@ -134,7 +148,7 @@ class DataArguments:
         )
         check_range("preprocessing_num_workers", self.preprocessing_num_workers, low=1)
         if self.dataset_name and self.train_files:
-            raise ValueError("train_files: give either dataset_name (Hub) or train_files (local), not both")
+            raise ConfigError("train_files: give either dataset_name (Hub) or train_files (local), not both")
 
 
 @dataclass
@@ -154,10 +168,18 @@ class TrainArguments:
     )
     real_steps: int = field(default=100, metadata={"help": "Optimizer steps on the real model."})
     partial_delink_steps: list[int] = field(
-        default_factory=list, metadata={"help": "Steps (< pseudo_steps) of partial delinks, e.g. 50 (1 -> k -> L)."}
+        default_factory=list,
+        metadata={
+            "help": "Step of each partial delink, increasing, in (0, pseudo_steps). Default: evenly spaced over the "
+            "pseudo stage (the i-th of n at round(pseudo_steps * i / (n + 1))), so they follow --pseudo_steps."
+        },
     )
     partial_delink_blocks: list[int] = field(
-        default_factory=list, metadata={"help": "Blocks after each partial delink, e.g. 4."}
+        default_factory=list,
+        metadata={
+            "help": "Blocks after each partial delink in the pseudo stage, e.g. 2 4 (1 -> 2 -> 4 -> L); unused when "
+            "pseudo_steps is 0."
+        },
     )
     optimizer_carry: Literal["reset", "copy", "scale"] = field(
         default="scale",
@@ -191,7 +213,9 @@ class TrainArguments:
     lr_decay_fraction: float = field(
         default=0.2, metadata={"help": "wsd: the fraction of the run (all steps) spent decaying, in (0, 1]."}
     )
-    warmup_steps: int = field(default=20, metadata={"help": "Linear warm-up at the start of the run."})
+    warmup_steps: int = field(
+        default=20, metadata={"help": "Linear warm-up at the start of the run (at most pseudo_steps + real_steps)."}
+    )
     min_lr_ratio: float = field(default=0.1, metadata={"help": "Final learning rate / peak (cosine, linear, wsd)."})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices and embeddings only)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
@@ -217,11 +241,13 @@ class TrainArguments:
         default=None,
         metadata={
             "help": "Granular CPU offload of blocks (one process): auto, a ratio of blocks (0.5) or block indices "
-            "([1, 3, 5]); re-selected after every delink, so auto offloads nothing while the pseudo model fits."
+            "([1, 3, 5]: blocks of the first model, which a pseudo model with k blocks numbers 0..k-1); re-selected "
+            "after every delink, so auto offloads nothing while the pseudo model fits."
         },
     )
     offload_budget_gb: float | None = field(
-        default=None, metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85%% of it)."}
+        default=None,
+        metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85%% of it; needed on a CPU run)."},
     )
     offload_prefetch: int = field(default=1, metadata={"help": "Offloaded blocks copied ahead of their use."})
     pipeline_parallel_size: int = field(
@@ -237,7 +263,8 @@ class TrainArguments:
         metadata={"help": "Micro-batches per optimizer step in a pipeline (default: pipeline_parallel_size)."},
     )
     pipeline_split: list[int] | None = field(
-        default=None, metadata={"help": "Layers per stage, e.g. [3, 5] (default: balanced from FLOPs and bytes)."}
+        default=None,
+        metadata={"help": "Layers per stage, e.g. 3 5 (YAML: [3, 5]; default: balanced from FLOPs and bytes)."},
     )
     data_parallel_size: int = field(
         default=1,
@@ -255,13 +282,13 @@ class TrainArguments:
     )
 
     def __post_init__(self):
-        # YAML gives a number or a list; the command line a string. Keep one canonical string form.
-        if isinstance(self.offload, int | float | list) and not isinstance(self.offload, bool):
-            self.offload = str(self.offload)
+        self.offload = offload_text(self.offload)
         check_types(self)
         if parse_offload(self.offload) is None:  # "none" is no offload, like leaving it out
             self.offload = None
         check_range("offload_budget_gb", self.offload_budget_gb, low=0.0, strict_low=True)
+        if self.cpu:
+            self.check_offload_budget("cpu")
         check_range("offload_prefetch", self.offload_prefetch, low=0)
         for name in ("pseudo_steps", "real_steps", "warmup_steps", "eval_steps", "save_steps"):
             check_range(name, getattr(self, name), low=0)
@@ -278,7 +305,13 @@ class TrainArguments:
         check_range("adam_epsilon", self.adam_epsilon, low=0.0, strict_low=True)
         check_range("max_grad_norm", self.max_grad_norm, low=0.0)
         if self.pseudo_steps + self.real_steps == 0:
-            raise ValueError("real_steps: pseudo_steps + real_steps must be at least 1")
+            raise ConfigError("real_steps: pseudo_steps + real_steps must be at least 1")
+        if self.warmup_steps > self.total_steps:
+            raise ConfigError(
+                f"warmup_steps: the warm-up ({self.warmup_steps} steps) is longer than the run ({self.total_steps} "
+                f"step{'s' * (self.total_steps != 1)}: pseudo_steps + real_steps); pass --warmup_steps "
+                f"{self.total_steps} or less"
+            )
         check_range("pipeline_parallel_size", self.pipeline_parallel_size, low=1)
         check_range("num_microbatches", self.num_microbatches, low=1)
         check_range("data_parallel_size", self.data_parallel_size, low=1)
@@ -286,12 +319,12 @@ class TrainArguments:
             self._check_pipeline()
         elif self.data_parallel_size != 1 or self.data_parallel_shard:
             name = "data_parallel_size" if self.data_parallel_size != 1 else "data_parallel_shard"
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: applies to pipelined runs (pipeline_parallel_size > 1); without a pipeline, data parallelism "
                 "is the launcher's process count (accelerate launch --num_processes N, with FSDP2 or DeepSpeed)"
             )
         if self.lr_scheduler == "wsd" and self.warmup_steps + self.decay_steps > self.total_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"lr_decay_fraction: warm-up ({self.warmup_steps} steps) and decay ({self.decay_steps}) must fit in "
                 f"the run ({self.total_steps} steps), got {self.lr_decay_fraction}"
             )
@@ -310,17 +343,17 @@ class TrainArguments:
         ]
         for name, bad, why in refused:
             if bad:
-                raise ValueError(f"{name}: not supported with pipeline_parallel_size > 1 ({why})")
+                raise ConfigError(f"{name}: not supported with pipeline_parallel_size > 1 ({why})")
         if self.data_parallel_shard and self.data_parallel_size == 1:
-            raise ValueError("data_parallel_shard: shards a stage over data_parallel_size > 1 pipelines, got 1")
+            raise ConfigError("data_parallel_shard: shards a stage over data_parallel_size > 1 pipelines, got 1")
         microbatches = self.num_microbatches or self.pipeline_parallel_size
         if self.per_device_batch_size % microbatches:
-            raise ValueError(
+            raise ConfigError(
                 f"num_microbatches: {microbatches} must divide per_device_batch_size ({self.per_device_batch_size}), "
                 "the pipeline's batch"
             )
         if self.pipeline_schedule == "2bw" and microbatches < self.pipeline_parallel_size:
-            raise ValueError(
+            raise ConfigError(
                 f"num_microbatches: PipeDream-2BW needs at least pipeline_parallel_size ({self.pipeline_parallel_size})"
                 f" micro-batches per step, got {microbatches}"
             )
@@ -339,9 +372,29 @@ class TrainArguments:
         """`offload` as `GranularOffload` takes it: "auto", a ratio, a list of block indices, or None."""
         return parse_offload(self.offload)
 
+    def check_offload_budget(self, device_type: str) -> None:
+        """`offload: auto` plans for a device's memory: refuse it without `offload_budget_gb` where the run computes on
+        a device whose memory is not known (anything but CUDA). Checked while parsing for `cpu: true`, and by the
+        trainer once the device is known."""
+        if self.offload == "auto" and self.offload_budget_gb is None and device_type != "cuda":
+            raise ConfigError(
+                f"offload: auto plans for a device's memory, and this run computes on {device_type}: set "
+                "offload_budget_gb (the memory the resident part may use), or give a ratio or block indices"
+            )
+
+
+def offload_text(value: Any) -> Any:
+    """`offload` in its canonical string form: YAML gives a number (0.5) or a list ([1, 3, 5]), the command line a
+    string; anything else is returned as it is (for the type check to name)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | list):
+        return value
+    if isinstance(value, list) and not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return value
+    return str(value)
+
 
 def parse_offload(text: str | None) -> str | float | list[int] | None:
-    """ "auto" | "0.5" | "[1, 3, 5]" | None -> "auto" | 0.5 | [1, 3, 5] | None; `ValueError("offload: ...")` else."""
+    """ "auto" | "0.5" | "[1, 3, 5]" | None -> "auto" | 0.5 | [1, 3, 5] | None; `ConfigError("offload: ...")` else."""
     text = None if text is None else text.strip()
     if text in (None, "", "none"):
         return None
@@ -354,10 +407,11 @@ def parse_offload(text: str | None) -> str | float | list[int] | None:
                 return indices
         elif 0.0 <= (ratio := float(text)) <= 1.0:
             return ratio
-    except (ValueError, yaml.YAMLError):
+    except (ValueError, yaml.YAMLError, RecursionError):
         pass
-    raise ValueError(
-        f"offload: expected auto, a ratio between 0 and 1 (0.5) or a list of block indices ([1, 3, 5]), got {text!r}"
+    raise ConfigError(
+        "offload: expected auto, a ratio between 0 and 1 (0.5) or a list of block indices ([1, 3, 5]), got "
+        f"{_short(text)}"
     )
 
 
@@ -370,15 +424,31 @@ class TrainConfig:
     train: TrainArguments
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat {field: value}, the YAML layout (recorded in every checkpoint and given to trackers)."""
-        return {**dataclasses.asdict(self.model), **dataclasses.asdict(self.data), **dataclasses.asdict(self.train)}
+        """Flat {field: value}, the YAML layout (recorded in every checkpoint and given to trackers), resolved: the
+        partial delinks' steps are the ones the run takes (`delink_schedule`), also where they were left to default."""
+        values = {**dataclasses.asdict(self.model), **dataclasses.asdict(self.data), **dataclasses.asdict(self.train)}
+        if self.train.pseudo_steps:
+            values["partial_delink_steps"] = [step for step, _ in self.delink_schedule()[:-1]]
+        return values
 
     def delink_schedule(self) -> list[tuple[int, int]]:
-        """[(step, blocks after the delink at that step)], ending with (pseudo_steps, L); empty for a scratch run."""
-        if self.train.pseudo_steps == 0:
+        """[(step, blocks after the delink at that step)], ending with (pseudo_steps, L); empty for a scratch run.
+
+        The one place the schedule is resolved (the trainer, the pipelined trainer and the planner read it): the
+        partial delinks' steps are `partial_delink_steps`, or, left out, evenly spaced over the pseudo stage
+        (`even_delink_steps`).
+
+        ```python
+        >>> config = parse_config(["--config", "configs/demo.yaml", "--pseudo_steps", "50"])
+        >>> config.delink_schedule()  # partial_delink_blocks: [2, 4], 8 layers
+        [(17, 2), (33, 4), (50, 8)]
+        ```
+        """
+        t = self.train
+        if t.pseudo_steps == 0:
             return []
-        stages = list(zip(self.train.partial_delink_steps, self.train.partial_delink_blocks))
-        return [*stages, (self.train.pseudo_steps, self.model.num_hidden_layers)]
+        steps = t.partial_delink_steps or even_delink_steps(t.pseudo_steps, len(t.partial_delink_blocks))
+        return [*zip(steps, t.partial_delink_blocks), (t.pseudo_steps, self.model.num_hidden_layers)]
 
     def initial_blocks(self) -> int:
         """Blocks of the model at step 0: k for a P2R run, L for a real model trained from scratch."""
@@ -418,66 +488,189 @@ class TrainConfig:
                 **special_tokens,
                 **moe,
             )
-        except StrictDataclassError as error:
+        except (StrictDataclassError, ValueError) as error:
             # huggingface_hub wraps the validator's message in context lines: keep the message of the last one.
             message = str(error).strip().splitlines()[-1].strip()
-            raise ValueError(f"model: {re.sub(r'^[A-Za-z]+Error: ', '', message)}") from None
+            raise ConfigError(f"model: {re.sub(r'^[A-Za-z]+Error: ', '', message)}") from None
+
+
+def even_delink_steps(pseudo_steps: int, count: int) -> list[int]:
+    """`count` partial delinks evenly spaced over a pseudo stage of `pseudo_steps` steps: the i-th at
+    round(pseudo_steps * i / (count + 1)) (halves up), increasing and within (0, pseudo_steps) when
+    pseudo_steps > count.
+
+    ```python
+    >>> even_delink_steps(80, 2), even_delink_steps(3300, 4)  # configs/demo.yaml, configs/gpu_1b.yaml
+    ([27, 53], [660, 1320, 1980, 2640])
+    ```
+    """
+    return [(2 * pseudo_steps * i + count + 1) // (2 * (count + 1)) for i in range(1, count + 1)]
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """`--config FILE` (YAML, flat keys) plus `--field value` overrides -> `TrainConfig`.
 
-    Raises `ValueError` naming the field (or the unknown key / bad flag) for any bad input.
+    Raises `ConfigError` (a `ValueError`), one line naming the field, the YAML key and file, or the bad flag, for any
+    bad input; `--help` prints every field and exits.
     """
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, rest = pre.parse_known_args(argv)
     parser = _Parser(
         (ModelArguments, DataArguments, TrainArguments),
         prog="train.py",
         usage="%(prog)s [--config FILE] [--FIELD VALUE ...]",
-        description="P2R pretraining: pseudo stage -> delink -> real stage. Every --FIELD is also a YAML key.",
+        description="P2R pretraining: pseudo stage -> delink -> real stage. Every --FIELD is also a YAML key; a list "
+        "--FIELD takes its values one after the other (none, [] or no value: an empty list).",
+        allow_abbrev=False,  # --pseudo_step must not be taken for --pseudo_steps
     )
     parser.add_argument("--config", help="YAML file of FIELD: VALUE lines; flags on the command line override it.")
     if known.config is not None:
-        parser.set_defaults(**_read_yaml(Path(known.config), parser))
-    # Values set by set_defaults skip argparse's `type` unless they are strings, hence the checks in __post_init__.
+        parser.set_defaults(**_read_yaml(Path(known.config)))
     model, data, train, _, unknown = parser.parse_args_into_dataclasses(
         rest, return_remaining_strings=True, look_for_args_file=False
     )
     if unknown:
-        raise ValueError(f"unrecognized arguments: {' '.join(unknown)} (see --help for the fields)")
+        flag = next((token for token in unknown if token.startswith("--")), "").partition("=")[0][2:].replace("-", "_")
+        close = difflib.get_close_matches(flag, _fields(), n=1) if 0 < len(flag) < 100 else []
+        hint = f"did you mean --{close[0]}? " if close else ""
+        shown = " ".join(token if token and token.isprintable() else repr(token) for token in unknown)
+        raise ConfigError(f"unrecognized arguments: {_one_line(shown)} ({hint}see --help for the fields)")
     config = TrainConfig(model, data, train)
-    _check_schedule(config)
-    # Shape errors (e.g. heads not dividing the width) now rather than after the data is tokenized.
+    # Shape errors (e.g. heads not dividing the width) now rather than after the data is tokenized; the model's own
+    # validators bound the sizes before anything below scales with the depth.
     config.p2r_config(vocab_size=model.vocab_size or 256, num_blocks=config.initial_blocks(), special_tokens={})
+    _check_schedule(config)
+    _check_offload(config)
     return config
 
 
-class _Parser(HfArgumentParser):
+class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         # argparse prints the whole usage and exits; we want one line from the caller.
-        raise ValueError(message)
+        raise ConfigError(_one_line(message))
 
 
-def _read_yaml(path: Path, parser: HfArgumentParser) -> dict[str, Any]:
+class _Parser(_ArgumentParser, HfArgumentParser):
+    def add_argument(self, *args, **kwargs):
+        # HfArgumentParser gives a list field nargs="+": at least one value, so no command line could clear a list.
+        if kwargs.get("nargs") == "+":
+            empty = None if kwargs.get("default") is None else []  # None for an optional list (pipeline_split)
+            kwargs.update(nargs="*", action=_list_action(kwargs.pop("type"), empty))
+        return super().add_argument(*args, **kwargs)
+
+
+def _list_action(item_type: type, empty: list | None) -> type[argparse.Action]:
+    """The action of a list flag: values converted by `item_type`; `none`, `[]` or no value give `empty`."""
+
+    class ListAction(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if values in ([], ["none"], ["[]"]):
+                setattr(namespace, self.dest, empty)
+                return
+            converted = []
+            for value in values:
+                try:
+                    converted.append(item_type(value))
+                except (TypeError, ValueError):
+                    raise argparse.ArgumentError(self, f"invalid {item_type.__name__} value: {_short(value)}") from None
+            setattr(namespace, self.dest, converted)
+
+    return ListAction
+
+
+def _fields() -> dict[str, Any]:
+    """{field name: its annotation} of the three argument dataclasses: the YAML keys."""
+    hints = {}
+    for arguments in (ModelArguments, DataArguments, TrainArguments):
+        hints.update(typing.get_type_hints(arguments))
+    return hints
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """The FIELD: VALUE pairs of YAML file `path`, each converted to its field's type as the command line converts a
+    value (a string "3e-4" read as a number) and checked against it; `ConfigError` naming the file for anything else:
+    a path that is not a regular file (a FIFO or a device is never read, so never blocks), over `MAX_CONFIG_BYTES`,
+    not UTF-8, not YAML (nested too deeply included), not a mapping, an unknown key, a value of the wrong type."""
+    shown = str(path) if str(path).isprintable() else repr(str(path))
+    text = _read_text(path, shown)
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"config: cannot read {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"config: {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        values = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"config: {shown} is not valid YAML (nested too deeply)") from None
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as error:  # PyYAML's constructors raise the latter
+        raise ConfigError(f"config: {shown} is not valid YAML ({_yaml_problem(error)})") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ValueError(f"config: {path} must hold FIELD: VALUE lines, got a {type(values).__name__}")
-    known = {action.dest for action in parser._actions} - {"help", "config"}
+        raise ConfigError(f"config: {shown} must hold FIELD: VALUE lines, got a {type(values).__name__}")
+    fields = _fields()
     for key in values:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1) if isinstance(key, str) and len(key) < 100 else []
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"config: {path}: unknown key {key!r}{hint}")
-    return values
+            raise ConfigError(f"config: {shown}: unknown key {_short(key)}{hint}")
+    converted = {}
+    for key, value in values.items():
+        annotation = fields[key]
+        value = offload_text(value) if key == "offload" else _from_yaml(value, annotation)
+        if not _matches(value, annotation):
+            expected = _describe(annotation) if key != "offload" else "auto, a ratio (0.5) or block indices ([1, 3])"
+            raise ConfigError(f"config: {shown}: {key}: expected {expected}, got {_short(value)}")
+        converted[key] = value
+    return converted
+
+
+def _read_text(path: Path, shown: str) -> str:
+    try:
+        # Non-blocking: opening a FIFO for reading returns at once (and is then refused) instead of waiting.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {shown}: {error.strerror}") from None
+    except ValueError:  # a NUL character in the path
+        raise ConfigError(f"config: cannot read {shown}: not a valid path") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ConfigError(f"config: {shown} is not a regular file")
+    with os.fdopen(descriptor, "rb") as file:
+        try:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # bounded, also for a file that grows
+        except OSError as error:
+            raise ConfigError(f"config: cannot read {shown}: {error.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config: {shown} is over {MAX_CONFIG_BYTES >> 20} MiB, too large for a configuration")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config: {shown} is not UTF-8 text (byte {error.start})") from None
+
+
+def _yaml_problem(error: Exception) -> str:
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        where = f"line {error.problem_mark.line + 1}: " if error.problem_mark else ""
+        context = f"{error.context}, " if error.context else ""
+        return _one_line(where + context + error.problem)
+    return _one_line(str(error)) or type(error).__name__
+
+
+def _from_yaml(value: Any, annotation) -> Any:
+    """A YAML value as the command line would give it: a string converted to the number or boolean the field takes
+    (YAML reads 3e-4 as a string), null for a list field as the empty list (`--FIELD none`), false for a choice of
+    "no" as "no"."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = args or (annotation,)
+    if value is None and type(None) not in kinds and any(typing.get_origin(kind) is list for kind in kinds):
+        return []
+    if value is False and any(typing.get_origin(kind) is Literal and "no" in typing.get_args(kind) for kind in kinds):
+        return "no"  # YAML 1.1 reads `mixed_precision: no` as false
+    if isinstance(value, str):
+        for kind, convert in ((int, int), (float, float), (bool, string_to_bool)):
+            if kind in kinds:
+                try:
+                    return convert(value)
+                except (TypeError, ValueError, argparse.ArgumentTypeError):
+                    pass
+    return value
 
 
 def _check_schedule(config: TrainConfig) -> None:
@@ -485,55 +678,81 @@ def _check_schedule(config: TrainConfig) -> None:
     m, t = config.model, config.train
     depth = m.num_hidden_layers
     if t.pseudo_steps == 0:
-        if t.partial_delink_steps or t.partial_delink_blocks:
-            raise ValueError("partial_delink_steps: partial delinks need a pseudo stage (pseudo_steps > 0)")
+        # A real model from scratch: the pseudo stage's shape (num_unique_layers, partial_delink_blocks) is unused,
+        # but steps given for its delinks cannot be taken.
+        if t.partial_delink_steps:
+            raise ConfigError(
+                "partial_delink_steps: partial delinks need a pseudo stage (pseudo_steps > 0); clear them with "
+                "--partial_delink_steps none"
+            )
         return
     if not m.num_unique_layers < depth:
-        raise ValueError(
+        raise ConfigError(
             f"num_unique_layers: the pseudo model needs fewer blocks than layers ({depth}), got {m.num_unique_layers}"
         )
-    if len(t.partial_delink_steps) != len(t.partial_delink_blocks):
-        raise ValueError(
+    count = len(t.partial_delink_blocks)
+    if t.partial_delink_steps and len(t.partial_delink_steps) != count:
+        raise ConfigError(
             f"partial_delink_blocks: one entry per partial_delink_steps entry ({len(t.partial_delink_steps)}), "
-            f"got {len(t.partial_delink_blocks)}"
+            f"got {count}"
+        )
+    if count >= t.pseudo_steps:
+        raise ConfigError(
+            f"partial_delink_blocks: {count} partial delinks need a pseudo stage of more than {count} steps, got "
+            f"pseudo_steps={t.pseudo_steps}; give fewer partial_delink_blocks (--partial_delink_blocks none clears "
+            "them) or more pseudo_steps"
         )
     previous = 0
     for step in t.partial_delink_steps:
         if not previous < step < t.pseudo_steps:
-            raise ValueError(
+            raise ConfigError(
                 f"partial_delink_steps: steps must increase and lie in (0, pseudo_steps={t.pseudo_steps}), got "
-                f"{t.partial_delink_steps}"
+                f"{_short(t.partial_delink_steps)}; leave it out (--partial_delink_steps none) for evenly spaced steps "
+                f"({_short(even_delink_steps(t.pseudo_steps, count))}) or give steps in that range"
             )
         previous = step
     blocks = m.num_unique_layers
     for new_blocks in t.partial_delink_blocks:
         # The final delink (to L blocks) is always valid once every partial stage keeps fewer than L blocks.
         if new_blocks >= depth:
-            raise ValueError(
+            raise ConfigError(
                 f"partial_delink_blocks: a partial delink keeps fewer blocks than layers ({depth}), got {new_blocks}"
             )
         try:
             delink_sources(depth, blocks, new_blocks, m.sharing_pattern)
         except ValueError as error:
-            raise ValueError(f"partial_delink_blocks: {error}") from None
+            raise ConfigError(f"partial_delink_blocks: {error}") from None
         blocks = new_blocks
 
 
-def check_types(instance) -> None:
-    """Raise `ValueError("field: ...")` where a value does not match its annotation.
+def _check_offload(config: TrainConfig) -> None:
+    """Block indices name blocks of the first model: every later one (more blocks) has them too."""
+    indices = config.train.offload_spec
+    first = config.initial_blocks()
+    if isinstance(indices, list) and any(not 0 <= index < first for index in indices):
+        stages = " -> ".join(map(str, [first, *(blocks for _, blocks in config.delink_schedule())]))
+        raise ConfigError(
+            f"offload: block indices {_short(indices)} must exist in every model of the run ({stages} blocks: the "
+            f"first has blocks 0..{first - 1}); give a ratio of the blocks (0.5) or auto, which choose again after "
+            "each delink"
+        )
 
-    Needed because HfArgumentParser's `set_defaults` path (YAML values) skips argparse's type conversion for
-    non-strings and never checks `Literal` choices.
+
+def check_types(instance) -> None:
+    """Raise `ConfigError("field: ...")` where a value does not match its annotation.
+
+    Needed because HfArgumentParser never checks `Literal` choices given as defaults, and the dataclasses are also
+    built in code (YAML values are checked, naming the file, before they become defaults: `_read_yaml`).
     """
     hints = typing.get_type_hints(type(instance))
     for f in dataclasses.fields(instance):
         value = getattr(instance, f.name)
         if not _matches(value, hints[f.name]):
-            raise ValueError(f"{f.name}: expected {_describe(hints[f.name])}, got {value!r}")
+            raise ConfigError(f"{f.name}: expected {_describe(hints[f.name])}, got {_short(value)}")
 
 
 def check_range(name: str, value, low=None, high=None, strict_low=False, strict_high=False) -> None:
-    """Raise `ValueError("name: ...")` unless low <= value <= high (None passes: the field's default applies)."""
+    """Raise `ConfigError("name: ...")` unless low <= value <= high (None passes: the field's default applies)."""
     if value is None:
         return
     too_low = low is not None and (value <= low if strict_low else value < low)
@@ -541,7 +760,7 @@ def check_range(name: str, value, low=None, high=None, strict_low=False, strict_
     if too_low or too_high:
         lower = f"{low} <{'' if strict_low else '='} " if low is not None else ""
         upper = f" <{'' if strict_high else '='} {high}" if high is not None else ""
-        raise ValueError(f"{name}: must satisfy {lower}{name}{upper}, got {value!r}")
+        raise ConfigError(f"{name}: must satisfy {lower}{name}{upper}, got {_short(value)}")
 
 
 def _matches(value, annotation) -> bool:
@@ -555,7 +774,12 @@ def _matches(value, annotation) -> bool:
     if annotation is type(None):
         return value is None
     if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        try:
+            return math.isfinite(value)
+        except OverflowError:  # an integer past the largest float
+            return False
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, annotation)
@@ -569,5 +793,20 @@ def _describe(annotation) -> str:
         return "one of " + ", ".join(repr(arg) for arg in args)
     if origin is list:
         return f"a list ({_describe(args[0])} each)"
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", type(None): "null"}
     return names.get(annotation, annotation.__name__)
+
+
+_REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 3, 8, 8, 80, 40, 80
+
+
+def _short(value: Any) -> str:
+    """`repr(value)` for a one-line message: bounded in length and depth, whatever a file or flag held."""
+    return _one_line(_REPR.repr(value), limit=200)
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """`text` on one printable line of at most `limit` characters (control characters escaped)."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -238,7 +238,10 @@ def select_layers(
         return spread_layers(int(layers * num_blocks + 0.5), num_blocks)
     if isinstance(layers, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
         if bad := [i for i in layers if not 0 <= i < num_blocks]:
-            raise ValueError(f"offload: block indices {bad} out of range: the model has blocks 0..{num_blocks - 1}")
+            raise ValueError(
+                f"offload: block indices {bad} out of range: the model has blocks 0..{num_blocks - 1} (a pseudo "
+                "model counts its shared blocks); give a ratio of its blocks (0.5) or 'auto' to offload what exists"
+            )
         return sorted(set(layers))
     raise ValueError(
         f"offload: expected 'auto', a ratio (a float such as 0.5) or a list of block indices, got {layers!r}"

@@ -69,15 +69,12 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
     """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it.
 
     Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks).
+    Raises `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA.
     """
     if args.offload is None:
         return None
+    args.check_offload_budget(accelerator.device.type)  # ConfigError: `auto` with no device memory to plan for
     budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
-    if args.offload == "auto" and budget is None and accelerator.device.type != "cuda":
-        raise ValueError(
-            f"offload: auto plans for a device's memory, and this run computes on {accelerator.device.type}: set "
-            "offload_budget_gb (the memory the resident part may use), or give a ratio or block indices"
-        )
     return GranularOffload(
         model,
         args.offload_spec,

@@ -14,7 +14,8 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-from hf_p2r.training import parse_config, train
+from hf_p2r.errors import exit_code
+from hf_p2r.training import ConfigError, parse_config, train
 from hf_p2r.training.data import load_tokenizer
 from hf_p2r.training.metrics import read_metrics
 from hf_p2r.training.offload import estimate_device_bytes, spread_layers
@@ -39,7 +40,7 @@ def _auto_budget_gb(tmp_path, mixed_precision: str) -> float:
     """The device budget, in GiB, with which `offload: auto` offloads 2 of the real model's 4 blocks and none
     before, under `mixed_precision` (its compute dtype and its autocast activations). On the CPU auto has no device
     memory to plan for, so the run must be given one."""
-    config = parse_config(tiny_argv(tmp_path / "probe", **SCHEDULE, offload="auto"))
+    config = parse_config(tiny_argv(tmp_path / "probe", **SCHEDULE, offload="auto", offload_budget_gb=1))
     accelerator = SimpleNamespace(mixed_precision=mixed_precision, device=torch.device("cpu"))
     tokenizer, dtype = load_tokenizer(None), {"bf16": torch.bfloat16}.get(mixed_precision)
     models = {blocks: build_model(config, tokenizer, blocks) for blocks in (1, 2, 4)}
@@ -116,11 +117,15 @@ def test_training_runs_in_every_precision_and_offload(runs, mixed_precision, off
 
 
 def test_auto_on_the_cpu_asks_for_a_budget(tmp_path):
-    """A CPU run has no device memory for auto to plan for: the error names the setting to give."""
-    config = parse_config(tiny_argv(tmp_path, offload="auto"))
+    """A CPU run has no device memory for auto to plan for: a configuration error (exit code 2) naming the setting to
+    give, while parsing where the run says `cpu: true`, else once the trainer knows its device."""
+    with pytest.raises(ConfigError, match="^offload: auto .* computes on cpu: set offload_budget_gb"):
+        parse_config(tiny_argv(tmp_path, offload="auto"))  # tiny_argv says cpu: true
+    config = parse_config(tiny_argv(tmp_path, offload="auto", cpu="false"))
     accelerator = SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="^offload: auto .* set offload_budget_gb"):
+    with pytest.raises(ConfigError, match="^offload: auto .* set offload_budget_gb") as caught:
         apply_offload(build_model(config, load_tokenizer(None), 1), config.train, accelerator)
+    assert exit_code(caught.value) == 2
 
 
 def test_offload_none_is_no_offload(tmp_path):

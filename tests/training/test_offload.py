@@ -123,7 +123,7 @@ def test_select_counts_shared_blocks_once():
     assert select_layers(pseudo, 0.5) == [1]  # half of the blocks, not of the depths
     assert select_layers(pseudo, 1.0) == [0, 1]
     assert select_layers(pseudo, [0]) == [0]
-    with pytest.raises(ValueError, match=r"\[2\] out of range: the model has blocks 0..1"):
+    with pytest.raises(ValueError, match=r"\[2\] out of range: the model has blocks 0..1 .* a ratio .* or 'auto'"):
         select_layers(pseudo, [2])
 
 

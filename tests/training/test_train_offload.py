@@ -87,11 +87,14 @@ def test_offloaded_blocks_run_in_the_autocast_dtype(tmp_path, mixed_precision, d
 )
 def test_offload_values_from_the_command_line(tmp_path, value, spec):
     extra = {} if value is None else {"offload": value}
+    # The real model (4 blocks) from scratch: indices 1 and 3 exist; a CPU run's auto needs a budget.
+    extra.update(pseudo_steps=0, offload_budget_gb=1)
     assert parse_config(tiny_argv(tmp_path, **extra)).train.offload_spec == spec
 
 
 def test_offload_values_from_yaml(tmp_path):
-    for text, spec in (("offload: 0.25", 0.25), ("offload: [0, 2]", [0, 2]), ("offload: auto", "auto")):
+    cases = (("offload: 0.25", 0.25), ("offload: [0, 2]\npseudo_steps: 0", [0, 2]), ("offload: auto", "auto"))
+    for text, spec in cases:
         path = tmp_path / "config.yaml"
         path.write_text(text + "\n")
         assert parse_config(["--config", str(path)]).train.offload_spec == spec
