@@ -29,8 +29,10 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 install: $(VENV)/.installed
 
+# Every value the launcher would otherwise default (and list in a notice) is given.
 demo: $(VENV)/.installed
-	$(VENV)/bin/accelerate launch -q --num_processes 1 scripts/train.py --config configs/demo.yaml
+	$(VENV)/bin/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		scripts/train.py --config configs/demo.yaml
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
