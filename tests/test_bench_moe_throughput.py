@@ -1,16 +1,12 @@
-"""scripts/bench_moe_throughput.py end to end on its tiny preset: the report is consistent with what it measured."""
+"""benchmarks/moe_throughput.py end to end on its tiny preset: the report is consistent with what it measured."""
 
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_moe_throughput.py"
-spec = importlib.util.spec_from_file_location("bench_moe_throughput", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import moe_throughput as bench
+from benchmarks.harness import REPO
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +39,6 @@ def test_training_state_bytes_match_mixtral_and_the_expected_ratio(report):
 
 
 def test_committed_markdown_is_the_render_of_the_committed_json():
-    benchmarks = SCRIPT.parents[1] / "benchmarks"
+    benchmarks = REPO / "benchmarks"
     result = json.loads((benchmarks / "moe_throughput.json").read_text())
     assert (benchmarks / "moe_throughput.md").read_text() == bench.render_markdown(result)

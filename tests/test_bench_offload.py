@@ -1,16 +1,10 @@
-"""scripts/bench_offload.py's search for the largest trainable model, on CPU with fake probes (the benchmark itself
+"""benchmarks/offload.py's search for the largest trainable model, on CPU with fake probes (the benchmark itself
 needs CUDA). On the first GPU run `--part largest` was OOM-killed: its first guesses at ratio 0.5 were all out of
 device memory and the search never went below them, and the host guard under-counted pinned memory."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_offload.py"
-spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import offload as bench
 
 GIB = 2**30
 

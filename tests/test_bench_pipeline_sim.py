@@ -1,20 +1,15 @@
-"""scripts/bench_pipeline_sim.py: its simulator-at-scale rows and its report, without the (minutes-long) CPU runs."""
+"""benchmarks/pipeline_sim.py: its simulator-at-scale rows and its report, without the (minutes-long) CPU runs."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_pipeline_sim.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_pipeline_sim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import pipeline_sim
+
+    return pipeline_sim
 
 
 def test_2bw_beats_the_flush_schedules_by_their_bubble(bench):

@@ -1,19 +1,15 @@
-"""scripts/bench_throughput.py end to end on its tiny preset: the report is consistent with what it measured.
+"""benchmarks/throughput.py end to end on its tiny preset: the report is consistent with what it measured.
 
 No timing is asserted: only that every reported ratio, median and byte count follows from the measured numbers.
 """
 
-import importlib.util
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_throughput.py"
-spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import throughput as bench
+from benchmarks.harness import REPO
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +60,6 @@ def test_markdown_is_rendered_from_the_json(report):
 
 
 def test_committed_markdown_is_the_render_of_the_committed_json():
-    benchmarks = SCRIPT.parents[1] / "benchmarks"
+    benchmarks = REPO / "benchmarks"
     result = json.loads((benchmarks / "throughput.json").read_text())
     assert (benchmarks / "throughput.md").read_text() == bench.render_markdown(result)

@@ -1,0 +1,589 @@
+"""Granular CPU offload on one GPU: throughput by offload ratio against no offload and against FSDP2's
+`CPUOffloadPolicy`, the largest real model trainable at each ratio, and the host<->device copy bandwidth (the
+physical limit), all measured in the same run.
+
+    python scripts/bench_offload.py                          # H100/H200: writes benchmarks/offload.{json,md}
+    python scripts/bench_offload.py --part throughput        # or `largest`: one half (each under ~5 min)
+    python scripts/bench_offload.py --device cpu --smoke     # seconds on CPU: checks the script, not a result
+
+Throughput: one model that fits, trained for `--steps` optimizer steps of `--accumulation` micro-batches each (bf16
+autocast, AdamW with gradient clipping) as: no offload; GranularOffload at ratio 0 (hooks only), 0.25, 0.5, 1.0
+(`compute_dtype=bfloat16`, `prefetch=1`); FSDP2 `fully_shard` with `CPUOffloadPolicy` in a 1-rank process group
+(`MixedPrecisionPolicy(param_dtype=bfloat16)`). Each configuration is built, warmed up and timed in turn in this one
+process; the figures are ratios to the no-offload run of the same process.
+
+Largest trainable: real models of the same layer shape with activation checkpointing, one full training step each,
+searched by layer count from a prediction (from `estimate_device_bytes` and measured activations): upwards while a
+count trains, downwards (by quarters) while it runs out of device memory, then by bisection until a count that
+trains and one that does not are adjacent (`search_largest`). Every probe is recorded, with the host memory it used.
+
+A count whose host memory would not fit is never tried: the kernel would OOM-kill the process and no result would be
+written. Host memory is counted as the kernel counts it: the offloaded blocks' pinned slabs (rounded up to a power
+of two by torch's allocator) are charged at what one pinned allocation measured at the start costs in /proc/meminfo
+(the drop of MemAvailable, the rise of Shmem or Mlocked, whichever is largest), their pageable gradients and AdamW
+moments at their size, all scaled up by the largest ratio of measured to estimated use of the probes so far; what
+a probe may use is MemAvailable, read just before it, less a margin (`HOST_MARGIN`), and only half of that until a
+probe of at least 1 GiB has trained and measured what the kernel counts.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import presets
+from benchmarks.harness import free_port, machine, nbytes, utc_now, write_json, write_text
+from hf_p2r import P2RConfig, P2RForCausalLM
+from hf_p2r.training.offload import (
+    GranularOffload,
+    decoder_layers,
+    estimate_device_bytes,
+    estimate_host_bytes,
+    measure_activation_bytes,
+    select_layers,
+)
+
+GIB = 2**30
+RATIOS = (0.0, 0.25, 0.5, 1.0)
+PRESETS = {
+    # A ~0.5B real model (25M parameters per layer) for one H100/H200.
+    "cuda": dict(
+        dims=presets.GPU,
+        batch=4,
+        seq=2048,
+        accumulation=8,
+        steps=4,
+        warmup=2,
+        bandwidth_bytes=GIB,
+        max_trials=8,
+        max_layers=4096,  # 100B parameters: beyond any single GPU + 128 GB host
+    ),
+    # Seconds on 2 CPU cores: checks every code path of the script.
+    "cpu": dict(
+        dims=presets.model(hidden=64, ffn=128, heads=4, kv_heads=2, layers=4, vocab=256),
+        batch=2,
+        seq=32,
+        accumulation=2,
+        steps=2,
+        warmup=1,
+        bandwidth_bytes=64 * 2**20,
+        max_trials=2,
+        max_layers=4,  # the smoke run has no memory limit
+    ),
+}
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()  # pinned host memory is cached too
+
+
+def copy_bandwidth(device: str, nbytes: int, reps: int = 5) -> dict:
+    """GB/s of host->device and device->host copies of `nbytes` (pinned host memory), median over `reps`."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for name, dst, src in (("host_to_device_GBps", target, host), ("device_to_host_GBps", host, target)):
+        times = []
+        for _ in range(reps + 1):
+            synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        result[name] = nbytes / statistics.median(times[1:]) / 1e9
+    return result
+
+
+# Host memory kept free under every probe: the larger of 10% of MemTotal and 4 GiB (the estimate leaves out the
+# transient copies of building a model, the CUDA context's growth and other processes' needs).
+HOST_MARGIN = (0.10, 4 * GIB)
+
+
+def meminfo(text: str | None = None) -> dict[str, int]:
+    """/proc/meminfo (or `text` in its format) in bytes: {"MemTotal": ..., "MemAvailable": ..., "Shmem": ...}."""
+    text = Path("/proc/meminfo").read_text() if text is None else text
+    info = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields and fields[0].isdigit():
+            info[name.strip()] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    if "MemAvailable" not in info or "MemTotal" not in info:
+        raise OSError("/proc/meminfo has no MemAvailable or MemTotal line")
+    return info
+
+
+def host_budget_bytes(info: dict[str, int]) -> int:
+    """Host bytes a probe may add: MemAvailable less the margin (`HOST_MARGIN`)."""
+    fraction, least = HOST_MARGIN
+    return info["MemAvailable"] - max(least, int(fraction * info["MemTotal"]))
+
+
+def pinned_cost(device: str, nbytes: int = GIB) -> dict:
+    """What the kernel charges for `nbytes` of torch's pinned host memory (1.0 per byte on the CPU, which pins
+    nothing): one allocation, touched, against /proc/meminfo before and after. Pinned pages may be counted as shared
+    memory (Shmem) or locked (Mlocked) and always leave MemAvailable; the largest of the three changes counts."""
+    if device != "cuda":
+        return {"bytes": nbytes, "factor": 1.0}
+    free_memory(device)
+    before = meminfo()
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    buffer.fill_(1)
+    after = meminfo()
+    del buffer
+    free_memory(device)
+    changes = {
+        "available_drop": before["MemAvailable"] - after["MemAvailable"],
+        "shmem_rise": after.get("Shmem", 0) - before.get("Shmem", 0),
+        "mlocked_rise": after.get("Mlocked", 0) - before.get("Mlocked", 0),
+    }
+    return {"bytes": nbytes, **changes, "factor": max(1.0, *(change / nbytes for change in changes.values()))}
+
+
+def host_need_bytes(dims: dict, layers: int, ratio: float, dtype, pinned_factor: float) -> int:
+    """Host bytes of a probe's offloaded blocks, pinned slabs charged at `pinned_factor`; see the module docstring."""
+    model = shapes(dims, layers)
+    offloaded = select_layers(model, ratio)
+    total = estimate_host_bytes(model, offloaded, compute_dtype=dtype, pinned=True)
+    block = nbytes(model.model.layers[0].parameters())
+    pageable = 3 * block * len(offloaded)  # gradient, exp_avg, exp_avg_sq of each fp32 parameter (not pinned)
+    return int((total - pageable) * pinned_factor) + pageable
+
+
+def meta_model(dims: dict, layers: int) -> P2RForCausalLM:
+    """A real P2R model with `layers` layers on the meta device (shapes only, no memory)."""
+    config = P2RConfig(**{**dims, "num_hidden_layers": layers}, max_position_embeddings=8192, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return P2RForCausalLM(config)
+
+
+def shapes(dims: dict, layers: int) -> P2RForCausalLM:
+    """For planning only: a meta model whose `layers` blocks are one module repeated (built in milliseconds at any
+    depth; `select_layers` and `estimate_device_bytes` only count blocks and their parameters)."""
+    model = meta_model(dims, 1)
+    model.model.layers = torch.nn.ModuleList([model.model.layers[0]] * layers)
+    return model
+
+
+def build_model(
+    dims: dict, layers: int, device: str, offloaded: list[int] | None = None, init_host: bool = True
+) -> P2RForCausalLM:
+    """A real P2R model with `layers` layers; blocks in `offloaded` are created in CPU memory, the rest on `device`.
+
+    Created on the meta device and materialised in place, so a model larger than the GPU never passes through it.
+    `init_host=False` leaves the CPU blocks uninitialised (fresh pages are zeros): the size search needs memory, not
+    values, and initialising tens of GB on the CPU takes longer than the step.
+    """
+    model = meta_model(dims, layers)
+    config = model.config
+    offloaded = set(offloaded or ())
+    for index, block in enumerate(decoder_layers(model)):
+        block.to_empty(device="cpu" if index in offloaded else device)
+    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        module.to_empty(device=device)
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers are computed, not loaded
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.device.type == "cpu" and device != "cpu" and not init_host:
+                continue
+            param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(0.0, 0.02)
+    return model.train()
+
+
+def train_step(model, optimizer, batch, accumulation: int, device: str) -> None:
+    for _ in range(accumulation):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=batch, labels=batch).loss
+        (loss / accumulation).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def setup(name: str, dims: dict, device: str):
+    """(model, optimizer, offload or None) for one throughput configuration."""
+    layers = dims["num_hidden_layers"]
+    model = build_model(dims, layers, device)
+    hyper = dict(lr=1e-4, weight_decay=0.1, fused=True)
+    if name == "no offload":
+        return model, torch.optim.AdamW(model.parameters(), **hyper), None
+    if name == "fsdp2 CPUOffloadPolicy":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        from hf_p2r.distributed import fully_shard_p2r
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device == "cuda" else None
+        fully_shard_p2r(
+            model,
+            mesh=init_device_mesh(device, (1,)),
+            mp_policy=policy,
+            offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
+        )
+        return model, torch.optim.AdamW(model.parameters(), **hyper), None
+    ratio = float(name.split()[-1])
+    dtype = torch.bfloat16 if device == "cuda" else None
+    offload = GranularOffload(model, ratio, device=device, compute_dtype=dtype)
+    return model, offload.build_optimizer(**hyper), offload
+
+
+def throughput(preset: dict, device: str) -> dict:
+    dims, batch_size, seq, accumulation = preset["dims"], preset["batch"], preset["seq"], preset["accumulation"]
+    batch = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
+    names = ["no offload", *(f"granular ratio {r}" for r in RATIOS), "fsdp2 CPUOffloadPolicy"]
+    runs = {}
+    for name in names:
+        model, optimizer, offload = setup(name, dims, device)
+        for _ in range(preset["warmup"]):
+            train_step(model, optimizer, batch, accumulation, device)
+        synchronize(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        copied = dict(offload.copied_bytes) if offload else None
+        seconds = []
+        for _ in range(preset["steps"]):
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, accumulation, device)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        step_s = statistics.median(seconds)
+        run = {
+            "tokens_per_s": accumulation * batch.numel() / step_s,
+            "step_s": seconds,
+            "peak_device_GiB": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
+        }
+        if offload:
+            run["offloaded_blocks"] = offload.layers
+            run["copied_GB_per_step"] = {
+                key: (offload.copied_bytes[key] - copied[key]) / preset["steps"] / 1e9 for key in copied
+            }
+        runs[name] = run
+        print(f"{name}: {run['tokens_per_s']:,.0f} tokens/s, peak {run['peak_device_GiB']} GiB", flush=True)
+        if offload:
+            offload.remove()
+        del model, optimizer, offload
+        free_memory(device)
+    base = runs["no offload"]["tokens_per_s"]
+    for run in runs.values():
+        run["vs_no_offload"] = run["tokens_per_s"] / base
+    return {"batch": batch_size, "seq": seq, "accumulation": accumulation, "steps": preset["steps"], "runs": runs}
+
+
+def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> dict:
+    """One full training step of a `layers`-layer real model with `ratio` of its blocks offloaded: {"fits": False on
+    running out of device memory, "host_used": bytes MemAvailable fell by, measured with the model still alive}."""
+    model = optimizer = offload = None
+    free_memory(device)
+    before = meminfo()["MemAvailable"]
+    try:
+        offloaded = select_layers(shapes(dims, layers), ratio)
+        model = build_model(dims, layers, device, offloaded, init_host=False)
+        model.activation_checkpointing_enable()
+        dtype = torch.bfloat16 if device == "cuda" else None
+        offload = GranularOffload(model, offloaded, device=device, compute_dtype=dtype)
+        optimizer = offload.build_optimizer(lr=1e-4, fused=True)
+        train_step(model, optimizer, batch, 1, device)
+        synchronize(device)
+        return {"fits": True, "host_used": before - meminfo()["MemAvailable"]}
+    except torch.OutOfMemoryError:
+        return {"fits": False, "host_used": before - meminfo()["MemAvailable"]}
+    finally:
+        del model, optimizer, offload  # the hooks only reference the offload: all of it is garbage now
+        free_memory(device)
+
+
+def search_largest(probe, first: int, host_fits, max_probes: int) -> dict:
+    """The largest count n for which `probe(n)` is True, searched from the guess `first`, for a `probe` that holds up
+    to some n and not beyond (a training step that fits in device memory).
+
+    Upwards from a count that fits by an eighth of the guess, a step that doubles at each count that fits again;
+    downwards by quarters from one that does not (a first guess can be far too high); then by bisection once a count
+    that fits and one that does not are known; at most `max_probes` calls.
+    A count with `host_fits(n)` False is never probed (it could get the process OOM-killed): the search goes no
+    higher than the largest count the host allows, and reports `host_bound` when that count fits. Returns
+    {"largest_ok", "smallest_failed", "host_bound", "probes": [(n, probe(n)), ...] in the order they ran}.
+    """
+    ok = fail = None
+    host_bound = False
+    probes = []
+    n, up = first, max(1, first // 8)
+    while n >= 1 and len(probes) < max_probes:
+        if not host_fits(n):
+            low, high = ok or 0, n  # the largest count in [low, n) the host allows
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if host_fits(middle) else (low, middle)
+            if low == (ok or 0):
+                host_bound = ok is not None
+                break
+            n = low
+        result = probe(n)
+        probes.append((n, result))
+        ok, fail = (n, fail) if result else (ok, n)
+        if ok is not None and fail is not None:
+            if fail - ok <= 1:
+                break
+            n = (ok + fail) // 2
+        elif result:
+            n, up = n + up, 2 * up
+        else:
+            n -= max(1, n // 4)
+    return {"largest_ok": ok, "smallest_failed": fail, "host_bound": host_bound, "probes": probes}
+
+
+def largest_count(fits, cap: int) -> int:
+    """The largest n in 0..2*cap with fits(n), for a predicate that holds up to some n and not beyond."""
+    if not fits(1):
+        return 0
+    n = 1
+    while n < cap and fits(2 * n):
+        n *= 2
+    low, high = n, 2 * n
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def largest_trainable(preset: dict, device: str) -> dict:
+    dims, batch_size, seq = preset["dims"], preset["batch"], preset["seq"]
+    batch = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
+    dtype = torch.bfloat16 if device == "cuda" else None
+    # Activations under checkpointing grow linearly with depth: measure two depths, as the step will hold them.
+    measured = []
+    for layers in (2, 4):
+        model = build_model(dims, layers, device)
+        model.activation_checkpointing_enable()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            measured.append(measure_activation_bytes(model, batch))
+        del model
+        free_memory(device)
+    per_layer = (measured[1] - measured[0]) / 2
+    fixed = measured[0] - 2 * per_layer
+    budget = torch.cuda.get_device_properties().total_memory if device == "cuda" else 2 * GIB
+    pinned = pinned_cost(device)
+    print(f"largest: pinned host memory costs {pinned['factor']:.2f} bytes per byte: {pinned}", flush=True)
+    # scale: the largest measured / estimated host use so far; measured: whether a probe that trained measured it.
+    host = {"pinned_factor": pinned["factor"], "scale": 1.0, "measured": False}
+    results = {}
+    for ratio in RATIOS:
+
+        def device_fits(layers: int, ratio=ratio) -> bool:
+            model = shapes(dims, layers)
+            activations = int(fixed + per_layer * layers)
+            need = estimate_device_bytes(
+                model, select_layers(model, ratio), activation_bytes=activations, compute_dtype=dtype
+            )
+            return need <= budget
+
+        predicted = largest_count(device_fits, preset["max_layers"])
+        results[str(ratio)] = _largest_at(ratio, predicted, dims, batch, device, host, preset)
+    info = meminfo()
+    return {
+        "batch": batch_size,
+        "seq": seq,
+        "activation_checkpointing": True,
+        "device_budget_GiB": budget / GIB,
+        "host_available_GiB": info["MemAvailable"] / GIB,
+        "host_total_GiB": info["MemTotal"] / GIB,
+        "host_margin": {"fraction_of_total": HOST_MARGIN[0], "at_least_GiB": HOST_MARGIN[1] / GIB},
+        "pinned_cost": pinned,
+        "host_estimate_scale": host["scale"],
+        "activation_bytes_per_layer": per_layer,
+        "ratios": results,
+    }
+
+
+def _largest_at(ratio: float, predicted: int, dims: dict, batch, device: str, host: dict, preset: dict) -> dict:
+    """`search_largest` at one ratio, from the device's prediction capped by the host; every probe recorded."""
+    dtype = torch.bfloat16 if device == "cuda" else None
+    trials = []
+
+    def host_need(layers: int) -> int:
+        return int(host_need_bytes(dims, layers, ratio, dtype, host["pinned_factor"]) * host["scale"])
+
+    def host_fits(layers: int) -> bool:
+        # What is available now, less the margin; half of it until a probe has measured what the kernel counts.
+        return host_need(layers) <= host_budget_bytes(meminfo()) * (1.0 if host["measured"] else 0.5)
+
+    def probe(layers: int) -> bool:
+        need = host_need(layers)
+        start = time.perf_counter()
+        outcome = try_training(dims, layers, ratio, batch, device)
+        trials.append(
+            {
+                "layers": layers,
+                "fits": outcome["fits"],
+                "seconds": time.perf_counter() - start,
+                "host_estimated_GiB": need / GIB,
+                "host_used_GiB": outcome["host_used"] / GIB,
+            }
+        )
+        if need >= GIB:  # later estimates learn from what the kernel counted (above the noise)
+            host["scale"] = max(host["scale"], host["scale"] * outcome["host_used"] / need)
+            host["measured"] |= outcome["fits"]  # a probe that failed may have stopped before it used it all
+        print(f"largest: ratio {ratio}: {trials[-1]}", flush=True)
+        return outcome["fits"]
+
+    host_limit = largest_count(host_fits, preset["max_layers"])
+    found = search_largest(probe, min(predicted, host_limit), host_fits, preset["max_trials"])
+    ok = found["largest_ok"]
+    return {
+        "predicted_layers": predicted,
+        "host_limit_layers": host_limit,
+        "largest_ok_layers": ok,
+        "smallest_failed_layers": found["smallest_failed"],
+        "host_bound": found["host_bound"],
+        "trials": trials,
+        "params_billion_at_ok": None if ok is None else _parameters(dims, ok) / 1e9,
+    }
+
+
+def _parameters(dims: dict, layers: int) -> int:
+    model = shapes(dims, layers)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    return sum(p.numel() for p in model.parameters()) + (layers - 1) * block  # parameters() counts the block once
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script (needs --device cpu)")
+    parser.add_argument("--part", choices=["all", "throughput", "largest"], default="all")
+    parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_offload: needs a CUDA GPU and none is available (--device cpu --smoke checks the script)")
+        return 1
+    if args.device == "cpu" and not args.smoke:
+        print("bench_offload: on CPU only --smoke makes sense (storage and compute device are the same)")
+        return 1
+    out = args.out or Path("runs/offload_smoke" if args.smoke else "benchmarks/offload")
+    preset = PRESETS[args.device]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+
+    # FSDP2 needs a process group: one rank. GranularOffload accepts a world of size 1.
+    import torch.distributed as dist
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+        result = {
+            **previous,
+            "date": utc_now(),
+            "machine": machine(),
+            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "model": preset["dims"],
+            "bandwidth": copy_bandwidth(args.device, preset["bandwidth_bytes"]),
+        }
+        print(f"copy bandwidth: {result['bandwidth']}", flush=True)
+        if args.part in ("all", "throughput"):
+            result["throughput"] = throughput(preset, args.device)
+        if args.part in ("all", "largest"):
+            result["largest"] = largest_trainable(preset, args.device)
+    finally:
+        dist.destroy_process_group()
+    write_json(out.with_suffix(".json"), result)
+    write_text(out.with_suffix(".md"), render_markdown(result, args.smoke))
+    print(render_markdown(result, args.smoke))
+    return 0
+
+
+def render_markdown(r: dict, smoke: bool) -> str:
+    m, dims = r["machine"], r["model"]
+    title = "# Granular CPU offload" + (" — CPU smoke run (checks the script; not a result)" if smoke else "")
+    lines = [
+        title,
+        "",
+        f"Produced by `python {r['command']}` on {r['date']}.",
+        f"Machine: {m.get('gpu', m['cpu'])}; {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, {m['platform']}.",
+        f"Layer shape: hidden {dims['hidden_size']}, FFN {dims['intermediate_size']}, {dims['num_attention_heads']} "
+        f"heads ({dims['num_key_value_heads']} KV), vocab {dims['vocab_size']}.",
+        "",
+        f"Pinned copy bandwidth: host→device {r['bandwidth']['host_to_device_GBps']:.1f} GB/s, device→host "
+        f"{r['bandwidth']['device_to_host_GBps']:.1f} GB/s.",
+    ]
+    if "throughput" in r:
+        t = r["throughput"]
+        lines += [
+            "",
+            f"## Throughput ({dims['num_hidden_layers']} layers; {t['accumulation']} micro-batches of {t['batch']} x "
+            f"{t['seq']} tokens per optimizer step; median of {t['steps']} steps)",
+            "",
+            "| configuration | tokens/s | vs no offload | peak device GiB | H2D GB/step | D2H GB/step |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, run in t["runs"].items():
+            copied = run.get("copied_GB_per_step", {})
+            peak = "" if run["peak_device_GiB"] is None else f"{run['peak_device_GiB']:.2f}"
+            lines.append(
+                f"| {name} | {run['tokens_per_s']:,.0f} | {run['vs_no_offload']:.3f} | {peak} | "
+                f"{copied.get('to_device', 0):.2f} | {copied.get('to_host', 0):.2f} |"
+            )
+        runs = t["runs"]
+        lines += [
+            "",
+            f"Targets: ratio 0.5 ≥ 0.85 of no offload: **{runs['granular ratio 0.5']['vs_no_offload']:.3f}**; full "
+            f"offload faster than FSDP2 CPUOffloadPolicy: **{runs['granular ratio 1.0']['tokens_per_s']:,.0f} vs "
+            f"{runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:,.0f} tokens/s**.",
+        ]
+    if "largest" in r:
+        g = r["largest"]
+        lines += [
+            "",
+            f"## Largest trainable real model (activation checkpointing, batch {g['batch']} x {g['seq']}; device "
+            f"{g['device_budget_GiB']:.0f} GiB, host available {g['host_available_GiB']:.0f} GiB)",
+            "",
+        ]
+        if "pinned_cost" in g:
+            margin = g["host_margin"]
+            lines += [
+                f"Host guard: pinned memory charged at {g['pinned_cost']['factor']:.2f} bytes per byte (measured), "
+                f"estimates scaled by {g['host_estimate_scale']:.2f} (measured / estimated use of the probes), "
+                f"{margin['fraction_of_total']:.0%} of {g['host_total_GiB']:.0f} GiB (at least "
+                f"{margin['at_least_GiB']:.0f} GiB) kept free.",
+                "",
+            ]
+        lines += [
+            "| ratio | predicted (device) | host limit | largest that trained | smallest that failed | parameters (B) "
+            "| host-bound | probes in order (layers: ✓ trained, ✗ out of device memory; host GiB used) |",
+            "|---:|---:|---:|---:|---:|---:|---|---|",
+        ]
+        for ratio, row in g["ratios"].items():
+            params = "" if row["params_billion_at_ok"] is None else f"{row['params_billion_at_ok']:.2f}"
+            probes = ", ".join(
+                f"{t['layers']} {'✓' if t['fits'] else '✗'}"
+                + (f" ({t['host_used_GiB']:.1f})" if "host_used_GiB" in t else "")
+                for t in row["trials"]
+            )
+            lines.append(
+                f"| {ratio} | {row['predicted_layers']} | {row['host_limit_layers']} | {row['largest_ok_layers']} | "
+                f"{row['smallest_failed_layers']} | {params} | {'yes' if row['host_bound'] else 'no'} | {probes} |"
+            )
+        base = g["ratios"]["0.0"]["largest_ok_layers"]
+        best = max((row["largest_ok_layers"] or 0) for row in g["ratios"].values())
+        if base:
+            lines += [
+                "",
+                f"Target: largest ≥ 3x the no-offload limit: **{best / base:.2f}x** ({best} vs {base} layers).",
+            ]
+    return "\n".join(lines) + "\n"
