@@ -1,15 +1,12 @@
-"""scripts/bench_convergence.py's arithmetic and report on small synthetic curves (no training)."""
+"""benchmarks/convergence/'s arithmetic and report on small synthetic curves (no training)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_convergence.py"
-spec = importlib.util.spec_from_file_location("bench_convergence", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks.convergence import analysis, report, sweep_report, sweeps
+from benchmarks.convergence.runs import PRESETS, budget_runs, runs_of, scaled, trainer_argv
+from hf_p2r.training import parse_config
 
 
 def records(curve: list[tuple[int, float]], seconds_per_step: float) -> list[dict]:
@@ -25,62 +22,62 @@ def records(curve: list[tuple[int, float]], seconds_per_step: float) -> list[dic
 
 def test_crossing_interpolates_the_first_time_the_curve_comes_down_to_the_target():
     curve = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.0), (40, 2.0)]
-    assert bench.crossing(curve, 2.5) == pytest.approx(15.0)
-    assert bench.crossing(curve, 2.0) == 20  # reached exactly at an evaluation
-    assert bench.crossing(curve, 1.5) == pytest.approx(25.0)  # not the later crossing on the way back up
-    assert bench.crossing(curve, 0.5) is None
-    assert bench.crossing(curve, 6.0) == 0  # already there at the first point
-    assert bench.crossing([(0, 3.0), (10, 3.0), (20, 1.0)], 2.0) == pytest.approx(15.0)
+    assert analysis.crossing(curve, 2.5) == pytest.approx(15.0)
+    assert analysis.crossing(curve, 2.0) == 20  # reached exactly at an evaluation
+    assert analysis.crossing(curve, 1.5) == pytest.approx(25.0)  # not the later crossing on the way back up
+    assert analysis.crossing(curve, 0.5) is None
+    assert analysis.crossing(curve, 6.0) == 0  # already there at the first point
+    assert analysis.crossing([(0, 3.0), (10, 3.0), (20, 1.0)], 2.0) == pytest.approx(15.0)
 
 
 def test_value_at_interpolates_and_holds_the_ends():
     curve = [(0, 4.0), (10, 2.0), (30, 1.0)]
-    assert bench.value_at(curve, 5) == pytest.approx(3.0)
-    assert bench.value_at(curve, 20) == pytest.approx(1.5)
-    assert bench.value_at(curve, 10) == 2.0
-    assert (bench.value_at(curve, -1), bench.value_at(curve, 99)) == (4.0, 1.0)
+    assert analysis.value_at(curve, 5) == pytest.approx(3.0)
+    assert analysis.value_at(curve, 20) == pytest.approx(1.5)
+    assert analysis.value_at(curve, 10) == 2.0
+    assert (analysis.value_at(curve, -1), analysis.value_at(curve, 99)) == (4.0, 1.0)
 
 
 def test_equal_loss_steps_between_budgets_and_bounds_outside_them():
     budgets = [(300, 2.0), (150, 2.4), (450, 1.8)]  # any order
     # Halfway in loss is halfway in log(steps): the geometric mean of the two budgets.
-    assert bench.equal_loss_steps(budgets, 2.2) == (pytest.approx((150 * 300) ** 0.5), "=")
-    assert bench.equal_loss_steps(budgets, 1.9) == (pytest.approx((300 * 450) ** 0.5), "=")
-    assert bench.equal_loss_steps(budgets, 2.0) == (pytest.approx(300), "=")
-    assert bench.equal_loss_steps(budgets, 2.5) == (150, "<=")  # even the smallest budget ends below it
-    assert bench.equal_loss_steps(budgets, 1.7) == (450, ">")  # even the largest does not reach it
+    assert analysis.equal_loss_steps(budgets, 2.2) == (pytest.approx((150 * 300) ** 0.5), "=")
+    assert analysis.equal_loss_steps(budgets, 1.9) == (pytest.approx((300 * 450) ** 0.5), "=")
+    assert analysis.equal_loss_steps(budgets, 2.0) == (pytest.approx(300), "=")
+    assert analysis.equal_loss_steps(budgets, 2.5) == (150, "<=")  # even the smallest budget ends below it
+    assert analysis.equal_loss_steps(budgets, 1.7) == (450, ">")  # even the largest does not reach it
 
 
 def test_summarize_speedups_in_steps_and_time():
     scratch = {"steps": 100, "time": 50.0}  # scratch reaches its final loss 2.0 at step 100, after 50 s
     curve = [(0, 5.0), (20, 3.0), (40, 2.5), (60, 2.0), (80, 1.9), (100, 1.8)]
-    summary = bench.summarize("p2r", records(curve, 0.25), pseudo_steps=30, target=2.0, scratch=scratch)
+    summary = analysis.summarize("p2r", records(curve, 0.25), pseudo_steps=30, target=2.0, scratch=scratch)
     assert summary["steps_to_target"] == 60
     assert summary["real_steps_to_target"] == 30
     assert summary["speedup_steps"] == pytest.approx(100 / 60)
     assert summary["time_to_target_s"] == pytest.approx(15.0)
     assert summary["speedup_time"] == pytest.approx(50 / 15)
     assert summary["final_val_loss"] == 1.8 and summary["train_time_s"] == 25.0
-    slow = bench.summarize("slow", records([(0, 5.0), (100, 2.1)], 1.0), pseudo_steps=0, target=2.0, scratch=scratch)
+    slow = analysis.summarize("slow", records([(0, 5.0), (100, 2.1)], 1.0), pseudo_steps=0, target=2.0, scratch=scratch)
     assert slow["steps_to_target"] is None and slow["speedup_steps"] is None and slow["speedup_time"] is None
 
 
 def test_gaps_at_the_delink_after_it_and_at_the_end():
     scratch = {"val_curve": [(0, 5.0), (20, 3.0), (40, 2.0), (60, 1.5)]}
     run = {"pseudo_steps": 30, "val_curve": [(0, 5.0), (20, 3.2), (30, 2.8), (40, 2.4), (60, 1.6)]}
-    gaps = bench.gaps(run, scratch)
+    gaps = analysis.gaps(run, scratch)
     assert gaps["at_delink"] == pytest.approx(2.8 - 2.5)  # scratch interpolated at step 30
     assert gaps["after_delink"] == pytest.approx(0.4)
     assert gaps["final"] == pytest.approx(0.1)
 
 
 def test_scaled_preset_scales_every_step_count():
-    preset = bench.scaled(bench.PRESETS["cpu"], steps=30, overrides={"hidden_size": "32"})
+    preset = scaled(PRESETS["cpu"], steps=30, overrides={"hidden_size": "32"})
     assert preset["total_steps"] == 30
     assert preset["delink_steps"] == [5, 10, 15] and preset["carry_delink_step"] == 10
     assert preset["fields"]["warmup_steps"] == 2 and preset["fields"]["hidden_size"] == "32"
-    assert bench.PRESETS["cpu"]["total_steps"] == 300  # the preset itself is untouched
-    runs = bench.runs_of(preset)
+    assert PRESETS["cpu"]["total_steps"] == 300  # the preset itself is untouched
+    runs = runs_of(preset)
     assert all(s["pseudo_steps"] + s["real_steps"] == 30 for s in runs.values())
     assert set(runs) == {
         "scratch",
@@ -92,7 +89,7 @@ def test_scaled_preset_scales_every_step_count():
     }
     assert preset["fields"]["shared_lr_scale"] == "depth" and runs["k2-scale-at10-samelr"]["shared_lr_scale"] == "none"
     assert runs["k1-scale-at10"]["num_unique_layers"] == 1
-    assert {s["real_steps"] for s in bench.budget_runs(preset).values()} == {15, 45, 60}
+    assert {s["real_steps"] for s in budget_runs(preset).values()} == {15, 45, 60}
 
 
 def _seed(seed: int, scratch_final: float, p2r_final: float) -> dict:
@@ -107,7 +104,7 @@ def _seed(seed: int, scratch_final: float, p2r_final: float) -> dict:
         "scratch-x0.5": records([(50, scratch_final + 0.4)], 0.5),
         "scratch-x1.5": records([(150, scratch_final - 0.2)], 0.5),
     }
-    return bench.compare_seed(seed, runs, found, budgets)
+    return analysis.compare_seed(seed, runs, found, budgets)
 
 
 def test_compare_seed_and_aggregate():
@@ -118,7 +115,7 @@ def test_compare_seed_and_aggregate():
     assert first["speedup_equal_loss"] == pytest.approx(5000**0.5 / 100)
     assert first["speedup_steps"] is None
     assert first["gaps"]["final"] == pytest.approx(0.2)
-    rows = bench.aggregate(per_seed)
+    rows = analysis.aggregate(per_seed)
     assert [r["name"] for r in rows] == ["scratch", "p2r"]
     assert rows[0]["speedup_steps_mean"] == 1.0 and rows[0]["speedup_equal_loss_mean"] == [pytest.approx(1.0), "="]
     p2r = rows[1]
@@ -133,9 +130,12 @@ def test_aggregate_keeps_a_bound_and_drops_a_mean_of_opposite_bounds():
     above = _seed(1, 2.0, 1.5)  # better than scratch at 1.5x the budget: > 1.5x
     exact = _seed(2, 2.0, 2.2)
     assert below["runs"][1]["equal_loss_bound"] == "<=" and above["runs"][1]["equal_loss_bound"] == ">"
-    assert bench.aggregate([below, exact])[1]["speedup_equal_loss_mean"] == [pytest.approx((0.5 + 0.5**0.5) / 2), "<="]
-    assert bench.aggregate([below, above])[1]["speedup_equal_loss_mean"] is None
-    mixed = bench.aggregate([above, exact])[1]
+    assert analysis.aggregate([below, exact])[1]["speedup_equal_loss_mean"] == [
+        pytest.approx((0.5 + 0.5**0.5) / 2),
+        "<=",
+    ]
+    assert analysis.aggregate([below, above])[1]["speedup_equal_loss_mean"] is None
+    mixed = analysis.aggregate([above, exact])[1]
     assert mixed["speedup_steps_per_seed"] == [pytest.approx(100 / (50 + 50 * 1.2 / 1.7)), None]
     assert mixed["speedup_steps_mean"] is None and mixed["speedup_equal_loss_mean"] == [
         pytest.approx((1.5 + 0.5**0.5) / 2),
@@ -145,7 +145,7 @@ def test_aggregate_keeps_a_bound_and_drops_a_mean_of_opposite_bounds():
 
 def test_report_states_measured_figures(tmp_path):
     per_seed = [_seed(0, 2.0, 2.2), _seed(1, 2.1, 2.3)]
-    preset = bench.scaled(bench.PRESETS["cpu"], steps=100)
+    preset = scaled(PRESETS["cpu"], steps=100)
     preset["budgets"] = [0.5, 1.5]
     machine = {
         "date": "2026-01-01T00:00:00+00:00",
@@ -168,10 +168,10 @@ def test_report_states_measured_figures(tmp_path):
         "wall_time_s": 90.0,
         "parameters": {"real": 1000, "pseudo": 400},
         "plot": "convergence.png",
-        "runs": bench.aggregate(per_seed),
+        "runs": analysis.aggregate(per_seed),
         "seeds": per_seed,
     }
-    bench.write_report(result, tmp_path)
+    report.write_report(result, tmp_path)
     text = (tmp_path / "convergence_carry.md").read_text()
     assert "total wall time 1.5 min" in text
     assert "same compute as a real step" in text
@@ -183,25 +183,25 @@ def test_report_states_measured_figures(tmp_path):
 
 def test_verdict_against_the_target():
     # Both seeds reach scratch's final loss: 1.17x and 1.04x in steps; at equal loss one seed is beyond 1.5x budget.
-    rows = bench.aggregate([_seed(0, 2.0, 1.5), _seed(1, 2.0, 1.9)])
-    text = " ".join(bench._verdict(rows))
+    rows = analysis.aggregate([_seed(0, 2.0, 1.5), _seed(1, 2.0, 1.9)])
+    text = " ".join(report._verdict(rows))
     assert "the best P2R run is p2r at 1.11x in steps (mean over seeds): it misses the target" in text
     assert "at >1.36x (mean over seeds): a bound, which does not tell whether it meets the target" in text
-    rows = bench.aggregate([_seed(0, 2.0, 0.5), _seed(1, 2.0, 0.6)])  # far below: 100 / 62.5 and 100 / 63.9
-    assert "it meets the target" in " ".join(bench._verdict(rows))
+    rows = analysis.aggregate([_seed(0, 2.0, 0.5), _seed(1, 2.0, 0.6)])  # far below: 100 / 62.5 and 100 / 63.9
+    assert "it meets the target" in " ".join(report._verdict(rows))
 
 
 def test_growth_schedule_doubles_the_blocks_at_evenly_spaced_partial_delinks():
-    name, schedule = bench.p2r_schedule(300, 150, 1, 8, grow=True)
+    name, schedule = sweeps.p2r_schedule(300, 150, 1, 8, grow=True)
     assert name == "k1-grow-at150"
     assert (schedule["partial_delink_steps"], schedule["partial_delink_blocks"]) == ([50, 100], [2, 4])
-    assert bench.p2r_schedule(300, 100, 2, 8) == (
+    assert sweeps.p2r_schedule(300, 100, 2, 8) == (
         "k2-at100",
         {"pseudo_steps": 100, "real_steps": 200, "num_unique_layers": 2, "optimizer_carry": "scale"},
     )
-    argv = bench._argv({**schedule, "num_hidden_layers": 8, "lr_scheduler": "wsd"})
+    argv = trainer_argv({**schedule, "num_hidden_layers": 8, "lr_scheduler": "wsd"})
     assert argv[argv.index("--partial_delink_blocks") + 1 : argv.index("--partial_delink_blocks") + 3] == ["2", "4"]
-    config = bench.parse_config(argv)  # the trainer accepts the schedule
+    config = parse_config(argv)  # the trainer accepts the schedule
     assert config.delink_schedule() == [(50, 2), (100, 4), (150, 8)]
 
 
@@ -211,16 +211,16 @@ def test_stage_times_and_state_per_stage():
     # 0.1 s a step for 20 steps, 0.2 s for 20, then 0.3 s.
     timeline = [(10, 1.0), (20, 2.0), (30, 4.0), (40, 6.0), (70, 15.0), (100, 24.0)]
     found = [{"step": step, "train_time_s": seconds} for step, seconds in timeline]
-    stages = bench.stage_times(found, schedule, depth=8)
+    stages = analysis.stage_times(found, schedule, depth=8)
     assert [(s["blocks"], s["steps"]) for s in stages] == [(2, 20), (4, 20), (8, 60)]
     assert [s["step_time_s"] for s in stages] == [pytest.approx(0.1), pytest.approx(0.2), pytest.approx(0.3)]
-    scratch = bench.stage_times(found, {"pseudo_steps": 0, "real_steps": 100}, depth=8)
+    scratch = analysis.stage_times(found, {"pseudo_steps": 0, "real_steps": 100}, depth=8)
     assert scratch == [{"blocks": 8, "steps": 100, "step_time_s": pytest.approx(0.24)}]
 
 
 def _group(corpus: str, depth: int, p2r_final: float) -> dict:
     per_seed = [_seed(seed, 2.0, p2r_final) for seed in (0, 1)]
-    rows = bench.aggregate(per_seed)
+    rows = analysis.aggregate(per_seed)
     schedules = {"scratch": {"pseudo_steps": 0, "real_steps": 100}, "p2r": {"pseudo_steps": 30, "real_steps": 70}}
     for row in rows:
         row["schedule"] = schedules[row["name"]]
@@ -259,7 +259,7 @@ def test_merge_sweep_keeps_earlier_groups_and_the_sweep_page_names_the_best(tmp_
         "reused_runs": 0,
         "wall_time_s": 60.0,
     }
-    preset = bench.scaled(bench.PRESETS["cpu"], steps=100)
+    preset = scaled(PRESETS["cpu"], steps=100)
 
     def result(groups):
         return {
@@ -271,11 +271,11 @@ def test_merge_sweep_keeps_earlier_groups_and_the_sweep_page_names_the_best(tmp_
         }
 
     first = result([_group("stdlib", 8, 1.5), _group("prose", 8, 1.9)])
-    merged = bench.merge_sweep(first, result([_group("stdlib", 16, 1.5), _group("prose", 16, 1.5)]))
+    merged = sweeps.merge_sweep(first, result([_group("stdlib", 16, 1.5), _group("prose", 16, 1.5)]))
     assert [g["name"] for g in merged["groups"]] == ["stdlib-L8-wsd", "stdlib-L16-wsd", "prose-L8-wsd", "prose-L16-wsd"]
     assert len(merged["invocations"]) == 2
     (tmp_path / "convergence_depth.json").write_text(json.dumps(merged))
-    text = bench.write_sweep_report(tmp_path).read_text()
+    text = sweep_report.write_sweep_report(tmp_path).read_text()
     # p2r ending at 1.5 reaches scratch's final 2.0 at step 50 + 50 * 1.2 / 1.7: 100 / 85.3 = 1.17x on both seeds;
     # ending at 1.9 (prose, L=8): 1.04x.
     assert "**Which configuration to pick**: L=16 wsd p2r" in text
@@ -290,6 +290,6 @@ def test_merge_sweep_keeps_earlier_groups_and_the_sweep_page_names_the_best(tmp_
 
 def test_offload_gain_counts_the_pseudo_steps_at_full_speed():
     # Scratch: 300 steps, each 2x slower offloaded; P2R: 100 pseudo steps at full speed + 80 offloaded real steps.
-    assert bench.offload_gain(300, 180, 100, 2.0) == pytest.approx(600 / 260)
-    assert bench.offload_gain(300, 180, 100, 1.0) == pytest.approx(300 / 180)  # no offload: the speed-up in steps
-    assert bench.offload_gain(300, 90, 100, 4.0) == pytest.approx(1200 / 90)  # reached within the pseudo stage
+    assert analysis.offload_gain(300, 180, 100, 2.0) == pytest.approx(600 / 260)
+    assert analysis.offload_gain(300, 180, 100, 1.0) == pytest.approx(300 / 180)  # no offload: the speed-up in steps
+    assert analysis.offload_gain(300, 90, 100, 4.0) == pytest.approx(1200 / 90)  # reached within the pseudo stage

@@ -1,13 +1,12 @@
-"""scripts/bench_moe_convergence.py: its runs are MoE runs of the dense benchmark's schedules, and its page is the dense
+"""benchmarks/moe_convergence.py: its runs are MoE runs of the dense benchmark's schedules, and its page is the dense
 benchmark's, for MoE (no training here: synthetic curves)."""
 
-import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_moe_convergence.py"
-spec = importlib.util.spec_from_file_location("bench_moe_convergence", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmarks import moe_convergence as bench
+from benchmarks.convergence import analysis
+from benchmarks.convergence import runs as dense
+from hf_p2r.training import parse_config
 
 
 def test_runs_are_moe_runs_of_the_dense_schedules(tmp_path):
@@ -16,15 +15,15 @@ def test_runs_are_moe_runs_of_the_dense_schedules(tmp_path):
     assert list(runs) == ["scratch", "k2-scale-at50", "k1-scale-at50"]
     assert runs["k1-scale-at50"] == {"pseudo_steps": 50, "real_steps": 100, "optimizer_carry": "scale",
                                      "num_unique_layers": 1}  # fmt: skip
-    budgets = bench.bench_convergence.budget_runs(preset)
+    budgets = dense.budget_runs(preset)
     tasks = bench.tasks_of(preset, runs, budgets, [0, 1], tmp_path)
     assert len(tasks) == 2 * (len(runs) + len(budgets)) == 10
     for steps, seed, name, argv, log in tasks:
-        config = bench.parse_config(argv)
+        config = parse_config(argv)
         assert (config.model.num_experts, config.model.moe_intermediate_size) == (4, 128), name
         assert config.train.seed == seed and Path(config.train.output_dir) == tmp_path / f"seed{seed}" / name
         assert steps == config.train.pseudo_steps + config.train.real_steps and log.endswith(f"{name}.log")
-    scaled = bench.bench_convergence.scaled(preset, 30)
+    scaled = dense.scaled(preset, 30)
     assert list(bench.moe_runs(scaled)) == ["scratch", "k2-scale-at10", "k1-scale-at10"]
 
 
@@ -34,7 +33,7 @@ def _records(curve, seconds_per_step):
 
 def test_page_is_the_dense_page_for_moe():
     preset = bench.PRESETS["cpu"]
-    runs, budgets = bench.moe_runs(preset), bench.bench_convergence.budget_runs(preset)
+    runs, budgets = bench.moe_runs(preset), dense.budget_runs(preset)
     curves = {
         "scratch": [(0, 5.0), (75, 3.0), (150, 2.0)],
         "k2-scale-at50": [(0, 5.0), (75, 2.6), (150, 1.8)],
@@ -43,17 +42,17 @@ def test_page_is_the_dense_page_for_moe():
         "scratch-x1.5": [(225, 1.7)],
     }
     records = {name: _records(curve, 0.5) for name, curve in curves.items()}
-    per_seed = [bench.bench_convergence.compare_seed(0, runs, records, budgets)]
+    per_seed = [analysis.compare_seed(0, runs, records, budgets)]
     result = {
         "preset_name": "moe-cpu",
         "preset": preset,
-        "machine": bench.bench_convergence.machine() | {"load_average_max": 1.0, "load_average_at_end": (1.0, 1, 1)},
+        "machine": dense.machine() | {"load_average_max": 1.0, "load_average_at_end": (1.0, 1, 1)},
         "jobs": 2,
         "seed_list": [0],
         "wall_time_s": 60.0,
         "parameters": {"real": 100, "pseudo": 40},
         "plot": "moe_convergence.png",
-        "runs": bench.bench_convergence.aggregate(per_seed),
+        "runs": analysis.aggregate(per_seed),
         "seeds": per_seed,
     }
     page = bench.moe_markdown(result)
