@@ -29,10 +29,12 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 install: $(VENV)/.installed
 
-# Every value the launcher would otherwise default (and list in a notice) is given.
+# Every value the launcher would otherwise default (and list in a notice) is given. ARGS: trainer overrides, e.g.
+# make demo ARGS="--pseudo_steps 50 --output_dir runs/demo-50"
+ARGS ?=
 demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-		scripts/train.py --config configs/demo.yaml
+		scripts/train.py --config configs/demo.yaml $(ARGS)
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
@@ -67,7 +69,7 @@ lock:
 	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check hf_p2r scripts tests
+	$(VENV)/bin/ruff check hf_p2r benchmarks scripts tests
 
 clean:
 	rm -rf $(VENV) .venv-floors .venv-newest .venv-lock runs
