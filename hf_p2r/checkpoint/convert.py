@@ -15,8 +15,10 @@ config.json says so (`target="mixtral"`). A source holding the in-memory 3-D exp
 """
 
 import copy
+import fnmatch
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,18 +26,22 @@ import types
 from pathlib import Path
 from typing import Literal
 
+from ..errors import InputError
 from ..models.p2r.sharing_p2r import (
     LAYER_KEY,
     block_of_depth,
     delink_names,
     delink_sources,
+    reachable_block_counts,
     sparse_depths,
     validate_layout,
     validate_moe,
 )
-from .headers import FLOAT_CODES, TensorInfo, parse_size, read_weights
-from .io import CONFIG_NAME, atomic_directory, read_config_dict
+from .headers import FLOAT_CODES, TensorInfo, parse_size, printable, read_weights
+from .io import CONFIG_NAME, atomic_directory, files_within, read_config_dict, resolve_destination, why_skipped
 from .ranges import copying
+
+logger = logging.getLogger(__name__)
 
 # Files other than weights and config.json that travel with a checkpoint (tokenizer and generation settings).
 CARRIED_FILES = (
@@ -67,6 +73,10 @@ _SHAPE_FIELDS = {
     "tie_word_embeddings": False,
 }
 _LAYOUT_DEFAULTS = {"share_layers": False, "num_unique_layers": None, "sharing_pattern": "cycle"}
+_DEPTH_DEFAULT = 32  # `P2RConfig`'s num_hidden_layers (Llama's)
+# The most tensors an output may hold: far above any model's (DeepSeek-V3: ~92,000), far below what would exhaust
+# memory while it is planned.
+MAX_TENSORS = 2_000_000
 # The MoE fields of a `p2r_moe` config.json, with `P2RMoeConfig`'s defaults (None: `intermediate_size`, and no dense
 # depths).
 MOE_FIELDS = {
@@ -109,32 +119,61 @@ def convert_pseudo_to_real(
     generation_config.json, tokenizer files and named chat templates (and, for `target="p2r"` from a source with remote
     code, the model code) are carried over, and README.md is a model card recording where the checkpoint came from.
 
-    `src` is only read. The output is built in a temporary folder beside `dst` and renamed into place at the end: on
-    any error (bad input, disk full, Ctrl-C) `dst` is left as it was. A non-empty `dst` is refused unless `overwrite`.
+    A real source (`share_layers: false`) is exported: `target="llama"` / `"mixtral"` rewrite config.json (and, for
+    Mixtral, nothing else: the weights already have Mixtral's names), `target="p2r"` only casts it (with `dtype`; there
+    is nothing to delink). `num_unique_layers` equal to the source's block count delinks nothing: the output is the
+    source, re-sharded or cast, and a warning says so. Other counts must keep the function (`reachable_block_counts`):
+    the message lists those that do.
+
+    `src` is only read, and only files within it (a Hub cache snapshot's links into its blobs included): a carried file
+    that is a link out of `src`, a FIFO or a device is skipped with a warning naming it; weights or a config.json that
+    lie outside `src` refuse the conversion. Sizes in config.json are bounded and checked against the safetensors
+    headers before anything grows with them. The output is built in a temporary folder beside `dst` and renamed into place at the
+    end: on any error (bad input, disk full, Ctrl-C, SIGTERM) `dst` is left as it was, and every long phase (copies,
+    casts, verification) stops within a second of a signal. A non-empty `dst` is refused unless `overwrite`, also when
+    another process filled it while this one ran; a `dst` that is a link is written through (its target is replaced).
     `verify=True` reopens the output before the rename and checks names, shapes, dtypes and every byte against the
-    source.
+    source; the warnings and the verification's summary are logged (`logging`, logger `hf_p2r.checkpoint.convert`),
+    which `hf-p2r convert` prints.
 
     ```python
     >>> convert_pseudo_to_real("pseudo_1x24", "real_24", dtype="bfloat16")
     >>> convert_pseudo_to_real("pseudo_1x24", "pseudo_4x24", num_unique_layers=4)   # partial: 1 -> 4 blocks
+    >>> convert_pseudo_to_real("real_24", "llama_24", target="llama")              # a real P2R folder -> Llama
     ```
     """
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
+    if target not in TARGETS:
+        raise InputError(f"target must be 'p2r', 'llama' or 'mixtral', got {target!r}")
+    if num_unique_layers is not None and (
+        isinstance(num_unique_layers, bool) or not isinstance(num_unique_layers, int)
+    ):
+        raise InputError(f"num_unique_layers must be an integer, got {num_unique_layers!r}")
     src = Path(src)
     config = read_p2r_config_dict(src)
-    if not config["share_layers"]:
-        raise ValueError(
+    depth, stored = config["num_hidden_layers"], config["num_unique_layers"]
+    if not config["share_layers"] and target == "p2r" and dtype is None:
+        raise InputError(
             f"{src / CONFIG_NAME}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
-            f"delink (use hf_p2r.export_llama({str(src)!r}, dst) for a vanilla Llama copy)"
+            "delink; export it with target='llama' or 'mixtral' (--target), or cast it with dtype (--dtype)"
         )
-    if target not in TARGETS:
-        raise ValueError(f"target must be 'p2r', 'llama' or 'mixtral', got {target!r}")
-    blocks = config["num_hidden_layers"] if num_unique_layers is None else num_unique_layers
-    if target != "p2r" and blocks != config["num_hidden_layers"]:
-        raise ValueError(
+    blocks = depth if num_unique_layers is None else num_unique_layers
+    if target != "p2r" and blocks != depth:
+        raise InputError(
             f"target={target!r} needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
-            f"not num_hidden_layers ({config['num_hidden_layers']})"
+            f"not num_hidden_layers ({depth})"
         )
+    if blocks != stored:
+        pattern = config["sharing_pattern"]
+        reachable = [stored, *reachable_block_counts(depth, stored, pattern)] if config["share_layers"] else [depth]
+        if blocks not in reachable:
+            shown = [f"{stored} (nothing to delink: a copy)", *map(str, reachable[1:])]
+            if len(shown) > 8:
+                shown = [*shown[:6], "...", shown[-1]]
+            raise InputError(
+                f"{src}: num_unique_layers={blocks} cannot be reached from {stored} blocks (sharing_pattern="
+                f"{pattern!r}, {depth} layers): every depth must keep the block it ran; it can be {', '.join(shown)}"
+            )
     check_target(src, config, target)
     return rewrite_checkpoint(
         src,
@@ -173,40 +212,48 @@ def check_target(src: Path, config: dict, target: str) -> None:
 
 def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
     """The config.json of a P2R checkpoint folder (dense or MoE) as a dict, with the fields the weights depend on
-    checked (and the sharing and MoE fields filled in, as `P2RConfig` / `P2RMoeConfig` fill them): errors name the file
-    and the problem. No transformers."""
+    checked by the model's own validators (`validate_layout`, `validate_moe`: types, sizes and their bounds, sharing),
+    and the sharing and MoE fields filled in as `P2RConfig` / `P2RMoeConfig` fill them: errors name the file and the
+    problem (`InputError`). No transformers. A config.json this accepts loads with `read_p2r_config`."""
     config = read_config_dict(folder)
     path = Path(folder) / CONFIG_NAME
     if config.get("model_type") not in ("p2r", "p2r_moe"):
-        raise ValueError(
-            f"{path}: model_type is {config.get('model_type')!r}, not 'p2r' or 'p2r_moe': not a P2R checkpoint"
+        raise InputError(
+            f"{path}: model_type is {_short(config.get('model_type'))}, not 'p2r' or 'p2r_moe': not a P2R checkpoint"
         )
-    for field in ("num_hidden_layers", *_SHAPE_FIELDS):
-        value = config.get(field, _SHAPE_FIELDS.get(field))
-        flag = field in ("attention_bias", "mlp_bias", "tie_word_embeddings")
-        if value is None and field in ("num_key_value_heads", "head_dim"):
-            continue
-        if not isinstance(value, bool if flag else int) or (not flag and (isinstance(value, bool) or value < 1)):
-            wanted = "true or false" if flag else "a positive integer"
-            raise ValueError(f"{path}: {field} must be {wanted}, got {value!r}")
-    layout = types.SimpleNamespace(**{**_LAYOUT_DEFAULTS, **config})
+    fields = {**_SHAPE_FIELDS, **_LAYOUT_DEFAULTS, **config}
+    fields = {**fields, "num_hidden_layers": config.get("num_hidden_layers", _DEPTH_DEFAULT)}
     moe = {}
     if config["model_type"] == "p2r_moe":
         moe = {field: config.get(field, default) for field, default in MOE_FIELDS.items()}
         if moe["moe_intermediate_size"] is None:
-            moe["moe_intermediate_size"] = config.get("intermediate_size", _SHAPE_FIELDS["intermediate_size"])
+            moe["moe_intermediate_size"] = fields["intermediate_size"]
         if moe["mlp_only_layers"] is None:
             moe["mlp_only_layers"] = []
-        for flag in ("norm_topk_prob", "output_router_logits"):
-            if not isinstance(moe[flag], bool):
-                raise ValueError(f"{path}: {flag} must be true or false, got {moe[flag]!r}")
+    layout = types.SimpleNamespace(**{**fields, **moe})
     try:
         validate_layout(layout)
         if moe:
-            validate_moe(types.SimpleNamespace(**{**vars(layout), **moe}))
+            validate_moe(layout)
     except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
-    return {**config, **moe, "share_layers": layout.share_layers, "num_unique_layers": layout.num_unique_layers}
+        raise InputError(f"{path}: {_cut(str(error))}") from None
+    return {
+        **config,
+        **moe,
+        "num_hidden_layers": layout.num_hidden_layers,
+        "share_layers": layout.share_layers,
+        "num_unique_layers": layout.num_unique_layers,
+        "sharing_pattern": layout.sharing_pattern,
+    }
+
+
+def _short(value, limit: int = 120) -> str:
+    """repr(value), cut to `limit` characters (a message quotes a value, not megabytes of it)."""
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def read_p2r_config(folder: str | os.PathLike):
@@ -328,23 +375,34 @@ def rewrite_checkpoint(
     dst = Path(dst)
     _check_not_nested(src, dst)
     stored_blocks = config["num_unique_layers"] if config["share_layers"] else config["num_hidden_layers"]
+    if (count := tensor_count(config, num_blocks)) > MAX_TENSORS:  # before any list grows with it
+        raise InputError(
+            f"{src / CONFIG_NAME}: the output would hold {count} tensors ({num_blocks} blocks), more than any model "
+            f"has (at most {MAX_TENSORS})"
+        )
+    weights, views = split_experts(src, read_weights(src), config)
+    _check_blocks(src, weights, config)
+    if (count := tensor_count(config, stored_blocks)) > 2 * len(weights) + 100:  # the truth on disk bounds the plan
+        raise InputError(
+            f"{src}: {src / CONFIG_NAME} describes a model of {count} tensors but the weights hold {len(weights)}"
+        )
     expected = parameter_shapes(config, stored_blocks)
     # new name -> source name: the delink map of the model, so conversion and delink() agree by construction
     if num_blocks == stored_blocks:
         new_to_old = {name: name for name in expected}
     else:
         try:
-            sources = delink_sources(
-                config["num_hidden_layers"], stored_blocks, num_blocks, config.get("sharing_pattern", "cycle")
-            )
+            sources = delink_sources(config["num_hidden_layers"], stored_blocks, num_blocks, config["sharing_pattern"])
         except ValueError as error:
-            raise ValueError(f"{src}: {error}") from None
+            raise InputError(f"{src}: {error}") from None
         new_to_old = delink_names(expected, sources)
     order = parameter_shapes(config, num_blocks)  # the order transformers itself saves in
 
-    weights, views = split_experts(src, read_weights(src), config)
     source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
+    if num_blocks == stored_blocks and target == "p2r":
+        change = "a copy" if out_dtype == source_dtype else f"cast from {source_dtype} to {out_dtype}"
+        logger.warning(f"nothing to delink: {src} already has {stored_blocks} blocks; {dst} is {change}")
     tensors = {new: weights[new_to_old[new]] for new in order}
     provenance = {
         "source": src.resolve().name,
@@ -352,7 +410,7 @@ def rewrite_checkpoint(
         "source_num_unique_layers": stored_blocks,
         "num_hidden_layers": config["num_hidden_layers"],
         "num_unique_layers": num_blocks,
-        "sharing_pattern": config.get("sharing_pattern", "cycle"),
+        "sharing_pattern": config["sharing_pattern"],
         "dtype": f"{out_dtype} (unchanged)" if out_dtype == source_dtype else f"{out_dtype} (cast from {source_dtype})",
         "target": target,
         "converted_with": f"hf-p2r {__version__}",
@@ -365,8 +423,39 @@ def rewrite_checkpoint(
             _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress)
             _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
         if verify:
-            _verify_against_source(tmp, src, new_to_old, views, out_dtype)
+            files = _verify_against_source(tmp, src, new_to_old, views, out_dtype)
+            cast = "" if out_dtype == source_dtype else f" cast to {out_dtype}"
+            layers = (
+                f"each of the {num_blocks} blocks is the block its depths ran in {src} ({stored_blocks} blocks)"
+                if num_blocks != stored_blocks
+                else f"the same {stored_blocks} blocks as {src}"
+            )
+            logger.info(
+                f"verified {len(new_to_old)} tensors in {files} file{'s' * (files > 1)} before the rename: names, "
+                f"shapes and dtypes as planned, every byte equal to its source tensor's{cast}; {layers}"
+            )
     return dst
+
+
+def tensor_count(config: dict, num_blocks: int) -> int:
+    """len(parameter_shapes(config, num_blocks)), counted without building it: O(num_hidden_layers), so that a size
+    can be checked before work grows with it."""
+    c = {**_SHAPE_FIELDS, **config}
+    attention = 4 * (1 + c["attention_bias"]) + 2  # q, k, v, o (and biases), two norms
+    dense = attention + 3 * (1 + c["mlp_bias"])
+    count = 2 + (not c["tie_word_embeddings"])  # embeddings, final norm, lm_head
+    if c.get("model_type") != "p2r_moe":
+        return count + num_blocks * dense
+    moe = {field: c.get(field, default) for field, default in MOE_FIELDS.items()}
+    depths = sparse_depths(c["num_hidden_layers"], moe["decoder_sparse_step"], moe["mlp_only_layers"] or [])
+    sparse = {
+        block: depths[depth]
+        for depth, block in enumerate(
+            block_of_depth(c["num_hidden_layers"], num_blocks, c.get("sharing_pattern", "cycle"))
+        )
+    }
+    sparse_blocks = sum(sparse.values())
+    return count + (num_blocks - sparse_blocks) * dense + sparse_blocks * (attention + 1 + 3 * moe["num_experts"])
 
 
 def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, provenance) -> None:
@@ -421,14 +510,14 @@ def _write_cast(
         write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=getattr(torch, dtype), progress=progress)
 
 
-def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str) -> None:
+def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str) -> int:
     import torch
 
     from .reader import CheckpointReader
 
     with CheckpointReader(src) as reader:
         expected = {new: (_source_tensor(reader, old, views), getattr(torch, dtype)) for new, old in new_to_old.items()}
-        verify_checkpoint(tmp, expected)
+        return verify_checkpoint(tmp, expected)
 
 
 def _source_tensor(reader, name: str, views: dict):
@@ -487,10 +576,11 @@ def split_experts(
     return out, views
 
 
-def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> None:
+def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> int:
     """Check that the weights in `folder` are exactly `expected` ({name: (source tensor, torch dtype)}): same names,
-    shapes and dtypes, and every byte equal to the source cast to that dtype. Raises `ValueError` on the first
-    difference. Compares in chunks, so memory stays small."""
+    shapes and dtypes, and every byte equal to the source cast to that dtype; returns the number of files checked.
+    Raises `ValueError` on the first difference. Compares in chunks, so memory stays small (and Ctrl-C acts between
+    two of them)."""
     import torch
 
     from .reader import CheckpointReader
@@ -514,6 +604,22 @@ def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> None:
                 # bytes, not values: NaNs compare equal to themselves, -0.0 differs from 0.0
                 if not torch.equal(chunk.view(torch.uint8), source_chunk.view(torch.uint8)):
                     raise ValueError(f"{out.file_of(name)}: verify failed: {name} differs from its source")
+        return len(out.files)
+
+
+def _check_blocks(src: Path, weights: dict[str, TensorInfo], config: dict) -> None:
+    """The stored layer blocks must be those `config` describes: 0..k-1 (pseudo) or 0..L-1 (real)."""
+    config_path = src / CONFIG_NAME
+    share = config["share_layers"]
+    num_blocks = config["num_unique_layers"] if share else config["num_hidden_layers"]
+    blocks = sorted({int(match["block"]) for name in weights if (match := LAYER_KEY.match(name))})
+    if blocks != list(range(num_blocks)):
+        shown = f"blocks {blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else f"block {blocks}" if blocks else "none"
+        raise InputError(
+            f"{src}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
+            f"{'pseudo' if share else 'real'} model with {num_blocks} (share_layers={share}, "
+            f"num_unique_layers={config['num_unique_layers']}, num_hidden_layers={config['num_hidden_layers']})"
+        )
 
 
 def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expected: dict) -> str:
@@ -521,22 +627,12 @@ def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expe
     (returned, as a name: "bfloat16"). A header that relabels a tensor's dtype with one of the same size (F32 as I32,
     BF16 as F16) is not caught by safetensors: the dtype checks are what catch it."""
     config_path = src / CONFIG_NAME
-    share = config["share_layers"]
-    num_blocks = config["num_unique_layers"] if share else config["num_hidden_layers"]
-    blocks = sorted({int(match["block"]) for name in weights if (match := LAYER_KEY.match(name))})
-    if blocks != list(range(num_blocks)):
-        shown = f"blocks {blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else f"block {blocks}" if blocks else "none"
-        raise ValueError(
-            f"{src}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
-            f"{'pseudo' if share else 'real'} model with {num_blocks} (share_layers={share}, "
-            f"num_unique_layers={config['num_unique_layers']}, num_hidden_layers={config['num_hidden_layers']})"
-        )
     if missing := sorted(expected.keys() - weights.keys()):
-        raise ValueError(f"{src}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")
+        raise InputError(f"{src}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")
     if extra := sorted(weights.keys() - expected.keys()):
         raise ValueError(
             f"{weights[extra[0]].file}: holds tensors that the model of {config_path} does not have: "
-            + ", ".join(extra[:3])
+            + ", ".join(map(printable, extra[:3]))
         )
     by_dtype: dict[str, list[str]] = {}
     for name, shape in expected.items():
@@ -562,20 +658,30 @@ def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expe
 
 
 def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
+    """Copy the files that travel with a checkpoint (`CARRIED_FILES`, `CARRIED_FOLDERS`, and the model code when
+    `remote_code`) that lie within `src` (`files_within`); warn about those skipped (a link out of `src`, a FIFO...)."""
     patterns = CARRIED_FILES + (("*.py",) if remote_code else ())
-    for pattern in patterns:
-        for path in src.glob(pattern):
-            if path.is_file() and path.name != CONFIG_NAME:
-                shutil.copy2(path, dst / path.name)
-    for name in CARRIED_FOLDERS:
-        if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name)
+
+    def carried(relative: str) -> bool:
+        folder, _, name = relative.partition("/")
+        if name:
+            return folder in CARRIED_FOLDERS
+        return relative in CARRIED_FOLDERS or (
+            relative != CONFIG_NAME and any(fnmatch.fnmatchcase(relative, pattern) for pattern in patterns)
+        )
+
+    kept, skipped = files_within(src)
+    for relative in filter(carried, kept):
+        (dst / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / relative, dst / relative)
+    for relative in filter(carried, skipped):
+        logger.warning(f"skipped {printable(relative)}: {why_skipped(src, src / relative)}")
 
 
 def _check_not_nested(src: Path, dst: Path) -> None:
-    source, destination = src.resolve(), dst.resolve()
+    source, destination = Path(os.path.realpath(src)), resolve_destination(dst).resolve()
     if destination == source or destination.is_relative_to(source) or source.is_relative_to(destination):
-        raise ValueError(f"{dst}: the output must not be the source {src}, inside it, or contain it")
+        raise InputError(f"{dst}: the output must not be the source {src}, inside it, or contain it")
 
 
 def parse_dtype(dtype) -> str | None:

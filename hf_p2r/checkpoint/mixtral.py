@@ -69,6 +69,7 @@ def mixtral_fields(config: dict) -> dict:
     if config.get("attention_bias", False):
         raise ValueError("attention_bias=True has no Mixtral equivalent: Mixtral's projections have no bias")
     fields = {key: config.get(key, default) for key, default in _SAME_FIELDS.items()}
+    fields["router_aux_loss_coef"] = float(fields["router_aux_loss_coef"])  # Mixtral's config takes no int (0 for 0.0)
     if fields["num_key_value_heads"] is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     if fields["head_dim"] is None:

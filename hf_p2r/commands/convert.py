@@ -1,9 +1,13 @@
-"""`hf-p2r convert SRC DST`: stream a pseudo checkpoint into a real (or less shared) one; see
-`hf_p2r.convert_pseudo_to_real`."""
+"""`hf-p2r convert SRC DST`: stream a pseudo checkpoint into a real (or less shared) one, or export a real one to
+vanilla Llama / Mixtral; see `hf_p2r.convert_pseudo_to_real`."""
 
 import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
 
-HELP = "convert a pseudo checkpoint into a real one (streamed, atomic)"
+HELP = "convert a pseudo checkpoint into a real one, or a real one into Llama/Mixtral (streamed, atomic)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -11,22 +15,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "convert",
         help=HELP,
         description="Delink a pseudo checkpoint (dense or mixture-of-experts) on disk: every layer gets its own copy "
-        "of its block's weights (experts and router included). "
+        "of its block's weights (experts and router included); or export a real P2R checkpoint to vanilla Llama "
+        "(--target llama) or Mixtral (--target mixtral). "
         "Each output shard is a safetensors header followed by byte ranges of the source, copied by the kernel "
         "(copy_file_range, or reflinks on XFS and btrfs), so the model is never in memory and torch is loaded only "
-        "for --dtype casts and --verify.",
+        "for --dtype casts and --verify. Only files within SRC are read (a Hugging Face cache snapshot's links into "
+        "its blobs included); carried files that are not (a link out of SRC, a FIFO) are skipped with a line on "
+        "stderr. DST appears complete or not at all: on an error, Ctrl-C or SIGTERM it is left as it was.",
     )
     parser.add_argument(
-        "src", metavar="SRC", help="pseudo checkpoint folder (config.json + safetensors, single or sharded)"
+        "src",
+        metavar="SRC",
+        help="checkpoint folder (config.json + safetensors, single or sharded): pseudo, or real with --target "
+        "llama/mixtral or --dtype",
     )
     parser.add_argument(
-        "dst", metavar="DST", help="output folder (written to a temporary folder beside it, renamed at the end)"
+        "dst",
+        metavar="DST",
+        help="output folder (written to a temporary folder beside it, renamed at the end; a link is written through)",
     )
     parser.add_argument(
         "--num-unique-layers",
         type=int,
         metavar="K",
-        help="partial delink to K blocks (default: the real model, one block per layer)",
+        help="partial delink to K blocks (default: the real model, one block per layer); K must keep every depth's "
+        "block (the error lists the values that do); SRC's own count only copies (with --dtype: casts)",
     )
     parser.add_argument(
         "--max-shard-size",
@@ -41,25 +54,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="p2r",
         help="p2r: a P2R checkpoint, dense or MoE (default); llama: a vanilla LlamaForCausalLM checkpoint (dense "
         "models); mixtral: a vanilla MixtralForCausalLM checkpoint (MoE models without expert prototyping or dense "
-        "layers)",
+        "layers). llama and mixtral write the real model, from a pseudo or a real SRC",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
-    parser.add_argument("--verify", action="store_true", help="reopen the output and check it against the source")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="reopen the output before the rename and check every tensor's name, shape, dtype and bytes against the "
+        "source's; prints what was verified (on stderr)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import convert_pseudo_to_real
 
-    out = convert_pseudo_to_real(
-        args.src,
-        args.dst,
-        num_unique_layers=args.num_unique_layers,
-        max_shard_size=args.max_shard_size,
-        dtype=args.dtype,
-        target=args.target,
-        overwrite=args.overwrite,
-        verify=args.verify,
-    )
+    with _notes_on_stderr():
+        out = convert_pseudo_to_real(
+            args.src,
+            args.dst,
+            num_unique_layers=args.num_unique_layers,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            target=args.target,
+            overwrite=args.overwrite,
+            verify=args.verify,
+        )
     print(out)
     return 0
+
+
+class _Lines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        kind = "warning: " if record.levelno >= logging.WARNING else ""
+        return f"hf-p2r convert: {kind}{record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _notes_on_stderr() -> Iterator[None]:
+    """What the converter logs (skipped files, a conversion that changes nothing, what --verify checked) as lines
+    `hf-p2r convert: [warning: ]...` on stderr; stdout keeps only DST's path."""
+    logger = logging.getLogger("hf_p2r.checkpoint")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Lines())
+    previous = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous[0])
+        logger.propagate = previous[1]

@@ -290,7 +290,13 @@ def test_bad_sharded_input(tmp_path):
     ("kwargs", "message"),
     [
         (dict(num_unique_layers=3), "pseudo: num_unique_layers=3 cannot be reached from 2"),
-        (dict(num_unique_layers=1), "pseudo: num_unique_layers must be an integer with 2 < num_unique_layers"),
+        # the rule and the message agree: 2 (the source's own count) is accepted, as a copy, and listed
+        (
+            dict(num_unique_layers=1),
+            r"pseudo: num_unique_layers=1 cannot be reached from 2 blocks \(sharing_pattern='cycle', 8 layers\): every "
+            r"depth must keep the block it ran; it can be 2 \(nothing to delink: a copy\), 4, 6, 8$",
+        ),
+        (dict(num_unique_layers=2.0), "num_unique_layers must be an integer, got 2.0"),
         (dict(num_unique_layers=4, target="llama"), "target='llama' needs the real model"),
         (dict(target="gguf"), "target must be 'p2r', 'llama' or 'mixtral', got 'gguf'"),
     ],

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from hf_p2r import P2RConfig, P2RForCausalLM, block_of_depth, delink_sources
+from hf_p2r.models.p2r.sharing_p2r import reachable_block_counts
 
 from ..conftest import tiny_config
 
@@ -132,3 +133,45 @@ def test_fields_assigned_after_construction_are_checked_by_the_model(assignments
         setattr(config, name, value)
     with pytest.raises(ValueError, match=field):
         P2RForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(num_hidden_layers=10**9), "num_hidden_layers is 1000000000, more than any model has"),
+        (dict(hidden_size=-64), "hidden_size must be a positive integer, got -64"),  # -64 % 4 == 0: Llama took it
+        (dict(vocab_size=0), "vocab_size must be a positive integer, got 0"),
+        (dict(head_dim=7), "head_dim \\(7\\) must be even"),
+        (dict(num_key_value_heads=3), "num_attention_heads \\(4\\) must be a multiple of num_key_value_heads \\(3\\)"),
+    ],
+)
+def test_sizes_are_bounded_and_positive_on_construction(overrides, message):
+    """A plain `ValueError` naming the field, at once: no list of 10**9 depths, no model of negative width (the
+    planner crashed on hidden_size -64, which Llama's own check lets through)."""
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def test_moe_sizes_are_bounded_on_construction():
+    from hf_p2r.models.p2r.configuration_p2r_moe import P2RMoeConfig
+
+    from .test_modeling_p2r_moe import moe_config
+
+    with pytest.raises(ValueError, match="num_experts is 1000000000, more than any model has"):
+        moe_config(num_experts=10**9)
+    assert moe_config(router_aux_loss_coef=0).router_aux_loss_coef == 0, "a config.json may write 0 for 0.0"
+    assert isinstance(P2RMoeConfig.from_dict({"router_aux_loss_coef": 0}), P2RMoeConfig)
+
+
+def test_reachable_block_counts_are_what_delink_sources_accepts():
+    for depth in range(2, 25):
+        for old in range(1, depth):
+            for pattern in ("cycle", "sequence"):
+                accepted = []
+                for new in range(old + 1, depth + 1):
+                    try:
+                        delink_sources(depth, old, new, pattern)
+                        accepted.append(new)
+                    except ValueError:
+                        pass
+                assert reachable_block_counts(depth, old, pattern) == accepted, (depth, old, pattern)

@@ -73,7 +73,7 @@ class P2RMoeConfig(P2RConfig):
     mlp_only_layers: list[int] | None = None
     norm_topk_prob: bool = True
     num_expert_groups: int = 1
-    router_aux_loss_coef: float = 0.001
+    router_aux_loss_coef: int | float = 0.001  # a config.json may write 0 for 0.0
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):

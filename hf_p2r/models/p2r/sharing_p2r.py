@@ -10,6 +10,22 @@ import re
 from collections.abc import Iterable
 
 SHARING_PATTERNS = ("cycle", "sequence")
+# Bounds on the sizes a config may give, far above any model's and far below what would exhaust memory or time when a
+# list, a model or a tensor is built from them.
+MAX_LAYERS = 10_000  # num_hidden_layers (the deepest published transformers have ~1000 layers)
+MAX_SIZE = 1 << 24  # widths, vocabulary and heads (Llama 3 405B: 16384 wide, 53248 intermediate, 128256 tokens)
+MAX_EXPERTS = 1 << 16  # num_experts per sparse layer (DeepSeek-V3: 256)
+# The fields whose types and sizes `validate_layout` checks: flags, and sizes (None allowed: derived by the config).
+FLAG_FIELDS = ("share_layers", "attention_bias", "mlp_bias", "tie_word_embeddings")
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+OPTIONAL_SIZE_FIELDS = ("num_key_value_heads", "head_dim")
 # A parameter of a transformer layer: `<prefix>layers.<block>.<rest>` (e.g. model.layers.3.mlp.up_proj.weight).
 LAYER_KEY = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<block>\d+)\.(?P<rest>.+)$")
 
@@ -39,7 +55,7 @@ def delink_sources(
     if not isinstance(new_k, int) or not old_k < new_k <= depth:
         raise ValueError(
             f"num_unique_layers must be an integer with {old_k} < num_unique_layers <= num_hidden_layers ({depth}) "
-            f"to delink a model with {old_k} blocks, got {new_k!r}"
+            f"to delink a model with {old_k} blocks, got {_shown(new_k)}"
         )
     old_map = block_of_depth(depth, old_k, sharing_pattern)
     new_map = block_of_depth(depth, new_k, sharing_pattern) if new_k < depth else list(range(depth))
@@ -79,33 +95,87 @@ def delink_names(names: Iterable[str], sources: list[int]) -> dict[str, str]:
 
 
 def validate_layout(config) -> None:
-    """Check the sharing fields of `config` together, filling the default of `num_unique_layers`.
+    """Check the sharing fields and the sizes of `config`, filling the default of `num_unique_layers`.
 
     Raises `ValueError` naming the field. Called by `P2RConfig.__post_init__` and again by `P2RModel.__init__`, because
-    fields assigned after construction (`config.num_unique_layers = 0`) are not re-checked by the config itself.
-    `config` is any object with the fields as attributes (the converter checks a config.json without transformers).
+    fields assigned after construction (`config.num_unique_layers = 0`) are not re-checked by the config itself, and by
+    the converter and the planner on a config.json: one rule for a config.json, whoever reads it. `config` is any
+    object with the fields as attributes (the converter checks a config.json without transformers).
+
+    Sizes are bounded (`MAX_LAYERS`, `MAX_SIZE`) before anything builds a list, a model or a tensor that grows with
+    them: a config.json with `num_hidden_layers: 1e9` is one line, not a `MemoryError`.
     """
-    if config.sharing_pattern not in SHARING_PATTERNS:
-        raise ValueError(f"sharing_pattern must be one of {SHARING_PATTERNS}, got {config.sharing_pattern!r}")
-    depth = config.num_hidden_layers
-    if not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"num_hidden_layers must be a positive integer, got {depth!r}")
+    for name in FLAG_FIELDS:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be true or false, got {_shown(getattr(config, name))}")
+    for name in SIZE_FIELDS:
+        _bounded_int(config, name, MAX_SIZE, optional=name in OPTIONAL_SIZE_FIELDS)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if config.hidden_size % heads:  # as Llama's config requires, whatever head_dim says
+        raise ValueError(f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads ({heads})")
+    if (config.head_dim or config.hidden_size // heads) % 2:
+        raise ValueError(
+            f"head_dim ({config.head_dim or f'hidden_size / num_attention_heads = {config.hidden_size // heads}'}) "
+            "must be even: rotary embeddings turn pairs of dimensions"
+        )
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    if not isinstance(config.sharing_pattern, str) or config.sharing_pattern not in SHARING_PATTERNS:
+        raise ValueError(f"sharing_pattern must be one of {SHARING_PATTERNS}, got {_shown(config.sharing_pattern)}")
+    depth = _bounded_int(config, "num_hidden_layers", MAX_LAYERS)
+    blocks = config.num_unique_layers
     if config.share_layers:
-        if config.num_unique_layers is None:
-            config.num_unique_layers = 1
-        if not isinstance(config.num_unique_layers, int) or not 1 <= config.num_unique_layers < depth:
+        if blocks is None:
+            config.num_unique_layers = blocks = 1
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks < depth:
             raise ValueError(
                 f"num_unique_layers must be an integer with 1 <= num_unique_layers < num_hidden_layers ({depth}) "
-                f"when share_layers=True, got {config.num_unique_layers!r}; use share_layers=False for a model whose "
-                "every layer has its own parameters"
+                f"when share_layers=True, got {_shown(blocks)}; use share_layers=False for a model whose every layer "
+                "has its own parameters"
             )
     else:
-        if config.num_unique_layers not in (None, depth):
+        if blocks is not None and (isinstance(blocks, bool) or blocks != depth):
             raise ValueError(
-                f"num_unique_layers={config.num_unique_layers!r} needs share_layers=True; a real model "
-                f"(share_layers=False) has num_unique_layers == num_hidden_layers ({depth})"
+                f"num_unique_layers={_shown(blocks)} needs share_layers=True; a real model (share_layers=False) has "
+                f"num_unique_layers == num_hidden_layers ({depth})"
             )
         config.num_unique_layers = depth
+
+
+def _bounded_int(config, name: str, bound: int, *, optional: bool = False) -> int | None:
+    """The field `name` of `config`: an integer 1..`bound` (or None when `optional`); else `ValueError` naming it."""
+    value = getattr(config, name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {_shown(value)}")
+    if value > bound:
+        raise ValueError(f"{name} is {value}, more than any model has (at most {bound})")
+    return value
+
+
+def _shown(value, limit: int = 120) -> str:
+    """repr(value) for a message, cut to `limit` characters (a config.json may hold megabytes in one field)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def reachable_block_counts(num_hidden_layers: int, num_unique_layers: int, sharing_pattern: str) -> list[int]:
+    """The block counts k' that a model with `num_unique_layers` blocks can be delinked to (`delink_sources` accepts
+    them), in increasing order; the last is always `num_hidden_layers` (the real model).
+
+    `"cycle"`: the multiples of k below L, and L. `"sequence"`: the k' whose groups of depths split the old groups
+    (every depth where an old group starts starts a new group), checked in O(k) per candidate.
+    """
+    depth, old = num_hidden_layers, num_unique_layers
+    if sharing_pattern == "cycle":
+        return [*range(2 * old, depth, old), depth]
+    starts = [-(-group * depth // old) for group in range(1, old)]  # first depth of each old group but the first
+    return [
+        new
+        for new in range(old + 1, depth)
+        if all(start * new // depth != (start - 1) * new // depth for start in starts)
+    ] + [depth]
 
 
 def sparse_depths(num_hidden_layers: int, decoder_sparse_step: int, mlp_only_layers: Iterable[int]) -> list[bool]:
@@ -115,23 +185,20 @@ def sparse_depths(num_hidden_layers: int, decoder_sparse_step: int, mlp_only_lay
     return [depth not in dense and (depth + 1) % decoder_sparse_step == 0 for depth in range(num_hidden_layers)]
 
 
-def _positive_int(config, name: str) -> int:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def validate_moe(config) -> None:
     """Check the MoE fields of `config` together and against its sharing; raises `ValueError` naming the field.
 
     Called by `P2RMoeConfig.__post_init__`, again by `P2RMoeModel.__init__` (fields may be assigned later), and by the
     converter on a config.json (`config` is then any object with the fields as attributes, after `validate_layout`).
     """
-    experts, top_k = _positive_int(config, "num_experts"), _positive_int(config, "num_experts_per_tok")
-    groups = _positive_int(config, "num_expert_groups")
-    _positive_int(config, "moe_intermediate_size")
-    _positive_int(config, "decoder_sparse_step")
+    experts = _bounded_int(config, "num_experts", MAX_EXPERTS)
+    top_k = _bounded_int(config, "num_experts_per_tok", MAX_EXPERTS)
+    groups = _bounded_int(config, "num_expert_groups", MAX_EXPERTS)
+    _bounded_int(config, "moe_intermediate_size", MAX_SIZE)
+    _bounded_int(config, "decoder_sparse_step", MAX_LAYERS)
+    for flag in ("norm_topk_prob", "output_router_logits"):
+        if not isinstance(getattr(config, flag), bool):
+            raise ValueError(f"{flag} must be true or false, got {_shown(getattr(config, flag))}")
     if top_k > experts:
         raise ValueError(f"num_experts_per_tok ({top_k}) must be at most num_experts ({experts})")
     if groups > 1 and (experts % groups or top_k != groups):
@@ -141,11 +208,13 @@ def validate_moe(config) -> None:
         )
     depth = config.num_hidden_layers
     layers = config.mlp_only_layers
-    if not isinstance(layers, list) or any(isinstance(n, bool) or n not in range(depth) for n in layers):
-        raise ValueError(f"mlp_only_layers must list depths in 0..{depth - 1}, got {layers!r}")
+    if not isinstance(layers, list) or any(
+        isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < depth for n in layers
+    ):
+        raise ValueError(f"mlp_only_layers must list depths in 0..{depth - 1}, got {_shown(layers)}")
     coef = config.router_aux_loss_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
-        raise ValueError(f"router_aux_loss_coef must be >= 0, got {coef!r}")
+        raise ValueError(f"router_aux_loss_coef must be >= 0, got {_shown(coef)}")
     sparse = sparse_depths(depth, config.decoder_sparse_step, layers)
     if not any(sparse):
         raise ValueError(
