@@ -5,7 +5,12 @@ transformers, for dense (`p2r`) and mixture-of-experts (`p2r_moe`) checkpoints a
 copies comes from `delink_names`, the function the model's own `delink_parameter_map` uses, so a converted checkpoint
 and `model.delink()` agree by construction. The output shards are then written by the kernel, header + byte ranges of
 the source (`ranges.py`). Only a dtype cast, which changes the bytes, goes through torch (`writer.py`: the source
-memory-mapped, cast tensor by tensor), and `verify` reopens the output with torch.
+memory-mapped, cast tensor by tensor), and `verify` reopens the output with torch. The same engine exports a real
+checkpoint to vanilla Llama or Mixtral (only config.json changes).
+
+config.json and the weights are input hf-p2r did not write: they are read within the folder only (`io.file_within`),
+their sizes bounded by the model's own validators and checked against the headers before any list grows with them,
+and every problem is one `InputError` line naming the file (`hf_p2r.errors`).
 
 A MoE checkpoint holds its experts as transformers writes Mixtral's (`save_pretrained` reverses the load-time merge of
 the 3-D expert parameters): `block_sparse_moe.experts.<e>.w1/w2/w3.weight` and `block_sparse_moe.gate.weight` per
@@ -128,10 +133,11 @@ def convert_pseudo_to_real(
     `src` is only read, and only files within it (a Hub cache snapshot's links into its blobs included): a carried file
     that is a link out of `src`, a FIFO or a device is skipped with a warning naming it; weights or a config.json that
     lie outside `src` refuse the conversion. Sizes in config.json are bounded and checked against the safetensors
-    headers before anything grows with them. The output is built in a temporary folder beside `dst` and renamed into place at the
-    end: on any error (bad input, disk full, Ctrl-C, SIGTERM) `dst` is left as it was, and every long phase (copies,
-    casts, verification) stops within a second of a signal. A non-empty `dst` is refused unless `overwrite`, also when
-    another process filled it while this one ran; a `dst` that is a link is written through (its target is replaced).
+    headers before anything grows with them. The output is built in a temporary folder beside `dst` and renamed into
+    place at the end: on any error (bad input, disk full, Ctrl-C, SIGTERM) `dst` is left as it was, and every long
+    phase (copies, casts, verification) stops within a second of a signal. A non-empty `dst` is refused unless
+    `overwrite`, also when another process filled it while this one ran; a `dst` that is a link is written through
+    (its target is replaced).
     `verify=True` reopens the output before the rename and checks names, shapes, dtypes and every byte against the
     source; the warnings and the verification's summary are logged (`logging`, logger `hf_p2r.checkpoint.convert`),
     which `hf-p2r convert` prints.
