@@ -233,3 +233,19 @@ def test_a_dst_that_is_a_link_is_written_through(tmp_path):
     with pytest.raises(ValueError, match="must not be the source"):
         convert_pseudo_to_real(src, tmp_path / "inside", overwrite=True)
     assert _hashes(src) == before
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tensor_count_is_the_plans_length(kind):
+    """The count that guards the plan is the plan's length, for every layout the converter tests."""
+    from ..conftest import tiny_config
+    from ..models.test_modeling_p2r_moe import moe_config
+    from .test_convert_moe import LAYOUTS
+    from .test_ranges import CONFIGS
+
+    layouts, build = (CONFIGS, tiny_config) if kind == "dense" else (LAYOUTS, moe_config)
+    for fields in layouts.values():
+        config = build(**(dict(share_layers=True) | fields)).to_dict()
+        for blocks in (config["num_unique_layers"], 8):
+            shapes = convert_module.parameter_shapes(config, blocks)
+            assert convert_module.tensor_count(config, blocks) == len(shapes), (fields, blocks)
