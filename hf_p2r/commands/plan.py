@@ -3,11 +3,18 @@
 ```bash
 hf-p2r plan --config runs/p2r/pseudo --gpus 64 --gpu-memory 80GB --cpu-memory 1TB --seq-len 2048 --micro-batch 1
 ```
+
+Every number it takes is bounded (`hf_p2r.planning.assumptions`: GPUs, memory sizes, sequence length, batch sizes,
+the cost model's assumptions; the model's sizes by its config's validation), so bad input ends within seconds in one
+line (argparse's usage and its line for a flag it cannot parse), and no input makes the planner's work grow without
+limit.
 """
 
 import argparse
 import dataclasses
+import math
 import re
+import sys
 
 _FLAGS = ("gpu_memory", "cpu_memory", "gpus_per_node")  # `Hardware` fields with their own flag, not `--assume`
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -15,11 +22,17 @@ _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_size(text: str) -> int:
-    """'80GB' -> 80e9 bytes, '1TiB' -> 2**40 (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not match or match[2].upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 512GiB, got {text!r}")
-    return int(float(match[1]) * _UNITS[match[2].upper()])
+    """'80GB' -> 80e9 bytes, '1TiB' -> 2**40 (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024), from 1 byte
+    to `MAX_MEMORY` (1 EiB)."""
+    from ..planning.assumptions import MAX_MEMORY
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text[:100])
+    if len(text) > 100 or not match or match[2].upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 512GiB, got {text[:100]!r}")
+    size = float(match[1]) * _UNITS[match[2].upper()]
+    if not 1 <= size <= MAX_MEMORY:  # inf included
+        raise argparse.ArgumentTypeError(f"expected a size from 1 byte to 1 EiB, got {text!r}")
+    return int(size)
 
 
 HELP = "memory per GPU and estimated step time of parallel layouts (DDP, ZeRO, FSDP2, TP, PP, offload)"
@@ -35,12 +48,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Per-GPU bytes of weights, gradients, optimizer state and activations of the pseudo and the real model "
             "under DDP, ZeRO-1/2, FSDP2/ZeRO-3, tensor and pipeline parallelism and granular CPU offload, computed "
-            "on the meta device; the layouts that fit, fastest first."
+            "on the meta device; the layouts that fit, fastest first. The config's sizes and every number given are "
+            "checked first (bad input: one line, exit 2)."
         ),
         epilog=f"Cost-model assumptions (override with --assume NAME=VALUE): {assumptions}.",
     )
     parser.add_argument(
-        "--config", required=True, help="a model folder or config.json (p2r or llama), or a trainer YAML"
+        "--config", required=True, help="a model folder or JSON config (p2r, p2r_moe or llama), or a trainer YAML"
     )
     parser.add_argument("--gpus", type=int, required=True, help="total number of GPUs")
     parser.add_argument("--gpu-memory", type=parse_size, default="80GB", help="memory per GPU (default 80GB)")
@@ -67,39 +81,60 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planning.assumptions import PRECISIONS, Hardware
+    from ..errors import InputError
+    from ..planning.assumptions import (
+        MAX_BATCH,
+        MAX_GPUS,
+        MAX_GPUS_PER_NODE,
+        MAX_SEQ_LEN,
+        PRECISIONS,
+        Hardware,
+        check_int,
+    )
+    from ..planning.memory import parameter_tensors
     from ..planning.plan import Workload, plan, pseudo_and_real, read_config
     from ..planning.report import format_plan
 
-    for name in ("gpus", "gpus_per_node", "seq_len", "micro_batch", "global_batch", "max_tp", "max_pp", "top"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    found = read_config(args.config)
-    pseudo, real = pseudo_and_real(found.config, args.num_unique_layers)
-    micro_batch = args.micro_batch or found.micro_batch or 1
-    workload = Workload(
-        seq_len=args.seq_len or found.seq_len or 2048,
-        micro_batch=micro_batch,
-        global_batch=args.global_batch or args.gpus * micro_batch * found.gradient_accumulation_steps,
-        precision=PRECISIONS[args.precision or found.precision or "mixed"],
-    )
+    # The model's sizes bound --num-unique-layers, the layouts sized bound --top.
+    bounds = {"gpus": MAX_GPUS, "gpus_per_node": MAX_GPUS_PER_NODE, "seq_len": MAX_SEQ_LEN, "max_tp": MAX_GPUS}
+    bounds |= {"max_pp": MAX_GPUS, "micro_batch": MAX_BATCH, "global_batch": MAX_BATCH}
+    for name in (*bounds, "top", "num_unique_layers"):
+        if getattr(args, name) is not None:
+            check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1, bounds.get(name, sys.maxsize))
     hardware = Hardware(
         gpu_memory=args.gpu_memory,
         cpu_memory=args.cpu_memory,
         gpus_per_node=args.gpus_per_node,
         **_assumptions(args.assume),
     )
+    found = read_config(args.config)
+    pseudo, real = pseudo_and_real(found.config, args.num_unique_layers)
+    micro_batch = args.micro_batch or found.micro_batch or 1
+    workload = Workload(  # checks the sizes a trainer YAML gives, and the global batch it makes
+        seq_len=args.seq_len or found.seq_len or 2048,
+        micro_batch=micro_batch,
+        global_batch=args.global_batch or args.gpus * micro_batch * found.gradient_accumulation_steps,
+        precision=PRECISIONS[args.precision or found.precision or "mixed"],
+    )
     max_tp = args.max_tp or hardware.gpus_per_node
-    results = {
-        name: plan(config, args.gpus, workload, hardware, max_tp=max_tp, max_pp=args.max_pp, model=name)
-        for name, config in (("pseudo", pseudo), ("real", real))
-    }
-    print(format_plan(results, {"pseudo": pseudo, "real": real}, workload, hardware, args.gpus, args.top, found.notes))
+    models = {"pseudo": pseudo, "real": real}
+    try:
+        tensors = {name: parameter_tensors(config) for name, config in models.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as error:  # fields the validators do not cover
+        message = f"{args.config}: cannot build the model from it: {type(error).__name__}: {error}"
+        raise InputError(message[:500]) from None
+    results = {}
+    for name, config in models.items():
+        results[name] = plan(
+            config, args.gpus, workload, hardware, max_tp=max_tp, max_pp=args.max_pp, model=name, tensors=tensors[name]
+        )
+    print(format_plan(results, models, workload, hardware, args.gpus, args.top, found.notes, tensors=tensors))
     return 0
 
 
 def _assumptions(items: list[str]) -> dict:
+    """{field: value} of `--assume NAME=VALUE` items; `Hardware` checks the values' bounds."""
+    from ..errors import InputError
     from ..planning.assumptions import Hardware
 
     fields = {f.name: f for f in dataclasses.fields(Hardware) if f.name not in _FLAGS}
@@ -107,11 +142,12 @@ def _assumptions(items: list[str]) -> dict:
     for item in items:
         name, _, text = item.partition("=")
         if name not in fields or not text:
-            raise ValueError(f"--assume {item!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
+            raise InputError(f"--assume {item[:100]!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
         try:
-            values[name] = type(fields[name].default)(float(text))
+            number = float(text)
         except ValueError:
-            raise ValueError(f"--assume {item!r}: {text!r} is not a number") from None
-        if values[name] <= 0:
-            raise ValueError(f"--assume {item!r}: must be positive")
+            raise InputError(f"--assume {item[:100]!r}: {text[:100]!r} is not a number") from None
+        if not math.isfinite(number) or number <= 0:
+            raise InputError(f"--assume {item[:100]!r}: must be a positive finite number")
+        values[name] = type(fields[name].default)(number)
     return values

@@ -24,15 +24,20 @@ Cost model (every assumption is a field of `Hardware`, overridable from the comm
 """
 
 import copy
-import json
 import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
+
+from ..checkpoint.convert import read_p2r_config_dict
+from ..checkpoint.io import CONFIG_NAME, read_config_dict
+from ..errors import InputError, read_json
 from ..models.p2r import P2RConfig, P2RMoeConfig
-from .assumptions import Hardware
+from ..models.p2r.sharing_p2r import validate_layout, validate_moe
+from .assumptions import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Hardware, check_int
 from .memory import (
     PIPELINE_SCHEDULES,
     Layout,
@@ -64,6 +69,11 @@ class Workload:
     micro_batch: int
     global_batch: int
     precision: Precision
+
+    def __post_init__(self):
+        check_int("seq_len", self.seq_len, 1, MAX_SEQ_LEN)
+        check_int("micro_batch", self.micro_batch, 1, MAX_BATCH)
+        check_int("global_batch", self.global_batch, 1, MAX_BATCH)
 
 
 @dataclass
@@ -103,22 +113,62 @@ def estimate(
     """Memory of the most loaded GPU, and the step time of `config` under `layout` with the communication and offload
     time of the slowest pipeline stage (see the module docstring)."""
     tensors = parameter_tensors(config) if tensors is None else tensors
+    return _estimate(config, layout, workload, hardware, _Blocks.of(tensors, config), model)
+
+
+@dataclass
+class _Blocks:
+    """A model's tensors arranged so that sizing a layout costs one pass over its blocks, not over its tensors: the
+    stored blocks of one kind (same tensor shapes and TP dimensions: every block of a dense model) hold the same bytes,
+    so each kind's bytes are counted once per layout (the same sums as `model_state_bytes` over every tensor)."""
+
+    others: list[ParameterTensor]  # embeddings, final norm, head
+    kind: dict[int, tuple]  # stored block -> its kind
+    example: dict[tuple, list[ParameterTensor]]  # kind -> the tensors of one block of that kind
+    active_block_numel: float  # `active_numel` summed over every block's tensors
+
+    @classmethod
+    def of(cls, tensors: list[ParameterTensor], config: P2RConfig) -> "_Blocks":
+        others, by_block = [], {}
+        for tensor in tensors:
+            (others if tensor.block is None else by_block.setdefault(tensor.block, [])).append(tensor)
+        kind, example = {}, {}
+        for block, held in by_block.items():
+            kind[block] = tuple((t.shape, t.tp_dim) for t in held)
+            example.setdefault(kind[block], held)
+        active = sum(active_numel(t, config) for t in tensors if t.block is not None)
+        return cls(others, kind, example, active)
+
+
+def _estimate(
+    config: P2RConfig, layout: Layout, workload: Workload, hardware: Hardware, blocks: _Blocks, model: str
+) -> Estimate:
     p = workload.precision
     a, hidden = p.activation, config.hidden_size
     micro_batches = math.ceil(workload.global_batch / (layout.dp * workload.micro_batch))
     tokens = workload.micro_batch * workload.seq_len
     stages = pipeline_stages(config, layout.pp)
+    order = config.block_of_depth  # a property that builds the list: once
+    kinds = {kind: model_state_bytes(held, layout, p) for kind, held in blocks.example.items()}
+    kind_numel = {kind: sum(math.prod(t.tp_shape(layout.tp)) for t in held) for kind, held in blocks.example.items()}
 
     memory: Memory | None = None  # of the most loaded stage
     comm = offload = 0.0  # of the slowest stage: the pipeline runs at its pace
     for index, stage in enumerate(stages):
-        held = stage_tensors(tensors, stage, config.tie_word_embeddings)
-        uses = Counter(config.block_of_depth[d] for d in stage.depths)  # depths of this stage running each block
+        held = stage_tensors(blocks.others, stage, config.tie_word_embeddings)  # and the blocks of `stage.blocks`
+        uses = Counter(order[d] for d in stage.depths)  # depths of this stage running each block
         offloaded = set(stage.blocks[: round(layout.offload * len(stage.blocks))])
         stage_memory = model_state_bytes(held, layout, p, offloaded)
         units = _unit_numels(held, layout.tp)
+        for block in stage.blocks:
+            states, units[block] = kinds[blocks.kind[block]], kind_numel[blocks.kind[block]]
+            if layout.offloads_everything or block in offloaded:
+                stage_memory.cpu += states.model_states + states.cpu  # `states.cpu` when it offloads everything
+            else:
+                stage_memory.weights += states.weights
+                stage_memory.grads += states.grads
+                stage_memory.optimizer += states.optimizer
         stage_memory.buffers = _buffer_bytes(units, layout, p, uses, offloaded)
-
         stage_memory.weights *= weight_versions(layout.schedule, layout.pp)  # 2BW: |W| more per stage
         in_flight = in_flight_microbatches(layout.schedule, layout.pp, index, micro_batches)
         layer = layer_activation_bytes(config, tokens, layout.tp, p)
@@ -141,7 +191,8 @@ def estimate(
     )
     tokens_per_step = workload.global_batch * workload.seq_len
     bubble = pipeline_bubble(layout.schedule, layout.pp, micro_batches)
-    compute = _compute_seconds(config, tensors, layout, tokens_per_step, workload.seq_len, hardware) / (1 - bubble)
+    per_depth = _forward_flops_per_token(config, blocks.active_block_numel, workload.seq_len)
+    compute = _compute_seconds(config, per_depth, layout, tokens_per_step, hardware) / (1 - bubble)
     engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, config)
     return Estimate(
         model,
@@ -174,7 +225,7 @@ def stage_seconds(
     `hf_p2r.distributed.simulate`. Returns {"stages": [(forward, backward), ...], "p2p": [seconds per boundary]}."""
     tokens = workload.micro_batch * workload.seq_len
     rate = hardware.peak_flops * hardware.mfu * layout.tp
-    per_depth = _forward_flops_per_token(config, tensors, workload.seq_len)
+    per_depth = _forward_flops_per_token(config, _Blocks.of(tensors, config).active_block_numel, workload.seq_len)
     head = 2 * config.vocab_size * config.hidden_size
     times = []
     for stage in pipeline_stages(config, layout.pp):
@@ -244,14 +295,18 @@ def plan(
     max_tp: int = 8,
     max_pp: int = 1,
     model: str = "",
+    tensors: list[ParameterTensor] | None = None,
 ) -> list[Estimate]:
     """Every candidate layout of `config` on `gpus` GPUs: the ones that fit first, fastest first, then the rest by
-    memory."""
-    if gpus < 1:
-        raise ValueError(f"gpus must be at least 1, got {gpus}")
-    tensors = parameter_tensors(config)
+    memory. `tensors`: `parameter_tensors(config)`, when the caller has them already.
+
+    The work is bounded: `gpus`, `max_tp` and `max_pp` by `MAX_GPUS` (`InputError` beyond), the model's sizes by
+    its config's validation, and a layout costs one pass over the model's stored blocks and pipeline stages."""
+    for name, value in (("gpus", gpus), ("max_tp", max_tp), ("max_pp", max_pp)):
+        check_int(name, value, 1, MAX_GPUS)
+    blocks = _Blocks.of(parameter_tensors(config) if tensors is None else tensors, config)
     estimates = [
-        estimate(config, layout, workload, hardware, tensors, model)
+        _estimate(config, layout, workload, hardware, blocks, model)
         for layout in candidate_layouts(config, gpus, hardware, max_tp, max_pp)
     ]
     estimates = [e for e in estimates if runnable(e.layout, e.microbatches)]
@@ -274,31 +329,48 @@ class PlanInput:
 def read_config(path: str | os.PathLike) -> PlanInput:
     """Read a model config for planning.
 
-    Accepts a model folder or a `config.json` (model_type `p2r`, or `llama`: read as a real P2R model), or a
-    trainer YAML (`scripts/train.py --config`): its model fields, `block_size` (sequence length),
+    Accepts a model folder or a JSON file (model_type `p2r` or `p2r_moe`, or `llama`: read as a real P2R model), or
+    a trainer YAML (`scripts/train.py --config`): its model fields, `block_size` (sequence length),
     `per_device_batch_size`, `gradient_accumulation_steps`, `mixed_precision` and `activation_checkpointing`.
+
+    A folder's config.json is read as the converter reads it (`read_config_dict`: only a file within the folder;
+    `read_p2r_config_dict` for a P2R one), a JSON file by `hf_p2r.errors.read_json`; every field is checked by the
+    model's own validators (`validate_layout`, `validate_moe`), sizes bounded, before anything is built from it. Bad
+    input raises `InputError` (a `FileNotFoundError` for a missing file) naming the file and the problem.
     """
     path = Path(path)
     if path.suffix in (".yaml", ".yml"):
         return _read_trainer_yaml(path)
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        values = json.loads(file.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"{file}: cannot read: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file}: not valid JSON: {error}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(values).__name__}")
+    if path.is_dir():
+        file, values = path / CONFIG_NAME, read_config_dict(path)
+    else:
+        file, values = path, read_json(path)
     model_type = values.get("model_type")
     config_class = {P2RConfig.model_type: P2RConfig, "llama": P2RConfig, P2RMoeConfig.model_type: P2RMoeConfig}
-    if model_type not in config_class:
-        raise ValueError(f"{file}: model_type must be 'p2r', 'p2r_moe' or 'llama', got {model_type!r}")
+    if not isinstance(model_type, str) or model_type not in config_class:
+        raise InputError(f"{file}: model_type must be 'p2r', 'p2r_moe' or 'llama', got {_cut(repr(model_type))}")
+    if path.is_dir() and model_type != "llama":
+        read_p2r_config_dict(path)  # the converter's checks, in its words
     values = {key: value for key, value in values.items() if key not in ("model_type", "architectures", "auto_map")}
+    if model_type == "llama":  # a Llama model is a real P2R model, whatever sharing fields it carries
+        values = {key: value for key, value in values.items() if key not in ("share_layers", "num_unique_layers")}
     try:
         return PlanInput(config_class[model_type].from_dict(values))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{file}: {str(error).strip().splitlines()[-1].strip()}") from None
+    except Exception as error:  # transformers' config classes meet fields of any JSON type: whatever they raise
+        raise InputError(f"{file}: {_cut(_last_line(error), 400)}") from None
+
+
+def _last_line(error: Exception) -> str:
+    """The line of a (huggingface_hub validation) message that says what is wrong: its last; the error's type too
+    unless it is a `ValueError` (an `IndexError` deep in transformers says little without it)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if isinstance(error, (ValueError, StrictDataclassError)) and line else f"{type(error).__name__}: {line}"
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    """`text`, cut to `limit` characters (a message quotes a value, not megabytes of it)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _read_trainer_yaml(path: Path) -> PlanInput:
@@ -328,10 +400,17 @@ def pseudo_and_real(config: P2RConfig, num_unique_layers: int | None = None) -> 
     pseudo, real = copy.deepcopy(config), copy.deepcopy(config)
     depth = config.num_hidden_layers
     k = num_unique_layers or (config.num_blocks if config.share_layers else 1)
-    if not 1 <= k < depth:
-        raise ValueError(f"num_unique_layers must satisfy 1 <= k < num_hidden_layers ({depth}), got {k}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < depth:
+        raise InputError(f"num_unique_layers must satisfy 1 <= k < num_hidden_layers ({depth}), got {k!r}")
     pseudo.share_layers, pseudo.num_unique_layers = True, k
     real.share_layers, real.num_unique_layers = False, depth
+    for model in (pseudo, real):  # fields set after construction are not checked by the config: checked here
+        try:
+            validate_layout(model)
+            if isinstance(model, P2RMoeConfig):
+                validate_moe(model)
+        except ValueError as error:
+            raise InputError(f"num_unique_layers={k}: {error}") from None
     return pseudo, real
 
 
@@ -360,18 +439,19 @@ def _buffer_bytes(units: dict, layout: Layout, p: Precision, uses: Counter, offl
     return 0
 
 
-def _forward_flops_per_token(config, tensors, seq_len) -> float:
+def _forward_flops_per_token(config, active_block_numel, seq_len) -> float:
     """Forward FLOPs per token of one depth: 2 per (active) block parameter, and 4 q s for the attention scores."""
-    block_numel = sum(active_numel(t, config) for t in tensors if t.block is not None) / config.num_blocks
+    block_numel = active_block_numel / config.num_blocks
     heads = config.num_attention_heads
     q = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
     return 2 * block_numel + 4 * q * seq_len
 
 
-def _compute_seconds(config, tensors, layout, tokens_per_step, seq_len, hardware) -> float:
-    """Seconds of the step's FLOPs spread evenly over the GPUs, before the pipeline bubble."""
+def _compute_seconds(config, per_depth, layout, tokens_per_step, hardware) -> float:
+    """Seconds of the step's FLOPs spread evenly over the GPUs, before the pipeline bubble (`per_depth`: forward
+    FLOPs per token of one depth)."""
     head = config.vocab_size * config.hidden_size
-    layers = config.num_hidden_layers * _forward_flops_per_token(config, tensors, seq_len)
+    layers = config.num_hidden_layers * per_depth
     flops_per_token = 3 * layers + 6 * head + (layers if layout.recompute else 0)
     return flops_per_token * tokens_per_step / (layout.gpus * hardware.peak_flops * hardware.mfu)
 
@@ -479,7 +559,9 @@ def _cuts_a_block(config: P2RConfig, pp: int) -> bool:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, increasing, in O(sqrt(n)) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The table `hf-p2r plan` prints."""
 
 from ..models.p2r import P2RConfig
-from .memory import GiB, active_numel, parameter_tensors
+from .memory import GiB, ParameterTensor, active_numel, parameter_tensors
 from .plan import Estimate, Hardware, Workload
 
 COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "bubble")
@@ -47,8 +47,10 @@ def format_plan(
     gpus: int,
     top: int,
     notes: list[str] = (),
+    tensors: dict[str, list[ParameterTensor]] | None = None,
 ) -> str:
-    """Both models' tables with a header stating the workload and the assumptions."""
+    """Both models' tables with a header stating the workload and the assumptions. `tensors`: {name:
+    `parameter_tensors(configs[name])`}, when the caller has them already."""
     cpu = f", {hardware.cpu_memory / 10**9:.0f} GB CPU per node" if hardware.cpu_memory else ""
     lines = [
         f"{gpus} GPUs ({hardware.gpus_per_node} per node), {hardware.gpu_memory / 10**9:.0f} GB each{cpu}; "
@@ -70,11 +72,11 @@ def format_plan(
             if config.share_layers
             else f"{config.num_hidden_layers} blocks"
         )
-        tensors = parameter_tensors(config)
-        parameters = _count(sum(t.numel for t in tensors))
+        held = tensors[name] if tensors is not None else parameter_tensors(config)
+        parameters = _count(sum(t.numel for t in held))
         if getattr(config, "num_experts", 0):
             # Memory follows all the experts, FLOPs the k a token is routed to.
-            active = _count(round(sum(active_numel(t, config) for t in tensors)))
+            active = _count(round(sum(active_numel(t, config) for t in held)))
             parameters = f"{parameters} parameters ({active} active per token: top-{config.num_experts_per_tok} of "
             parameters += f"{config.num_experts} experts)"
         else:

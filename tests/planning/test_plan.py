@@ -159,7 +159,7 @@ def test_plan_command_prints_both_models(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--config", "missing.json", "--gpus", "2"], "missing.json: cannot read"),
+        (["--config", "missing.json", "--gpus", "2"], "missing.json: no such file"),
         (["--gpus", "0"], "--gpus must be at least 1"),
         (["--gpus", "2", "--assume", "mfu=abc"], "'abc' is not a number"),
         (["--gpus", "2", "--assume", "speed=3"], "expected NAME=VALUE"),
