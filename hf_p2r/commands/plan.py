@@ -51,7 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "on the meta device; the layouts that fit, fastest first. The config's sizes and every number given are "
             "checked first (bad input: one line, exit 2)."
         ),
-        epilog=f"Cost-model assumptions (override with --assume NAME=VALUE): {assumptions}.",
+        epilog=f"Cost-model assumptions (override with --assume NAME=VALUE): {assumptions}. Each model's table shows "
+        "its --top best layouts (those that fit first, fastest first; when none fits, the three closest to fitting) "
+        "and says how many it leaves out; --all shows every layout sized.",
     )
     parser.add_argument(
         "--config", required=True, help="a model folder or JSON config (p2r, p2r_moe or llama), or a trainer YAML"
@@ -75,7 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-pp", type=int, default=1, help="largest pipeline degree; each under gpipe, 1f1b and 2bw (default 1)"
     )
-    parser.add_argument("--top", type=int, default=10, help="rows per model (default 10)")
+    rows = parser.add_mutually_exclusive_group()
+    rows.add_argument("--top", type=int, default=10, metavar="N", help="the N best layouts per model (default 10)")
+    rows.add_argument("--all", action="store_true", help="every layout sized, fitting or not, one row each")
     parser.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE", help="override an assumption")
     parser.set_defaults(func=run)
 
@@ -128,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         results[name] = plan(
             config, args.gpus, workload, hardware, max_tp=max_tp, max_pp=args.max_pp, model=name, tensors=tensors[name]
         )
-    print(format_plan(results, models, workload, hardware, args.gpus, args.top, found.notes, tensors=tensors))
+    top = None if args.all else args.top
+    print(format_plan(results, models, workload, hardware, args.gpus, top, found.notes, tensors=tensors))
     return 0
 
 

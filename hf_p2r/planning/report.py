@@ -20,8 +20,8 @@ def layout_name(estimate: Estimate) -> str:
     return " ".join(parts)
 
 
-def format_rows(estimates: list[Estimate], top: int) -> str:
-    """The `top` best layouts as a markdown table (GiB), with the engine that runs each."""
+def format_rows(estimates: list[Estimate], top: int | None = None) -> str:
+    """The `top` best layouts (None: all) as a markdown table (GiB), with the engine that runs each."""
     rows = []
     for rank, e in enumerate(estimates[:top], start=1):
         m = e.memory
@@ -45,12 +45,15 @@ def format_plan(
     workload: Workload,
     hardware: Hardware,
     gpus: int,
-    top: int,
+    top: int | None,
     notes: list[str] = (),
     tensors: dict[str, list[ParameterTensor]] | None = None,
 ) -> str:
-    """Both models' tables with a header stating the workload and the assumptions. `tensors`: {name:
-    `parameter_tensors(configs[name])`}, when the caller has them already."""
+    """Both models' tables with a header stating the workload and the assumptions.
+
+    A table shows the `top` fastest layouts that fit, or, when none fits, the 3 closest to fitting; `top=None`
+    shows every layout. A line under a table says how many it leaves out and how to see them (`--top N`, `--all`).
+    `tensors`: {name: `parameter_tensors(configs[name])`}, when the caller has them already."""
     cpu = f", {hardware.cpu_memory / 10**9:.0f} GB CPU per node" if hardware.cpu_memory else ""
     lines = [
         f"{gpus} GPUs ({hardware.gpus_per_node} per node), {hardware.gpu_memory / 10**9:.0f} GB each{cpu}; "
@@ -82,7 +85,13 @@ def format_plan(
         else:
             parameters += " parameters"
         lines += ["", f"{name} model: {what}, {parameters}; {fitting} of {len(estimates)} fit"]
-        lines.append(format_rows(estimates if fitting else estimates[:3], top))
+        shown = estimates[:top] if top is None or fitting else estimates[: min(top, 3)]
+        lines.append(format_rows(shown))
+        if len(shown) < len(estimates):
+            which = "fastest first" if fitting else "closest to fitting first"
+            lines.append(
+                f"{len(shown)} of {len(estimates)} layouts shown ({which}): --top N shows N, --all shows every one"
+            )
     return "\n".join(lines)
 
 

@@ -1,11 +1,12 @@
 """`hf-p2r plan` on bad or hostile input (issue 23): one line naming the file, field or flag, exit 2, within seconds,
 nothing read out of the folder given; every number bounded before the planner's work grows with it; property tests
-over the config dicts and NAME=VALUE overrides it parses."""
+over the config dicts and NAME=VALUE overrides it parses. And the table says how to see the rows it leaves out."""
 
 import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -208,6 +209,41 @@ def test_a_layouts_model_states_are_the_per_tensor_sums(name):
             expected.optimizer,
             expected.cpu,
         ), layout
+
+
+# Issue 24: the table says how to see the rows it leaves out.
+
+
+def _rows(out: str) -> list[list[str]]:
+    """The rank column of each table, one list per table."""
+    tables = out.split(" model: ")[1:]
+    return [re.findall(r"^\| (\d+) +\| dp", table, flags=re.MULTILINE) for table in tables]
+
+
+def test_the_table_says_how_to_see_the_rest(tmp_path, capsys):
+    tiny_config(share_layers=True, num_unique_layers=2).save_pretrained(tmp_path)
+    argv = ["--config", str(tmp_path), "--gpus", "4", "--gpu-memory", "4GiB", "--seq-len", "32"]
+    code, out, _ = _plan(capsys, *argv)
+    total = int(re.search(r"pseudo model: .* of (\d+) fit", out)[1])
+    assert code == 0 and total > 10 and [len(rows) for rows in _rows(out)] == [10, 10]
+    assert f"10 of {total} layouts shown (fastest first): --top N shows N, --all shows every one" in out
+
+    code, out, _ = _plan(capsys, *argv, "--all")
+    assert code == 0 and [len(rows) for rows in _rows(out)] == [total, total] and "layouts shown" not in out
+    code, out, _ = _plan(capsys, *argv, "--top", str(total))
+    assert code == 0 and [len(rows) for rows in _rows(out)] == [total, total] and "layouts shown" not in out
+
+
+def test_when_nothing_fits_the_closest_are_shown_and_the_rest_offered(tmp_path, capsys):
+    tiny_config().save_pretrained(tmp_path)
+    code, out, _ = _plan(capsys, "--config", str(tmp_path), "--gpus", "2", "--gpu-memory", "1GB")
+    assert code == 0 and "; 0 of " in out and [len(rows) for rows in _rows(out)] == [3, 3]
+    assert re.search(r"3 of \d+ layouts shown \(closest to fitting first\): --top N shows N, --all shows", out)
+
+
+def test_help_names_the_row_flags():
+    result = _run_plan("--help")
+    assert result.returncode == 0 and "--all" in result.stdout and "--top N" in result.stdout
 
 
 # Property tests: random and mutated inputs end in InputError (one line) or succeed; nothing else escapes.
