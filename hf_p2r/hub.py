@@ -200,14 +200,17 @@ _BAD_IN_BRANCH = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
 
 
 def check_branch(revision: str | None) -> None:
-    """`InputError` unless `revision` is None or a branch name git accepts (`git check-ref-format --branch`): no
-    space, control character or any of ``~^:?*[\\``, no ``..``, ``@{`` or ``//``, no part starting with ``.`` or
-    ending with ``.lock``, not starting with ``-`` or ``/``, not ending with ``/`` or ``.``, not ``@`` or ``HEAD``."""
+    """`InputError` unless `revision` is None or a branch name git accepts (`git check-ref-format --branch`), in
+    UTF-8: no space, control character or any of ``~^:?*[\\``, no ``..``, ``@{`` or ``//``, no part starting with
+    ``.`` or ending with ``.lock``, not starting with ``-`` or ``/``, not ending with ``/`` or ``.``, not ``@`` or
+    ``HEAD``."""
     if revision is None:
         return
     problem = None
     if not isinstance(revision, str) or not revision:
         problem = "it must be a non-empty string"
+    elif not revision.isascii() and not _is_utf8(revision):  # bytes of another encoding, from the command line
+        problem = "it is not valid UTF-8"
     elif match := _BAD_IN_BRANCH.search(revision):
         problem = f"it contains {match[0]!r}"
     elif revision.startswith(("-", "/")) or revision.endswith(("/", ".")) or revision in ("@", "HEAD"):
@@ -216,6 +219,14 @@ def check_branch(revision: str | None) -> None:
         problem = "no part of it may start with '.' or end with '.lock'"
     if problem:
         raise InputError(f"revision {_cut(repr(revision))} is not a branch name git and the Hub accept: {problem}")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _cut(text: str, limit: int = 120) -> str:

@@ -407,7 +407,7 @@ def test_branch_names_follow_git(name):
     except InputError as error:
         assert str(error).count("\n") == 0 and str(error).startswith("revision ")
         ours = False
-    if "\x00" in name:  # cannot be a command-line argument; refused above
+    if "\x00" in name or any("\ud800" <= c <= "\udfff" for c in name):  # not UTF-8 / not an argument: refused
         assert not ours
         return
     git = subprocess.run(["git", "check-ref-format", "--branch", name], capture_output=True, cwd="/").returncode == 0
