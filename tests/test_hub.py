@@ -1,5 +1,6 @@
 """push_to_hub and model cards, offline: the Hub is intercepted at the HfApi boundary only."""
 
+import json
 import logging
 import os
 import shutil
@@ -435,3 +436,35 @@ def test_token_shaped_strings_are_masked_too():
     other = "hf_" + "A1b2" * 9
     message = _without_token(f"401: {TOKEN} and {other}", TOKEN)
     assert message == "401: *** and ***"
+
+
+_CARD_FIELDS = ["model_type", "architectures", "num_hidden_layers", "share_layers", "num_unique_layers", "auto_map"]
+_CARD_FIELDS += ["sharing_pattern", "num_experts", "hidden_size", "tie_word_embeddings"]
+_ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("card") / "model"
+    tiny_model().save_pretrained(folder)
+    return folder
+
+
+@settings(max_examples=100, deadline=None)
+@given(changes=st.dictionaries(st.sampled_from(_CARD_FIELDS), _ANY_JSON, max_size=4))
+def test_cards_render_from_any_config_values(saved, changes):
+    """A config.json whose fields have any JSON value renders a card, or is refused in one line; nothing else."""
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, **changes}))
+    try:
+        card = render_model_card(saved, model_id="me/x")
+    except (ValueError, FileNotFoundError) as error:
+        assert "\n" not in str(error)
+        return
+    finally:
+        (saved / "config.json").write_text(json.dumps(config))
+    assert "# me/x" in str(card)
