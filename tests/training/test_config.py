@@ -23,10 +23,11 @@ def _yaml(tmp_path, text: str) -> str:
 
 
 def _demo_launch() -> list[str]:
-    """`make demo`'s command line, as the Makefile runs it (continuation lines joined, `$(VENV)/bin/` dropped)."""
+    """`make demo`'s command line, as the Makefile runs it with no ARGS (continuation lines joined, `$(VENV)/bin/`
+    dropped)."""
     makefile = (REPO / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
     recipe = makefile.split("\ndemo:", 1)[1].splitlines()[1]
-    return shlex.split(recipe.replace("$(VENV)/bin/", ""))
+    return shlex.split(recipe.replace("$(VENV)/bin/", "").replace("$(ARGS)", ""))
 
 
 def test_command_line_overrides_yaml(tmp_path):
