@@ -610,8 +610,8 @@ def test_script_wraps_the_cli(tmp_path, monkeypatch):
 
 
 def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, capsys):
-    """`make demo` (configs/demo.yaml) writes OUTPUT_DIR/pseudo just before the delink; the README's commands and code
-    run on that folder as written, without two of them writing the same DST."""
+    """`make demo` (configs/demo.yaml) writes OUTPUT_DIR/pseudo just before the delink and OUTPUT_DIR/real at the end;
+    the README's commands and code run on those folders as written, without two of them writing the same DST."""
     from accelerate import Accelerator
 
     from hf_p2r.training import checkpointing
@@ -629,7 +629,10 @@ def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, cap
     monkeypatch.chdir(tmp_path)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     model = build_model(config, tokenizer, blocks)
-    checkpointing.save_model(Accelerator(cpu=True), model, tokenizer, pseudo, config.train.remote_code)
+    accelerator = Accelerator(cpu=True)
+    checkpointing.save_model(accelerator, model, tokenizer, pseudo, config.train.remote_code)
+    real = build_model(config, tokenizer, config.model.num_hidden_layers)
+    checkpointing.save_model(accelerator, real, tokenizer, pseudo.parent / "real", config.train.remote_code)
 
     bash, python, library = re.findall(r"```(?:bash|python)\n(.*?)```", section, re.S)[:3]
     destinations = []
@@ -640,12 +643,13 @@ def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, cap
         assert main(args[1:]) == 0, capsys.readouterr().err
     exec(compile(python, "README.md", "exec"), {})
     destinations += re.findall(r'\("[^"]+", "(runs/[^"]+)"', python)  # (SRC, DST, ...)
-    assert len(destinations) == len(set(destinations)) == 5, destinations
+    assert len(destinations) == len(set(destinations)) == 4, destinations
     for folder in map(Path, destinations):
         files = {p.name for p in folder.iterdir()}
         assert "model.safetensors" in files and "model.safetensors.index.json" not in files, "small: one file"
         assert {"tokenizer.json", "generation_config.json", "README.md"} <= files
         assert ("modeling_p2r.py" in files) == ("llama" not in folder.name), "model code for P2R targets only"
-    assert json.loads(Path("runs/pseudo-4/config.json").read_text())["num_unique_layers"] == 4
+    assert json.loads(Path("runs/llama/config.json").read_text())["model_type"] == "llama"
+    assert json.loads(Path("runs/real-start/config.json").read_text())["share_layers"] is False
     exec(compile(library, "README.md", "exec"), {"model": model, "tokenizer": tokenizer})
     assert P2RForCausalLM.from_pretrained("runs/saved").config.num_unique_layers == model.config.num_unique_layers
