@@ -1,0 +1,120 @@
+"""Every shell command the README shows runs as written: on a fresh output folder, in README order, after
+`source .venv/bin/activate` (the README's own instruction), shortened only by documented overrides.
+
+The commands are the lines of the README's ```bash blocks and the inline code spans that start with a command
+(`hf-p2r ...`, `make ...`, `python ...`). Each is either run, or excused below with the reason this machine cannot run
+it (a GPU, the Hub, an install). A command that is neither fails `test_every_readme_command_is_run_or_excused`, so a new
+README command cannot go untested by accident, and an excuse that matches no command fails too.
+
+Training commands are shortened with trainer fields the README documents ("any field can be overridden on the command
+line", appended last so they win): a few steps on a small slice of the corpus. `make demo` takes them in `ARGS`, as
+the README shows. A command passes when it exits 0 and prints no traceback.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+COMMAND_WORDS = ("hf-p2r", "accelerate", "torchrun", "python", "python3", "make", "pip", "source")
+# The shortening: a few steps (growth steps follow pseudo_steps), a small corpus, no evaluation on the way.
+SMOKE = (
+    "--pseudo_steps 6 --real_steps 3 --warmup_steps 1 --eval_steps 0 --eval_blocks 4 --logging_steps 3 "
+    "--save_steps 0 --corpus_max_bytes 40000"
+)
+# (pattern, why this test does not run the command here); each pattern must match at least one README command.
+EXCUSED = [
+    (
+        r"scripts/train\.py.*configs/gpu_1b\.yaml",
+        "downloads GPT-2's tokenizer and WikiText-103 from the Hub and is sized for GPUs (the DDP, FSDP2 and DeepSpeed "
+        "launcher configs also need GPUs: Accelerate turns those engines on only there)",
+    ),
+    (r"^pip install|^python3 -m venv", "installs packages from an index"),
+    (r"^make (test|compat|lock)\b", "the test suite and the dependency pins: CI runs them itself"),
+    (r"^accelerate config$", "asks questions interactively"),
+    (r"^hf-p2r push (?!.*--dry-run)", "uploads to the Hugging Face Hub (the dry run above runs)"),
+    (
+        r"^(hf-p2r( convert| plan)?|accelerate( launch)?|torchrun|make|python( scripts/train\.py)?)$",
+        "a name in the prose, not a command",
+    ),
+]
+
+
+def readme_commands() -> list[str]:
+    """The README's shell commands in order, each once: ```bash lines (continuations joined, comments dropped) and
+    inline code spans that start with a command word."""
+    text = README.read_text(encoding="utf-8")
+    found = []
+    for block, inline in re.findall(r"```bash\n(.*?)```|`([^`\n]+)`", text, re.S):
+        lines = block.replace("\\\n", " ").splitlines() if block else [inline]
+        for line in lines:
+            line = " ".join(line.split("#", 1)[0].split()) if block else " ".join(line.split())
+            if line and line.split()[0] in COMMAND_WORDS and line not in found:
+                found.append(line)
+    return found
+
+
+def excuse(command: str) -> str | None:
+    return next((why for pattern, why in EXCUSED if re.search(pattern, command)), None)
+
+
+def shortened(command: str) -> str:
+    """`command` with the smoke fields appended where it trains (`make demo` through ARGS, the others after
+    scripts/train.py's own arguments)."""
+    words = shlex.split(command)
+    if words[:2] == ["make", "demo"]:
+        given = next((word.split("=", 1)[1] for word in words if word.startswith("ARGS=")), "")
+        rest = [word for word in words if not word.startswith("ARGS=")]
+        return shlex.join([*rest, f"ARGS={given} {SMOKE}".strip()])
+    if "scripts/train.py" in words and "--help" not in words:
+        return f"{command} {SMOKE}"
+    return command
+
+
+def test_every_readme_command_is_run_or_excused():
+    commands = readme_commands()
+    run = [command for command in commands if excuse(command) is None]
+    for command in run:
+        assert command.split()[0] in COMMAND_WORDS and "[" not in command, f"not runnable as written: {command}"
+    unused = [pattern for pattern, _ in EXCUSED if not any(re.search(pattern, c) for c in commands)]
+    assert not unused, f"excuses that match no README command: {unused}"
+    # What the run below covers: the demo, a conversion, the dry-run push, the planner and every pipeline command.
+    assert "make demo" in run and any(c.startswith("hf-p2r convert") for c in run)
+    assert any("--dry-run" in c for c in run) and any(c.startswith("hf-p2r plan") for c in run)
+    assert sum("--pipeline_parallel_size" in c for c in run) >= 3
+
+
+def _workspace(tmp_path: Path) -> Path:
+    """A fresh folder that looks like the repository to the commands (its configs, scripts, Makefile and .venv), so
+    every output they write (runs/...) lands in it."""
+    for name in ("configs", "scripts", "Makefile", "pyproject.toml", "requirements", "README.md"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path):
+    workspace = _workspace(tmp_path)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("VIRTUAL_ENV", None)
+    failures = []
+    for command in readme_commands():
+        if excuse(command) is not None:
+            continue
+        # Each command in a shell that has done what the README says first.
+        script = f"source .venv/bin/activate && {shortened(command)}"
+        done = subprocess.run(
+            ["bash", "-c", script], cwd=workspace, env=env, capture_output=True, text=True, timeout=600
+        )
+        output = done.stdout + done.stderr
+        if done.returncode != 0 or "Traceback" in output:
+            failures.append(f"{command}\n  exit {done.returncode}: {output[-1500:]}")
+    assert not failures, "\n".join(failures)
+    assert (workspace / "runs/demo/real/model.safetensors").is_file()
