@@ -251,6 +251,6 @@ def test_launcher_quiet_flag_leaves_the_one_line_error_without_a_traceback(tmp_p
     result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=120)
     assert result.returncode == 1
     assert [line for line in result.stderr.splitlines() if "error" in line.lower()] == [
-        "train.py: error: optimizer_carry: expected one of 'reset', 'copy', 'scale', got 'cpy'"
+        f"train.py: error: config: {config}: optimizer_carry: expected one of 'reset', 'copy', 'scale', got 'cpy'"
     ], result.stderr
     assert "Traceback" not in result.stderr + result.stdout

@@ -209,7 +209,7 @@ def test_a_cpu_process_without_a_gpu_of_its_own_is_refused_before_it_starts(tmp_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="^cpu: this CPU run has 2 processes .* 1 GPU.* hide the GPUs"):
-        train(parse_config(tiny_argv(tmp_path / "run", cpu="true", pseudo_steps=1, real_steps=0)))
+        train(parse_config(tiny_argv(tmp_path / "run", cpu="true", pseudo_steps=1, real_steps=0, warmup_steps=1)))
     assert not (tmp_path / "run").exists()
     _check_gpu_per_process(False)
     monkeypatch.setenv("LOCAL_RANK", "0")
