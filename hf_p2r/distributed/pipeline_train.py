@@ -29,7 +29,7 @@ from ..checkpoint import save_model as write_model_folder
 from ..models.p2r import P2RForCausalLM
 from ..training.checkpointing import (
     TrainState,
-    list_checkpoints,
+    loading_checkpoint,
     read_state,
     resolve_checkpoint,
     save_checkpoint,
@@ -53,13 +53,15 @@ from .pipeline import (
 def train_pipelined(config: TrainConfig) -> int:
     """Run `config` with `pipeline_parallel_size` stages; returns the exit code (as `train`)."""
     from ..training.train import (
-        NonFiniteLossError,
         StepLog,
-        _prepare_output_dir,
         _record,
         _say,
         _StopOnSignal,
         build_model,
+        check_finite,
+        check_output_dir,
+        non_finite_loss,
+        prepare_output_dir,
     )
 
     args = config.train
@@ -79,7 +81,7 @@ def train_pipelined(config: TrainConfig) -> int:
         raise ValueError("num_experts: mixture-of-experts models are not supported with pipeline_parallel_size > 1")
     checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
-    _prepare_output_dir(accelerator, output_dir, config, resumed=state if checkpoint else None)
+    existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
@@ -128,10 +130,11 @@ def train_pipelined(config: TrainConfig) -> int:
         if state.num_blocks > config.initial_blocks():  # the layout it saved: delinked (partly or fully)
             target = state.num_blocks if state.num_blocks < depth else None
             optimizer = delink_pipeline(pipeline, optimizer, new_optimizer, args.optimizer_carry, target)
-        saved = torch.load(part, weights_only=True)
-        load_pipeline_state(pipeline, optimizer, saved)
+        with loading_checkpoint(accelerator, checkpoint):
+            load_pipeline_state(pipeline, optimizer, torch.load(part, weights_only=True))
         optimizer = pipeline.schedule.optimizer if two_bw else optimizer
         _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
+    prepare_output_dir(accelerator, output_dir, config, state if checkpoint else None, existing)
 
     order = BlockOrder(len(train_blocks), args.seed)
     batch_size = args.per_device_batch_size  # per pipeline; the step's batch is data_parallel_size times that
@@ -144,11 +147,12 @@ def train_pipelined(config: TrainConfig) -> int:
         _record(accelerator, metrics_path, state, depth, val_loss=_evaluate(pipeline, validation_blocks, args))
 
     # The loop: each pass delinks if the delink is due at this step, then makes one optimizer step.
-    with _StopOnSignal() as stop:
+    with _StopOnSignal() as stop, progress:  # the bar ends its line before any error is told
         while True:
             target = config.blocks_at(state.step)
             if state.num_blocks < target:
                 if target == depth:
+                    check_finite(accelerator, output_dir, state, depth, "pseudo/", pipeline_state(pipeline, None))
                     _save_model(accelerator, pipeline, tokenizer, output_dir / "pseudo", args.remote_code)
                 optimizer = delink_pipeline(
                     pipeline, optimizer, new_optimizer, args.optimizer_carry, target if target < depth else None
@@ -161,7 +165,7 @@ def train_pipelined(config: TrainConfig) -> int:
                     f"(optimizer_carry={args.optimizer_carry})",
                 )
                 progress.set_description(state.stage(depth))
-            if state.step == args.total_steps:
+            if state.step >= args.total_steps:  # (read_state refuses a checkpoint past the end)
                 break
 
             started = time.perf_counter()
@@ -185,11 +189,7 @@ def train_pipelined(config: TrainConfig) -> int:
             dist.all_reduce(signal, op=dist.ReduceOp.MAX)
             loss_value, signum = shared[0].item() / shared[1].item(), int(signal.item())
             if not math.isfinite(loss_value):
-                last = list_checkpoints(output_dir)
-                raise NonFiniteLossError(
-                    f"non-finite training loss ({loss_value}) at step {state.step + 1}: stopped without saving; last "
-                    f"good checkpoint: {last[-1] if last else 'none'}; try a lower learning_rate"
-                )
+                raise non_finite_loss(loss_value, output_dir, state, depth)
             log.step(loss_value, lr, time.perf_counter() - started)
 
             final = state.step == args.total_steps
@@ -199,7 +199,9 @@ def train_pipelined(config: TrainConfig) -> int:
             if measure:
                 _record(accelerator, metrics_path, state, depth, **measure)
             if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
-                _save_checkpoint(accelerator, output_dir, state, config, pipeline, optimizer)
+                part = pipeline_state(pipeline, optimizer)
+                check_finite(accelerator, output_dir, state, depth, "checkpoint", part)
+                _save_checkpoint(accelerator, output_dir, state, config, part)
             if signum and not final:
                 progress.close()
                 _say(
@@ -272,8 +274,8 @@ def _save_model(accelerator: Accelerator, pipeline: Pipeline, tokenizer, directo
     accelerator.wait_for_everyone()
 
 
-def _save_checkpoint(accelerator, output_dir: Path, state: TrainState, config: TrainConfig, pipeline, optimizer):
-    """`checkpoint-{step}/`: `stage-{rank}.pt` per process (`pipeline_state`) and `trainer_state.json`, atomically."""
-    part = pipeline_state(pipeline, optimizer)
+def _save_checkpoint(accelerator, output_dir: Path, state: TrainState, config: TrainConfig, part: dict):
+    """`checkpoint-{step}/`: `stage-{rank}.pt` per process (`part`: its `pipeline_state`) and `trainer_state.json`,
+    atomically."""
     name = f"stage-{dist.get_rank()}.pt"
     return save_checkpoint(accelerator, output_dir, state, config, write=lambda folder: torch.save(part, folder / name))

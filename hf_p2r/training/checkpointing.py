@@ -8,22 +8,40 @@ handles every engine's sharded states); hf-p2r only makes them atomic.
 
 The models a run publishes (`pseudo/`, `real/`) are written by `save_model`, through `hf_p2r.checkpoint.save_model`,
 the same writer as the converter and the exporter.
+
+Reading one back is checked before anything loads it (`read_state`): `trainer_state.json` field by field, every
+safetensors header against its file's size, every torch file for a whole zip and a `weights_only` pickle. A damaged
+checkpoint is one `InputError` naming its file, before the run changes anything.
 """
 
 import dataclasses
+import errno
 import json
+import math
+import os
+import re
+import resource
 import shutil
-from collections.abc import Callable
+import stat
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from pickle import UnpicklingError
 
+import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import load as torch_load
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import atomic_directory
 from ..checkpoint import save_model as write_model_folder
+from ..checkpoint.headers import read_header
+from ..errors import InputError, read_json
 from ..models.p2r import P2RForCausalLM
 from .config import DataArguments, ModelArguments, TrainConfig
 
@@ -81,7 +99,10 @@ def save_checkpoint(
 
     The main process makes the temporary folder and tells the others its name; every process writes its part there
     with `write(folder)` (default: `accelerator.save_state`: model, optimizer, scheduler, RNG states; the pipelined
-    trainer writes its stages), and the folder is renamed into place once every process has finished writing.
+    trainer writes its stages), and the folder is renamed into place once every process has finished writing. If any
+    process fails to write (a full disk), every process raises `OSError` naming the cause and the place, the temporary
+    folder is removed and the checkpoints already there are kept (older ones are pruned only after the new one is in
+    place). Call it only with finite weights and optimizer state (`all_finite`): what it keeps is what resumes.
     """
     write = write or accelerator.save_state
     destination = checkpoint_path(output_dir, state.step)
@@ -90,22 +111,112 @@ def save_checkpoint(
         "state": dataclasses.asdict(state),
         "config": config.to_dict(),
     }
+
+    def write_main(folder: Path) -> None:
+        write(folder)
+        (folder / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
     if accelerator.is_main_process:
         with atomic_directory(destination, overwrite=True) as tmp:
             broadcast_object_list([str(tmp)])
-            write(tmp)
-            (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-            accelerator.wait_for_everyone()
+            _write_on_every_process(accelerator, write_main, tmp, destination)
         limit = config.train.save_total_limit
         if limit is not None:
             for old in list_checkpoints(output_dir)[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
     else:
         [tmp] = broadcast_object_list([None])
-        write(Path(tmp))
-        accelerator.wait_for_everyone()
+        _write_on_every_process(accelerator, write, Path(tmp), destination)
     accelerator.wait_for_everyone()
     return destination
+
+
+def _write_on_every_process(accelerator: Accelerator, write, folder: Path, destination: Path) -> None:
+    """`write(folder)` on this process, then one collective: if it failed on any process, every process raises (none
+    is left waiting for the others): `OSError` with one line for a write the system refused, else the error itself
+    where it happened and a `RuntimeError` naming that process elsewhere."""
+    error, refused = None, None
+    try:
+        write(folder)
+    except Exception as caught:  # noqa: BLE001 - told to the other processes first, then raised
+        error, refused = caught, _write_failure(caught, folder, destination)
+    line = refused or (
+        error and f"{destination.name} not saved: process {accelerator.process_index} failed ({error!r})"
+    )
+    failures = [(text, system) for text, system in gather_object([(line, refused is not None)]) if text]
+    if error is not None:
+        raise (OSError(refused) if refused else error) from None
+    if failures:
+        text, system = failures[0]
+        raise (OSError if system else RuntimeError)(text)
+
+
+def _write_failure(error: Exception, folder: Path, destination: Path) -> str | None:
+    """One line for a write the system refused (a full disk, the file-size limit, an I/O error), None for others.
+
+    torch.save, given a path, reports a short write as "unexpected pos N vs M" without its cause: a full file system
+    or a file at the process's file-size limit is then recognised from the folder (statvfs, RLIMIT_FSIZE)."""
+    code = error.errno if isinstance(error, OSError) else None
+    if code is None and (found := re.search(r"os error (\d+)", str(error))):  # safetensors' writer
+        code = int(found.group(1))
+    written = sorted((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime)
+    short_write = isinstance(error, RuntimeError) and re.search(r"unexpected pos|PytorchStreamWriter", str(error))
+    if code is None and short_write:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and any(p.stat().st_size >= limit for p in written):
+            code = errno.EFBIG
+        elif _free_bytes(destination.parent) < _FULL:
+            code = errno.ENOSPC
+    if code is None and not short_write:
+        return None
+    reason = f"{os.strerror(code).lower()} ({errno.errorcode.get(code, code)})" if code else "a short write"
+    name = Path(error.filename).name if isinstance(error, OSError) and error.filename else None
+    name = name or (written[-1].name if written else None)
+    advice = {
+        errno.ENOSPC: "free some space (or lower save_total_limit)",
+        errno.EDQUOT: "free some space (or lower save_total_limit)",
+        errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    }.get(code, "check the file system")
+    free = _free_bytes(destination.parent) >> 20
+    return (
+        f"{destination.name} not saved: {reason} writing {name + ' ' if name else ''}into {destination.parent} "
+        f"({free} MiB free there); its temporary folder is removed and the checkpoints already there are kept: "
+        f"{advice}, then resume with --resume_from_checkpoint latest"
+    )
+
+
+_FULL = 1 << 20  # a file system with less free space than this after a short write is full
+
+
+def _free_bytes(folder: Path) -> int:
+    stats = os.statvfs(folder)  # the file system of `folder`: the checkpoints' folder (the temporary one may be gone)
+    return stats.f_bavail * stats.f_frsize
+
+
+def all_finite(accelerator: Accelerator, *objects) -> bool:
+    """Whether every floating-point tensor in `objects` (tensors, or dicts / lists / tuples / iterators of them:
+    parameters, an optimizer's `state`, a state dict) is finite on every process: one pass over them (the largest
+    magnitude of each, of a DTensor its local shard), one collective, the same answer everywhere."""
+    largest: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in _tensors(objects):
+        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if tensor.is_floating_point() and tensor.numel():
+            norm = torch.linalg.vector_norm(tensor.detach(), ord=math.inf)
+            largest.setdefault(tensor.device, []).append(norm)
+    flags = [torch.isfinite(torch.stack(norms)).all().to(accelerator.device) for norms in largest.values()]
+    bad = torch.tensor(0.0 if all(flag.item() for flag in flags) else 1.0, device=accelerator.device)
+    return accelerator.reduce(bad, reduction="sum").item() == 0
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, list | tuple | Iterator):  # an Iterator: `model.parameters()`
+        for value in obj:
+            yield from _tensors(value)
 
 
 def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
@@ -122,20 +233,141 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
 
 
 def read_state(path: Path, config: TrainConfig) -> TrainState:
-    """The state saved in checkpoint `path`, after checking that it belongs to a run like `config`."""
-    payload = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    saved, current = payload["config"], config.to_dict()
+    """The state saved in checkpoint `path`, after checking that it belongs to a run like `config`, that `config`'s
+    schedule has steps left from it, and that its files are whole (`check_checkpoint_files`). Every problem is one
+    `InputError` naming the file or field."""
+    state, stage, saved = read_trainer_state(path / STATE_FILE)
+    current = config.to_dict()
     differing = [name for name in _COMPATIBLE_FIELDS if saved.get(name) != current[name]]
     if differing:
         details = ", ".join(f"{name}={saved.get(name)!r} there, {current[name]!r} now" for name in differing)
-        raise ValueError(f"resume_from_checkpoint: {path} comes from a different run ({details})")
-    state = TrainState(**payload["state"])
-    if state.num_blocks > config.blocks_at(state.step):
-        raise ValueError(
-            f"resume_from_checkpoint: {path} holds a model with {state.num_blocks} blocks at step {state.step}, but "
-            f"this configuration delinks to that later (pseudo_steps, partial_delink_steps)"
+        raise InputError(f"resume_from_checkpoint: {path} comes from a different run ({details})")
+    depth, args = config.model.num_hidden_layers, config.train
+    if stage not in (None, state.stage(depth)):
+        raise InputError(
+            f'{path / STATE_FILE}: stage "{stage}" does not match num_blocks {state.num_blocks} of {depth} layers'
         )
+    if state.step > args.total_steps:
+        raise InputError(
+            f"resume_from_checkpoint: {path} is at step {state.step}, past the end of this schedule (pseudo_steps "
+            f"{args.pseudo_steps} + real_steps {args.real_steps} = {args.total_steps} steps): raise real_steps to at "
+            f"least {state.step - args.pseudo_steps}, or resume from an earlier checkpoint"
+        )
+    possible = {config.initial_blocks(), *(blocks for _, blocks in config.delink_schedule())}
+    if state.num_blocks not in possible or state.num_blocks > config.blocks_at(state.step):
+        raise InputError(
+            f"resume_from_checkpoint: {path} holds a model with {state.num_blocks} blocks at step {state.step}, but "
+            f"this configuration has {config.blocks_at(state.step)} blocks then, {sorted(possible)} in all "
+            "(num_unique_layers, pseudo_steps, partial_delink_steps, partial_delink_blocks)"
+        )
+    check_checkpoint_files(path)
     return state
+
+
+def read_trainer_state(path: str | Path) -> tuple[TrainState, str | None, dict]:
+    """(state, stage, the run's configuration) of a `trainer_state.json`, each field checked: a missing, extra or
+    mistyped one, or a damaged file, is one `InputError` naming the file and the field. ("stage" is for readers, and
+    derived from `num_blocks`: None when absent.)"""
+    payload = read_json(path)
+    _check_keys(path, "", payload, {"state", "config"}, optional={"stage"})
+    stage, fields, saved = payload.get("stage"), payload["state"], payload["config"]
+    if stage not in (None, "pseudo", "real"):
+        raise InputError(f'{path}: "stage" is {_short(stage)}, expected "pseudo" or "real"')
+    if not isinstance(saved, dict):
+        raise InputError(f'{path}: "config" is {_short(saved)}, expected a JSON object')
+    if not isinstance(fields, dict):
+        raise InputError(f'{path}: "state" is {_short(fields)}, expected a JSON object')
+    _check_keys(path, "state.", fields, {field.name for field in dataclasses.fields(TrainState)})
+    values = {}
+    for field in dataclasses.fields(TrainState):
+        value, least = fields[field.name], 1 if field.name == "num_blocks" else 0
+        if field.type is int and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise InputError(f'{path}: "state.{field.name}" is {_short(value)}, expected an integer >= {least}')
+        if field.type is float:
+            signed = field.name == "log_loss_sum"  # a sum of losses (MoE adds its load-balancing loss)
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and (signed or value >= 0)):
+                expected = "a finite number" + ("" if signed else " >= 0")
+                raise InputError(f'{path}: "state.{field.name}" is {_short(value)}, expected {expected}')
+            value = float(value)
+        values[field.name] = value
+    state = TrainState(**values)
+    return state, stage, saved
+
+
+def _check_keys(path, prefix: str, found: dict, expected: set[str], optional: set[str] = frozenset()) -> None:
+    if missing := sorted(expected - found.keys()):
+        raise InputError(f"{path}: {', '.join(json.dumps(prefix + k) for k in missing)} missing")
+    if extra := sorted(found.keys() - expected - optional):
+        raise InputError(f"{path}: unexpected {', '.join(json.dumps(prefix + k) for k in extra)}")
+
+
+def _short(value) -> str:
+    """A JSON value as a message shows it: a scalar as written (cut at 40 characters), a container by its kind."""
+    if isinstance(value, dict | list):
+        return "a JSON object" if isinstance(value, dict) else "a JSON array"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_checkpoint_files(path: Path) -> None:
+    """Check every file of checkpoint folder `path` that a resume loads, without loading it: safetensors headers
+    against their file's size (truncation), torch files (`optimizer.bin`, `random_states_*.pkl`, a pipeline's
+    `stage-*.pt`) for a complete zip whose pickle holds only tensors and plain containers (`weights_only`,
+    memory-mapped: no tensor is read). The first damaged file is an `InputError` naming it."""
+    for file in sorted(path.iterdir()):
+        if file.suffix not in (".safetensors", ".bin", ".pt", ".pkl"):
+            continue  # trainer_state.json (read_trainer_state), engines' folders (FSDP's, DeepSpeed's)
+        mode = file.stat().st_mode
+        if stat.S_ISDIR(mode):
+            continue
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{file}: not a regular file")
+        if file.suffix == ".safetensors":
+            try:
+                read_header(file)
+            except ValueError as error:
+                raise InputError(str(error)) from None
+        elif not zipfile.is_zipfile(file):
+            raise InputError(f"{file}: not a torch.save file (truncated or damaged: its zip directory is missing)")
+        else:
+            try:
+                loaded = torch_load(file, map_location="cpu", mmap=True)
+            except UnpicklingError:
+                raise InputError(
+                    f"{file}: holds objects other than tensors and plain containers (refused: checkpoints load with "
+                    "weights_only=True)"
+                ) from None
+            except Exception as error:  # noqa: BLE001 - torch's reader raises RuntimeError, EOFError, ValueError...
+                raise InputError(f"{file}: damaged ({_first_line(error)})") from None
+            if file.name.startswith("optimizer") and not (
+                isinstance(loaded, dict) and {"state", "param_groups"} <= loaded.keys()
+            ):
+                raise InputError(f"{file}: not an optimizer state (no 'state' and 'param_groups')")
+
+
+@contextmanager
+def loading_checkpoint(accelerator: Accelerator, path: Path) -> Iterator[None]:
+    """Around every process's load of checkpoint `path` (whose files `read_state` checked): what still fails there (a
+    state that does not fit this run's model or optimizer) is one `InputError` naming the checkpoint, raised on every
+    process (one collective after the load: a process whose part loaded does not go on alone)."""
+    error, problem = None, None
+    try:
+        yield
+    except Exception as caught:  # noqa: BLE001 - told to the other processes first, then raised
+        error, problem = caught, f"resume_from_checkpoint: {path} does not fit this run ({_first_line(caught)})"
+    failures = [(index, text) for index, text in gather_object([(accelerator.process_index, problem)]) if text]
+    if isinstance(error, RuntimeError | ValueError | KeyError | TypeError | IndexError | EOFError | UnpicklingError):
+        raise InputError(problem) from None
+    if error is not None:
+        raise error  # not the checkpoint's content (an I/O error...): as it came
+    if failures:
+        index, text = failures[0]
+        raise InputError(f"{text} (process {index})")
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def save_model(

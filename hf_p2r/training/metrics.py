@@ -7,33 +7,55 @@ memory allocated by torch, or the process's peak RSS on CPU) and `val_loss`. A d
 """
 
 import json
+import os
 import resource
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import InputError, parse_json
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` file (an empty list if there is none)."""
+    """The records of a `metrics.jsonl` file (an empty list if there is none); a damaged line is an `InputError`
+    naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    with open(path, "rb") as file:
+        lines = file.read().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            record = parse_json(line, f"{path} line {number}")
+            if not isinstance(record, dict):
+                raise InputError(f"{path} line {number}: expected a JSON object")
+            records.append(record)
+    return records
 
 
 def truncate_metrics(path: str | Path, keep: int) -> None:
-    """Keep the first `keep` records (a resumed run writes the others again)."""
+    """Keep the first `keep` records (a resumed run writes the others again); the file is replaced atomically."""
+    path = Path(path)
     records = read_metrics(path)[:keep]
-    Path(path).write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        partial.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def append_metrics(path: str | Path, record: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as file:
-        file.write(json.dumps(record) + "\n")
+    try:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+    except OSError as error:
+        raise OSError(f"{path}: could not append a record ({error.strerror or error})") from None
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -8,7 +8,11 @@ exit_code = train(parse_config(["--config", "configs/demo.yaml"]))
 
 Launch with `accelerate launch scripts/train.py --config ...` for one CPU, one GPU or many (whatever `accelerate
 config` says). Exit codes: 0 when the schedule is done; 128 + signal number (143 for SIGTERM, 130 for SIGINT) when
-a signal stopped it after saving a checkpoint; a non-finite loss raises `NonFiniteLossError`.
+a signal stopped it after saving a checkpoint; a non-finite loss, weights or optimizer state raises
+`NonFiniteLossError`.
+
+Nothing under output_dir changes until the run has built its data and model and, when resuming, loaded its checkpoint:
+a bad configuration, bad data or a damaged checkpoint leaves every earlier output as it was.
 """
 
 import math
@@ -30,8 +34,10 @@ from ..models.p2r import P2RForCausalLM, P2RMoeConfig, P2RMoeForCausalLM
 from .checkpointing import (
     CHECKPOINTS,
     TrainState,
+    all_finite,
     discard_after,
     list_checkpoints,
+    loading_checkpoint,
     read_state,
     resolve_checkpoint,
     save_checkpoint,
@@ -57,7 +63,8 @@ OUTPUTS = (CHECKPOINTS, "pseudo", "real", METRICS_FILE, PLOT_FILE, "logs", "trai
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the run stopped without saving over the last good checkpoint."""
+    """The training loss, the weights or the optimizer state became NaN or infinite; the run stopped without saving
+    (every checkpoint it kept has finite weights and optimizer state)."""
 
 
 def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blocks: int) -> P2RForCausalLM:
@@ -110,7 +117,7 @@ def train(config: TrainConfig) -> int:
         )
     checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
-    _prepare_output_dir(accelerator, output_dir, config, resumed=state if checkpoint else None)
+    existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
@@ -132,8 +139,10 @@ def train(config: TrainConfig) -> int:
     if offload is not None:
         _say(accelerator, f"offload: blocks {offload.layers} of {state.num_blocks} in CPU memory")
     if checkpoint:
-        accelerator.load_state(checkpoint)
+        with loading_checkpoint(accelerator, checkpoint):
+            accelerator.load_state(checkpoint)
         _say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
+    prepare_output_dir(accelerator, output_dir, config, state if checkpoint else None, existing)
     if args.report_to != "none":
         accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
 
@@ -156,11 +165,12 @@ def train(config: TrainConfig) -> int:
     router_load = RouterLoad(accelerator.unwrap_model(model).config) if config.model.num_experts else None
     moe_kwargs = {"output_router_logits": True} if router_load is not None else {}
     # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
-    with _StopOnSignal() as stop:
+    with _StopOnSignal() as stop, progress:  # the bar ends its line before any error is told
         while True:
             target = config.blocks_at(state.step)
             if state.num_blocks < target:
                 if target == depth:
+                    check_finite(accelerator, output_dir, state, depth, "pseudo/", model.parameters())
                     save_model(
                         accelerator, accelerator.unwrap_model(model), tokenizer, output_dir / "pseudo", args.remote_code
                     )
@@ -177,7 +187,7 @@ def train(config: TrainConfig) -> int:
                     + (f"; offload: blocks {offload.layers} in CPU memory" if offload is not None else ""),
                 )
                 progress.set_description(state.stage(depth))
-            if state.step == args.total_steps:
+            if state.step >= args.total_steps:  # (read_state refuses a checkpoint past the end)
                 break
 
             started = time.perf_counter()
@@ -198,12 +208,7 @@ def train(config: TrainConfig) -> int:
             loss_value = gathered[0::2].mean().item()
             signum = int(gathered[1::2].max().item())
             if not math.isfinite(loss_value):
-                last = list_checkpoints(output_dir)
-                raise NonFiniteLossError(
-                    f"non-finite training loss ({loss_value}) at step {state.step + 1} ({state.stage(depth)} "
-                    f"stage): stopped without saving; last good checkpoint: {last[-1] if last else 'none'}; "
-                    "try a lower learning_rate, more warmup_steps or max_grad_norm"
-                )
+                raise non_finite_loss(loss_value, output_dir, state, depth)
             # The last accumulate() synchronised the gradients: clip, then step.
             grad_norm = (
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
@@ -221,6 +226,7 @@ def train(config: TrainConfig) -> int:
             if measure:
                 _record(accelerator, metrics_path, state, depth, **measure)
             if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
+                check_finite(accelerator, output_dir, state, depth, "checkpoint", model.parameters(), optimizer.state)
                 save_checkpoint(accelerator, output_dir, state, config)
             if signum and not final:
                 progress.close()
@@ -232,7 +238,8 @@ def train(config: TrainConfig) -> int:
                 return 128 + signum
     progress.close()
 
-    # Save: the real model (already delinked by the loop), its tokenizer, the loss curve.
+    # Save: the real model (already delinked by the loop, its weights checked with the last checkpoint), its
+    # tokenizer, the loss curve.
     save_model(accelerator, accelerator.unwrap_model(model), tokenizer, output_dir / "real", args.remote_code)
     if accelerator.is_main_process:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, optimizer_carry={args.optimizer_carry}"
@@ -364,16 +371,28 @@ def _say(accelerator: Accelerator, message: str) -> None:
         tqdm.write(message)
 
 
-def _prepare_output_dir(accelerator: Accelerator, output_dir: Path, config: TrainConfig, resumed: TrainState | None):
-    """A fresh run refuses earlier outputs unless overwrite_output_dir; a resumed run drops what came after its
-    checkpoint. Every process checks (so all of them stop on an error); the main process changes the folder."""
+def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> list[Path]:
+    """The earlier outputs in `output_dir` (`OUTPUTS`), after checking what the run may do with them, changing
+    nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run needs a readable metrics.jsonl.
+    Called on every process (so all of them stop on an error)."""
     existing = [output_dir / name for name in OUTPUTS if (output_dir / name).exists()]
-    if resumed is None and existing and not config.train.overwrite_output_dir:
+    if not resumed and existing and not config.train.overwrite_output_dir:
         raise FileExistsError(
             f"output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); pass "
             "--resume_from_checkpoint latest to continue it or --overwrite_output_dir true to start over"
         )
-    accelerator.wait_for_everyone()  # every process has looked before the main one changes anything
+    if resumed:
+        read_metrics(output_dir / METRICS_FILE)  # a damaged record is refused now, not after the load
+    return existing
+
+
+def prepare_output_dir(
+    accelerator: Accelerator, output_dir: Path, config: TrainConfig, resumed: TrainState | None, existing: list[Path]
+) -> None:
+    """Once the run is built (and resumed): a resumed run drops what came after its checkpoint (newer checkpoints,
+    later metrics records), a fresh one removes the `existing` outputs that `check_output_dir` found; both write the
+    resolved configuration. The main process changes the folder."""
+    accelerator.wait_for_everyone()  # every process has loaded before the main one changes anything
     if accelerator.is_main_process:
         if resumed is not None:
             discard_after(output_dir, resumed.step)
@@ -386,6 +405,32 @@ def _prepare_output_dir(accelerator: Accelerator, output_dir: Path, config: Trai
         config_text = yaml.safe_dump(config.to_dict(), sort_keys=False)
         (output_dir / "train_config.yaml").write_text(config_text, encoding="utf-8")
     accelerator.wait_for_everyone()
+
+
+def check_finite(accelerator: Accelerator, output_dir: Path, state: TrainState, depth: int, what: str, *objects):
+    """Raise `NonFiniteLossError` before `what` is saved unless every tensor of `objects` (parameters, optimizer
+    state) is finite on every process (`all_finite`: one pass, one collective)."""
+    if not all_finite(accelerator, *objects):
+        raise NonFiniteLossError(
+            f"non-finite weights or optimizer state after step {state.step} ({state.stage(depth)} stage): stopped "
+            f"without saving the {what}; {_last_good(output_dir)}"
+        )
+
+
+def non_finite_loss(loss: float, output_dir: Path, state: TrainState, depth: int) -> NonFiniteLossError:
+    """The error for a non-finite training `loss` in the step after `state.step` (nothing of that step is saved)."""
+    return NonFiniteLossError(
+        f"non-finite training loss ({loss}) at step {state.step + 1} ({state.stage(depth)} stage): stopped without "
+        f"saving; {_last_good(output_dir)}"
+    )
+
+
+def _last_good(output_dir: Path) -> str:
+    last = list_checkpoints(output_dir)
+    return (
+        f"last good checkpoint: {last[-1] if last else 'none'}; try a lower learning_rate, more warmup_steps or "
+        "max_grad_norm"
+    )
 
 
 class _StopOnSignal:

@@ -2,7 +2,14 @@
 
 import pytest
 
-from hf_p2r.training.metrics import append_metrics, delink_points, draw_losses, read_metrics, truncate_metrics
+from hf_p2r.errors import InputError
+from hf_p2r.training.metrics import (
+    append_metrics,
+    delink_points,
+    draw_losses,
+    read_metrics,
+    truncate_metrics,
+)
 
 # Records as the trainer writes them: L=4, k=1, a partial delink to 2 blocks after step 2, to 4 (real) after step 4.
 RECORDS = [
@@ -51,3 +58,13 @@ def test_loss_curve_marks_each_delink_at_its_step():
         ]
     finally:
         plt.close(figure)
+
+
+def test_a_damaged_record_is_one_line_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n\n{"step": 2\n')
+    with pytest.raises(InputError, match=r"metrics\.jsonl line 3: not valid JSON \("):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n[1]\n')
+    with pytest.raises(InputError, match=r"metrics\.jsonl line 2: expected a JSON object$"):
+        read_metrics(path)

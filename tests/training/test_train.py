@@ -1,4 +1,5 @@
-"""The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss, trackers."""
+"""The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss, weights or
+optimizer state, trackers."""
 
 import json
 import queue
@@ -9,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_p2r import P2RForCausalLM
@@ -123,6 +125,60 @@ def test_non_finite_loss_stops_without_touching_the_last_checkpoint(tmp_path, mo
     assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-1", "checkpoint-2"]
     assert json.loads((output_dir / "checkpoints/checkpoint-2/trainer_state.json").read_text())["state"]["step"] == 2
     assert not (output_dir / "real").exists()
+
+
+def _poison_the_update(monkeypatch, at_step: int, where: str) -> None:
+    """From optimizer step `at_step` on, the update leaves a NaN in the weights or an infinity in AdamW's state; the
+    loss of that step, computed before the update, is finite."""
+    calls = {"n": 0}
+    step = torch.optim.AdamW.step
+
+    def poisoned(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] >= at_step:
+            param = self.param_groups[0]["params"][0]
+            with torch.no_grad():
+                if where == "weights":
+                    param[0] = float("nan")
+                else:
+                    self.state[param]["exp_avg_sq"].fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+
+
+@pytest.mark.parametrize("where", ["weights", "optimizer state"])
+@pytest.mark.parametrize("save_total_limit", [100, 1])
+def test_a_checkpoint_with_non_finite_weights_or_state_is_never_written(tmp_path, monkeypatch, where, save_total_limit):
+    """The loss of step 3 is finite, its update is not: checkpoint-3 is not written (so save_total_limit cannot prune
+    checkpoint-2 for it), and the error names checkpoint-2, whose weights and state are finite."""
+    _poison_the_update(monkeypatch, 3, where)
+    output_dir = tmp_path / "run"
+    argv = tiny_argv(output_dir, **SCHEDULE, save_total_limit=save_total_limit)
+    message = (
+        r"^non-finite weights or optimizer state after step 3 \(pseudo stage\): stopped without saving the "
+        r"checkpoint; last good checkpoint: .*checkpoint-2;"
+    )
+    with pytest.raises(NonFiniteLossError, match=message):
+        train(parse_config(argv))
+    kept = [p.name for p in list_checkpoints(output_dir)]
+    assert kept == (["checkpoint-1", "checkpoint-2"] if save_total_limit == 100 else ["checkpoint-2"])
+    last = output_dir / "checkpoints/checkpoint-2"
+    tensors = [*load_file(last / "model.safetensors").values()]
+    state = torch.load(last / "optimizer.bin", weights_only=True)["state"]
+    tensors += [tensor for values in state.values() for tensor in values.values()]
+    assert len(tensors) > 10 and all(torch.isfinite(tensor).all() for tensor in tensors)
+
+
+def test_pseudo_is_not_saved_with_non_finite_weights(tmp_path, monkeypatch):
+    """No checkpoint at step 4 (save_steps 3): the check before pseudo/ is written (at the delink after step 4)."""
+    _poison_the_update(monkeypatch, 4, "weights")
+    output_dir = tmp_path / "run"
+    with pytest.raises(NonFiniteLossError, match=r"after step 4 \(pseudo stage\): stopped without saving the pseudo/"):
+        train(parse_config(tiny_argv(output_dir, **{**SCHEDULE, "save_steps": 3})))
+    assert not (output_dir / "pseudo").exists()
+    assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-3"]
 
 
 def test_report_to_tensorboard_writes_events_under_logs(tmp_path):
