@@ -6,15 +6,18 @@ plus two specials, saved next to every model so `AutoTokenizer.from_pretrained(o
 """
 
 import hashlib
+import json
 import sysconfig
 from pathlib import Path
 
 import torch
 from datasets import Dataset, load_dataset
+from datasets.utils import logging as datasets_logging
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from ..errors import InputError
 from .config import DataArguments
 
 END_OF_TEXT, PAD = "<|endoftext|>", "<|pad|>"
@@ -88,9 +91,17 @@ def load_documents(args: DataArguments) -> Dataset:
         if suffixes & JSON_SUFFIXES and not suffixes <= JSON_SUFFIXES:
             raise ValueError("train_files: a mix of JSON and text files; give one kind")
         builder, options = ("json", {}) if suffixes <= JSON_SUFFIXES else ("text", {"sample_by": "document"})
-        dataset = load_dataset(
-            builder, data_files=[str(p) for p in files], split="train", cache_dir=args.cache_dir, **options
-        )
+        # datasets logs a file it cannot parse before raising: the one line of `_bad_files` says it instead.
+        verbosity = datasets_logging.get_verbosity()
+        datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+        try:
+            dataset = load_dataset(
+                builder, data_files=[str(p) for p in files], split="train", cache_dir=args.cache_dir, **options
+            )
+        except Exception as error:  # noqa: BLE001 - datasets wraps the cause (DatasetGenerationError, StopIteration...)
+            raise InputError(_bad_files(files, error)) from None
+        finally:
+            datasets_logging.set_verbosity(verbosity)
         if builder == "text" and args.text_column != "text":
             dataset = dataset.rename_column("text", args.text_column)
     else:
@@ -116,6 +127,41 @@ def _expand(paths: list[str]) -> list[Path]:
     return files
 
 
+def _bad_files(files: list[Path], error: Exception) -> str:
+    """Why `datasets` could not read `files`, in one line naming the file: looked for only once it has failed (the
+    files are read again, on this error path alone)."""
+    blank = []
+    for path in files:
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return (
+                f"train_files: {path} is not UTF-8 text (byte 0x{data[bad.start]:02x} at offset {bad.start}): a binary "
+                "file? give text (.txt, .md, .py, .rst) or JSON lines (.json, .jsonl) files"
+            )
+        if not text.strip():
+            blank.append(path)
+        elif path.suffix in JSON_SUFFIXES:
+            for number, line in enumerate(text.splitlines(), 1):
+                try:
+                    line.strip() and json.loads(line)
+                except ValueError as bad:
+                    if number == 1 and path.suffix == ".json":
+                        break  # one JSON document, not JSON lines: datasets' own message below
+                    return f"train_files: {path} line {number} is not valid JSON ({bad})"
+    if len(blank) == len(files):
+        return f"train_files: {_names(blank)} empty or whitespace only: no text to train on"
+    cause = error.__cause__ or error.__context__ or error
+    first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+    return f"train_files: could not read {_names(files)} ({first})"
+
+
+def _names(paths: list[Path]) -> str:
+    shown = ", ".join(str(path) for path in paths[:3])
+    return f"{shown} is" if len(paths) == 1 else f"{shown}{', ...' if len(paths) > 3 else ''} ({len(paths)} files) are"
+
+
 def build_blocks(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[Dataset, Dataset]:
     """(train, validation) datasets of `input_ids` blocks of `block_size` tokens, in torch format.
 
@@ -129,7 +175,7 @@ def build_blocks(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
 
     def tokenize_and_pack(batch):
         texts = [text for text in batch[column] if text and not text.isspace()]  # e.g. WikiText's blank lines
-        ids = [token for tokens in tokenizer(texts)["input_ids"] for token in (*tokens, eos)]
+        ids = [token for tokens in tokenizer(texts)["input_ids"] for token in (*tokens, eos)] if texts else []
         usable = len(ids) // block_size * block_size  # the tail of each batch of documents is dropped
         return {"input_ids": [ids[start : start + block_size] for start in range(0, usable, block_size)]}
 
@@ -142,6 +188,12 @@ def build_blocks(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     )
     num_validation = max(1, round(len(blocks) * args.validation_fraction))
     if len(blocks) - num_validation < 1:
+        if not any(text and not text.isspace() for text in documents[column]):
+            source = args.dataset_name or (_names(_expand(args.train_files)) if args.train_files else "the corpus is")
+            raise InputError(
+                f"{'dataset_name' if args.dataset_name else 'train_files'}: {source} empty or "
+                "whitespace only: no text to train on"
+            )
         raise ValueError(
             f"block_size: the corpus gives only {len(blocks)} blocks of {block_size} tokens; use more text "
             "(corpus_max_bytes, train_files) or a smaller block_size"

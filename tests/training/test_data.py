@@ -2,15 +2,18 @@
 validation split and the block order."""
 
 import json
+import subprocess
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from hf_p2r.errors import InputError
 from hf_p2r.training import DataArguments, parse_config, train
 from hf_p2r.training.data import BlockOrder, build_blocks, byte_level_tokenizer, load_tokenizer, stdlib_corpus
 
-from .helpers import tiny_argv
+from .helpers import PYTHON, REPO, subprocess_env, tiny_argv
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -115,3 +118,60 @@ def test_a_run_on_json_files_saves_the_given_tokenizer_with_the_models(tmp_path)
         assert saved.eos_token == "</s>"
     config = AutoModelForCausalLM.from_pretrained(output_dir / "real").config
     assert (config.vocab_size, config.eos_token_id) == (64, 1)  # the tokenizer's 14 ids, rounded up to 64
+
+
+TEXT = "def f(x):\n    return x + 1\n" * 40
+BINARY = bytes(range(256)) * 4  # byte 0x80 at offset 128 is the first that is not UTF-8
+BAD_DATA = {
+    "binary text": ({"a.txt": BINARY}, r"a\.txt is not UTF-8 text \(byte 0x80 at offset 128\): a binary file\?"),
+    "binary JSON lines": ({"a.jsonl": BINARY}, r"a\.jsonl is not UTF-8 text \(byte 0x80 at offset 128\)"),
+    "a bad JSON line": ({"a.jsonl": '{"text": "ok"}\n{"text": \n'}, r"a\.jsonl line 2 is not valid JSON \(Expecting"),
+    "empty text": ({"a.txt": ""}, r"/a\.txt is empty or whitespace only: no text to train on$"),
+    "blank text": ({"a.txt": " \n\t\n\n"}, r"a\.txt is empty or whitespace only"),
+    "empty JSON lines": ({"a.jsonl": ""}, r"a\.jsonl is empty or whitespace only"),
+    "blank JSON lines": ({"a.jsonl": "\n \n"}, r"a\.jsonl is empty or whitespace only"),
+    "two blank files": ({"a.txt": "", "b.txt": "\n"}, r"a\.txt, \S*b\.txt \(2 files\) are empty or whitespace only"),
+}
+
+
+def _write(folder, files: dict) -> list[str]:
+    for name, content in files.items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return [str(folder / name) for name in files]
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_one_line_naming_the_file(tmp_path, case):
+    files, message = BAD_DATA[case]
+    args = DataArguments(train_files=_write(tmp_path, files), block_size=16, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(InputError, match=f"^train_files: .*{message}") as raised:
+        build_blocks(args, byte_level_tokenizer(), seed=0)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_blank_file_beside_text_is_skipped(tmp_path):
+    """A batch of documents that are all blank once stopped the tokenizer (IndexError); it gives no blocks now."""
+    files = _write(tmp_path, {"blank.txt": "  \n", "code.txt": TEXT, "empty.txt": ""})
+    args = DataArguments(train_files=files, block_size=16, cache_dir=str(tmp_path / "cache"))
+    train_blocks, validation = build_blocks(args, byte_level_tokenizer(), seed=0)
+    assert len(train_blocks) + len(validation) == (len(TEXT.encode()) + 1) // 16
+
+
+def test_the_script_refuses_binary_data_in_one_line_and_keeps_the_earlier_run(tmp_path):
+    """As users run it (no traceback, no log line of datasets'), with --overwrite_output_dir: the earlier run is
+    removed only once the new one has its data and model."""
+    data = _write(tmp_path, {"notes.jsonl": BINARY})
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    argv = tiny_argv(output_dir, pseudo_steps=1, real_steps=1, warmup_steps=1, overwrite_output_dir="true")
+    command = [PYTHON, str(REPO / "scripts/train.py"), *argv, "--train_files", *data]
+    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower() or "fail" in line.lower()]
+    assert lines == [
+        f"train.py: error: train_files: {data[0]} is not UTF-8 text (byte 0x80 at offset 128): a binary file? give "
+        "text (.txt, .md, .py, .rst) or JSON lines (.json, .jsonl) files"
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert (output_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
