@@ -36,7 +36,7 @@ from ..training.checkpointing import (
 )
 from ..training.config import TrainConfig
 from ..training.data import BlockOrder, build_blocks, load_tokenizer
-from ..training.metrics import METRICS_FILE, PLOT_FILE, plot_losses, read_metrics
+from ..training.metrics import METRICS_FILE
 from ..training.optim import build_optimizer, learning_rate_at, set_learning_rate, shared_lr_scales
 from .pipeline import (
     Pipeline,
@@ -60,10 +60,12 @@ def train_pipelined(config: TrainConfig) -> int:
         build_model,
         check_finite,
         check_output_dir,
+        finish_run,
         non_finite_loss,
         prepare_output_dir,
     )
 
+    started_run = time.perf_counter()
     args = config.train
     output_dir, depth = Path(args.output_dir), config.model.num_hidden_layers
     delink_steps = [step for step, _ in config.delink_schedule()]
@@ -216,8 +218,7 @@ def train_pipelined(config: TrainConfig) -> int:
     if accelerator.is_main_process:
         layout = f"{args.pipeline_schedule} x{args.pipeline_parallel_size}"
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {layout}"
-        if not plot_losses(read_metrics(metrics_path), output_dir / PLOT_FILE, title):
-            print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
+        finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code)
     if not joined:
         accelerator.end_training()
     return 0

@@ -108,3 +108,35 @@ def draw_losses(axes, records: list[dict[str, Any]], title: str = "") -> None:
 def delink_points(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
     """[(step, blocks after)] of the delink records (`"event": "delink"`)."""
     return [(record["step"], record["num_blocks"]) for record in records if record.get("event") == "delink"]
+
+
+def stage_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage of a run, in order, from its metrics records: `stage`, `steps` (from, to: a stage starts where the
+    previous one ended, the first at step 0), `blocks` (the model's block counts in that stage, in order), `val_loss`
+    (the last one measured in it, None if none), `tokens_per_s` (tokens over training time in it, None without timed
+    records) and `train_time_s`.
+
+    A training record's time is the step time since the previous one (`train_time_s` is cumulative), counted in the
+    stage of the record that ends it."""
+    stages: dict[str, dict[str, Any]] = {}
+    tokens: dict[str, float] = {}
+    previous_time = 0.0
+    for record in records:
+        name, step = record["stage"], record["step"]
+        if name not in stages:
+            start = max((stage["steps"][1] for stage in stages.values()), default=0)
+            stages[name] = dict(stage=name, steps=(start, step), blocks=[], val_loss=None, tokens_per_s=None)
+            stages[name]["train_time_s"], tokens[name] = 0.0, 0.0
+        stage = stages[name]
+        stage["steps"] = (stage["steps"][0], step)
+        if record["num_blocks"] not in stage["blocks"]:
+            stage["blocks"].append(record["num_blocks"])
+        stage["val_loss"] = record.get("val_loss", stage["val_loss"])
+        if "train_time_s" in record and "tokens_per_s" in record:
+            elapsed, previous_time = record["train_time_s"] - previous_time, record["train_time_s"]
+            stage["train_time_s"] += elapsed
+            tokens[name] += record["tokens_per_s"] * elapsed
+    for name, stage in stages.items():
+        if stage["train_time_s"] > 0:
+            stage["tokens_per_s"] = tokens[name] / stage["train_time_s"]
+    return list(stages.values())

@@ -17,8 +17,10 @@ a bad configuration, bad data or a damaged checkpoint leaves every earlier outpu
 
 import math
 import os
+import shlex
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +55,7 @@ from .metrics import (
     peak_memory_gb,
     plot_losses,
     read_metrics,
+    stage_summary,
     truncate_metrics,
 )
 from .moe import RouterLoad
@@ -91,6 +94,7 @@ def train(config: TrainConfig) -> int:
         from ..distributed.pipeline_train import train_pipelined
 
         return train_pipelined(config)
+    started_run = time.perf_counter()
     output_dir = Path(args.output_dir)
     depth = config.model.num_hidden_layers
     delink_steps = [step for step, _ in config.delink_schedule()]
@@ -239,12 +243,11 @@ def train(config: TrainConfig) -> int:
     progress.close()
 
     # Save: the real model (already delinked by the loop, its weights checked with the last checkpoint), its
-    # tokenizer, the loss curve.
+    # tokenizer, the loss curve; then the summary.
     save_model(accelerator, accelerator.unwrap_model(model), tokenizer, output_dir / "real", args.remote_code)
     if accelerator.is_main_process:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, optimizer_carry={args.optimizer_carry}"
-        if not plot_losses(read_metrics(metrics_path), output_dir / PLOT_FILE, title):
-            print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
+        finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code)
     accelerator.end_training()
     return 0
 
@@ -431,6 +434,83 @@ def _last_good(output_dir: Path) -> str:
         f"last good checkpoint: {last[-1] if last else 'none'}; try a lower learning_rate, more warmup_steps or "
         "max_grad_norm"
     )
+
+
+def finish_run(output_dir: Path, title: str, wall_time_s: float, remote_code: bool) -> None:
+    """The main process's end of a run: the loss curve (`loss.png`), then the summary (`run_summary`) on stdout."""
+    records = read_metrics(output_dir / METRICS_FILE)
+    if not plot_losses(records, output_dir / PLOT_FILE, title):
+        print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
+    print(run_summary(output_dir, records, wall_time_s, remote_code), flush=True)
+
+
+def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remote_code: bool) -> str:
+    """What a finished run reached and where it is: each stage's steps, blocks, final validation loss and tokens/s
+    (`stage_summary` of its metrics records), the wall time, the output folders and files there, and the commands
+    that come next (load, publish, convert)."""
+    lines = [f"***** run summary: {output_dir} *****"]
+    stages = stage_summary(records)
+    width = max((len(stage["stage"]) for stage in stages), default=0)
+    for stage in stages:
+        blocks = " -> ".join(str(n) for n in stage["blocks"])
+        figures = [f"steps {stage['steps'][0]}-{stage['steps'][1]}", f"blocks {blocks}"]
+        if stage["val_loss"] is not None:
+            figures.append(f"val_loss {stage['val_loss']:.4f}")
+        if stage["tokens_per_s"] is not None:
+            figures.append(f"{stage['tokens_per_s']:,.0f} tokens/s")
+        lines.append(f"  {stage['stage'] + ' stage:':<{width + 7}} " + ", ".join(figures))
+    training = sum(stage["train_time_s"] for stage in stages)
+    lines.append(f"  wall time: {_duration(wall_time_s)}, of which training steps {_duration(training)}")
+    outputs = {
+        "real": "the trained model",
+        "pseudo": "the pseudo model at the end of its stage",
+        METRICS_FILE: "the logged metrics, one JSON record per line",
+        PLOT_FILE: "the loss curve",
+        CHECKPOINTS: "resume with --resume_from_checkpoint latest",
+    }
+    found = [(output_dir / name, text) for name, text in outputs.items() if (output_dir / name).exists()]
+    names = [str(path) + os.sep * path.is_dir() for path, _ in found]
+    width = max(map(len, names), default=0)
+    lines += ["  outputs:", *(f"    {name:<{width}}  {text}" for name, (_, text) in zip(names, found))]
+    real, pseudo, cli = output_dir / "real", output_dir / "pseudo", hf_p2r_command()
+    load = (
+        f"from transformers import AutoModelForCausalLM; model = AutoModelForCausalLM.from_pretrained({str(real)!r}, "
+        "trust_remote_code=True)"
+        if remote_code  # the modeling code is in real/
+        else f"import hf_p2r; from transformers import AutoModelForCausalLM; "
+        f"model = AutoModelForCausalLM.from_pretrained({str(real)!r})"
+    )
+    lines += [
+        "  next:",
+        f"    load it (Python):      {load}",
+        f"    publish it on the Hub: {cli} push {shlex.quote(str(real))} USER/NAME",
+    ]
+    if pseudo.exists():
+        delinked = shlex.quote(str(output_dir / "pseudo-delinked"))
+        lines.append(
+            f"    delink pseudo/:        {cli} convert {shlex.quote(str(pseudo))} {delinked}  (the model the real "
+            "stage started from)"
+        )
+    return "\n".join(lines)
+
+
+def hf_p2r_command() -> str:
+    """How to run `hf-p2r` from this shell: its name when that finds this Python's, else its path (a virtual
+    environment that is not activated), relative to the current folder when it is under it."""
+    script = Path(sys.executable).with_name("hf-p2r")
+    on_path = shutil.which("hf-p2r")
+    if not script.exists() or (on_path and Path(on_path).resolve() == script.resolve()):
+        return "hf-p2r"
+    relative = os.path.relpath(script)
+    return shlex.quote(str(script) if relative.startswith("..") else relative)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 class _StopOnSignal:

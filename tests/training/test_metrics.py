@@ -8,6 +8,7 @@ from hf_p2r.training.metrics import (
     delink_points,
     draw_losses,
     read_metrics,
+    stage_summary,
     truncate_metrics,
 )
 
@@ -68,3 +69,30 @@ def test_a_damaged_record_is_one_line_naming_the_file_and_line(tmp_path):
     path.write_text('{"step": 1}\n[1]\n')
     with pytest.raises(InputError, match=r"metrics\.jsonl line 2: expected a JSON object$"):
         read_metrics(path)
+
+
+def test_stage_summary_gives_each_stage_its_last_validation_loss_and_its_throughput():
+    # RECORDS with the step time: pseudo 1 s at 100 tokens/s, 3 s at 300, 1 s at 200, 1 s at 200; real 2 s at 50.
+    timed = {1: (100.0, 1.0), 2: (300.0, 4.0), 3: (200.0, 5.0), 4: (200.0, 6.0), 5: (50.0, 8.0)}
+    records = [
+        {**r, "tokens_per_s": timed[r["step"]][0], "train_time_s": timed[r["step"]][1]} if "loss" in r else r
+        for r in RECORDS
+    ]
+    pseudo, real = stage_summary(records)
+    assert pseudo == {
+        "stage": "pseudo",
+        "steps": (0, 4),
+        "blocks": [1, 2],
+        "val_loss": 4.8,
+        "tokens_per_s": (100 * 1 + 300 * 3 + 200 * 1 + 200 * 1) / 6,
+        "train_time_s": 6.0,
+    }
+    assert real == {
+        "stage": "real",
+        "steps": (4, 5),
+        "blocks": [4],
+        "val_loss": 4.5,
+        "tokens_per_s": 50.0,
+        "train_time_s": 2.0,
+    }
+    assert stage_summary([]) == []

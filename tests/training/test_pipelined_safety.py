@@ -1,9 +1,11 @@
 """The pipelined trainer (two processes, one stage each) keeps the one-process trainer's promises: nothing under
 output_dir changes until a resume has loaded; a damaged stage file, a stage file that does not fit or a schedule that
 ends before the checkpoint is one line on every process; a checkpoint is never written with non-finite weights (one
-process's NaN stops both)."""
+process's NaN stops both); the run ends with the summary, printed once."""
 
+import contextlib
 import functools
+import io
 import shutil
 
 import pytest
@@ -55,7 +57,10 @@ def _body(folder: str, rank: int, world: int) -> dict:
     root = Path(folder)
     output_dir = root / "run"
     out = {}
-    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
+    out["summary"] = printed.getvalue()
 
     def case(name: str, damage, checkpoint: str, **overrides) -> None:
         copy = root / name
@@ -100,6 +105,13 @@ def _body(folder: str, rank: int, world: int) -> dict:
 def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pipelined")
     return spawn.run(functools.partial(_body, str(folder)), 2, folder)["ranks"]
+
+
+def test_the_summary_is_printed_once(results):
+    first, second = (ranks["summary"] for ranks in results)
+    assert "***** run summary: " in first and "  pseudo stage: steps 0-2, blocks 2" in first
+    assert "  real stage:   steps 2-4, blocks 4" in first
+    assert "run summary" not in second
 
 
 def test_a_schedule_that_ends_before_the_checkpoint_is_refused_on_every_process(results):

@@ -1,19 +1,22 @@
 """The training run in-process: outputs, exact resume before / at / after the delink, non-finite loss, weights or
-optimizer state, trackers."""
+optimizer state, trackers, the summary at the end."""
 
 import json
 import queue
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_p2r import P2RForCausalLM
+from hf_p2r import P2RForCausalLM, cli
 from hf_p2r.training import NonFiniteLossError, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.metrics import delink_points, read_metrics
@@ -179,6 +182,54 @@ def test_pseudo_is_not_saved_with_non_finite_weights(tmp_path, monkeypatch):
         train(parse_config(tiny_argv(output_dir, **{**SCHEDULE, "save_steps": 3})))
     assert not (output_dir / "pseudo").exists()
     assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-3"]
+
+
+@pytest.mark.parametrize("remote_code", [True, False])
+def test_the_run_ends_with_a_summary_whose_paths_exist_and_whose_commands_work(
+    tmp_path, capsys, monkeypatch, remote_code
+):
+    output_dir = tmp_path / "run"
+    assert train(parse_config(tiny_argv(output_dir, pseudo_steps=2, real_steps=2, remote_code=remote_code))) == 0
+    printed = capsys.readouterr().out
+    summary = printed[printed.index("***** run summary") :].splitlines()
+    assert summary[0] == f"***** run summary: {output_dir} *****"
+
+    # Each stage's figures, from metrics.jsonl.
+    records = read_metrics(output_dir / "metrics.jsonl")
+    val = {
+        stage: [r["val_loss"] for r in records if r["stage"] == stage and "val_loss" in r][-1]
+        for stage in ("pseudo", "real")
+    }
+    assert re.fullmatch(
+        rf"  pseudo stage: steps 0-2, blocks 1, val_loss {val['pseudo']:.4f}, [\d,]+ tokens/s", summary[1]
+    )
+    assert re.fullmatch(
+        rf"  real stage:   steps 2-4, blocks 4, val_loss {val['real']:.4f}, [\d,]+ tokens/s", summary[2]
+    )
+    assert re.fullmatch(r"  wall time: [\d.]+ s, of which training steps [\d.]+ s", summary[3])
+
+    # Every output it names exists.
+    start, end = summary.index("  outputs:"), summary.index("  next:")
+    named = [line.split()[0] for line in summary[start + 1 : end]]
+    assert [Path(name).name for name in named] == ["real", "pseudo", "metrics.jsonl", "loss.png", "checkpoints"]
+    assert all(Path(name).exists() for name in named)
+
+    # The next commands work as printed: load the real model, push it (a dry run), delink pseudo/.
+    commands = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in summary[end + 1 :]}
+    assert set(commands) == {"load it (Python)", "publish it on the Hub", "delink pseudo/"}
+    # In a fresh Python: with remote_code the folder's own code, without it `import hf_p2r`, as the line says.
+    load = commands["load it (Python)"] + "; print(len(model.model.layers), model.config.share_layers)"
+    assert ("trust_remote_code=True" in load) is remote_code and ("import hf_p2r" in load) is not remote_code
+    loaded = subprocess.run([PYTHON, "-c", load], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert loaded.stdout.split() == ["4", "False"], loaded.stderr[-3000:]
+    push = shlex.split(commands["publish it on the Hub"])
+    assert Path(push[0]).name == "hf-p2r" and push[1:] == ["push", str(output_dir / "real"), "USER/NAME"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main([*push[1:], "--dry-run"]) == 0
+    convert = shlex.split(commands["delink pseudo/"].split("  (")[0])
+    assert cli.main(convert[1:]) == 0
+    delinked = AutoModelForCausalLM.from_pretrained(convert[-1])
+    assert (delinked.config.share_layers, len(delinked.model.layers)) == (False, 4)
 
 
 def test_report_to_tensorboard_writes_events_under_logs(tmp_path):
