@@ -41,15 +41,15 @@ def _load(folder):
 @pytest.mark.parametrize("tied", [False, True])
 def test_save_model_one_process(tmp_path, monkeypatch, tied):
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", mock.Mock(side_effect=AssertionError("save_pretrained")))
-    serialize = mock.Mock(wraps=writer_module.serialize_file)
-    monkeypatch.setattr(writer_module, "serialize_file", serialize)
+    write_file = mock.Mock(wraps=writer_module.write_file)
+    monkeypatch.setattr(writer_module, "write_file", write_file)
     accelerator = Accelerator(cpu=True)
     reference = tiny_model(share_layers=True, num_unique_layers=2, tie_word_embeddings=tied)
     model = accelerator.prepare(copy.deepcopy(reference).train())
     (tmp_path / "pseudo").mkdir()
     (tmp_path / "pseudo" / "stale.txt").write_text("an earlier save")  # replaced, like the old save_pretrained path
     save_model(accelerator, accelerator.unwrap_model(model), byte_level_tokenizer(), tmp_path / "pseudo", True)
-    assert [call.args[1].name for call in serialize.call_args_list] == ["model.safetensors"], "hf-p2r's writer"
+    assert [call.args[0].name for call in write_file.call_args_list] == ["model.safetensors"], "hf-p2r's writer"
     files = sorted(p.name for p in (tmp_path / "pseudo").iterdir())
     assert files == [
         "config.json",
