@@ -195,15 +195,16 @@ def _free_bytes(folder: Path) -> int:
 
 def all_finite(accelerator: Accelerator, *objects) -> bool:
     """Whether every floating-point tensor in `objects` (tensors, or dicts / lists / tuples / iterators of them:
-    parameters, an optimizer's `state`, a state dict) is finite on every process: one pass over them (the largest
-    magnitude of each, of a DTensor its local shard), one collective, the same answer everywhere."""
-    largest: dict[torch.device, list[torch.Tensor]] = {}
+    parameters, an optimizer's `state`, a state dict) is finite on every process: one pass over them (each one's
+    smallest and largest value, which are NaN or infinite when any is; of a DTensor its local shard), one collective,
+    the same answer everywhere."""
+    extremes: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in _tensors(objects):
         tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if tensor.is_floating_point() and tensor.numel():
-            norm = torch.linalg.vector_norm(tensor.detach(), ord=math.inf)
-            largest.setdefault(tensor.device, []).append(norm)
-    flags = [torch.isfinite(torch.stack(norms)).all().to(accelerator.device) for norms in largest.values()]
+            tensor = tensor.detach() if tensor.dtype.itemsize > 1 else tensor.detach().float()  # float8: no aminmax
+            extremes.setdefault(tensor.device, []).extend(value.float() for value in torch.aminmax(tensor))
+    flags = [torch.isfinite(torch.stack(values)).all().to(accelerator.device) for values in extremes.values()]
     bad = torch.tensor(0.0 if all(flag.item() for flag in flags) else 1.0, device=accelerator.device)
     return accelerator.reduce(bad, reduction="sum").item() == 0
 
