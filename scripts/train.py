@@ -3,7 +3,8 @@
     accelerate launch -q --num_processes 1 scripts/train.py --config configs/demo.yaml [--FIELD VALUE ...]
 
 Exit codes of `python scripts/train.py`: 0 done; 2 bad input or configuration (a field, a damaged checkpoint, a
-missing file: `hf_p2r.errors.exit_code`); 1 a failure at run time (a full disk, a non-finite loss); 128 + signal number when SIGTERM / SIGINT stopped the run after saving a checkpoint (143 / 130).
+missing file: `hf_p2r.errors.exit_code`); 1 a failure at run time (a full disk, a non-finite loss); 128 + signal number
+when SIGTERM / SIGINT stopped the run after saving a checkpoint (143 / 130).
 Through `accelerate launch` the launcher's own code replaces every non-zero one: 1 (with `-q`; without it, after a
 CalledProcessError traceback).
 """
