@@ -3,7 +3,7 @@ and no module reaches into another's private names.
 
 The layers, from the bottom (STYLE.md: "import direction is architecture"): `errors` and `compat` (the one place for
 private reads of other libraries) import nothing of hf_p2r; `models` (the model files know nothing of checkpoints,
-parallelism or training); `checkpoint` (every tensor read and write); `hub` (pushes folders; the card is rendered by
+parallelism or training) and `ops` (compute kernels in plain torch); `checkpoint` (every tensor read and write); `hub` (pushes folders; the card is rendered by
 `checkpoint`); `distributed` (parallelism applied to a model from outside); `planning` (sizes layouts from what the
 models and `distributed` say); `training` (the loop and its engines); the command lines (`cli`, `commands`, the
 trainer's entry point). The package's `__init__` is its facade and may name anything. Every import counts, at module
@@ -21,6 +21,7 @@ LAYERS = {
     "hf_p2r.errors": 0,
     "hf_p2r.compat": 0,
     "hf_p2r.models": 1,
+    "hf_p2r.ops": 1,  # compute kernels in plain torch (a model or an engine may call them)
     "hf_p2r.checkpoint": 2,
     "hf_p2r.hub": 3,
     "hf_p2r.distributed": 4,
