@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import InputError
+from ..models.p2r.inventory_p2r import DEPTH_DEFAULT, LAYOUT_DEFAULTS, MOE_DEFAULTS, SHAPE_DEFAULTS, inventory
 from ..models.p2r.sharing_p2r import (
     LAYER_KEY,
-    block_of_depth,
     delink_names,
     delink_sources,
     reachable_block_counts,
-    sparse_depths,
     validate_layout,
     validate_moe,
 )
@@ -65,36 +64,9 @@ CARRIED_FOLDERS = ("additional_chat_templates",)
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 # Fields of a P2R config.json that Llama does not have (or must not inherit).
 NOT_LLAMA = ("share_layers", "num_unique_layers", "sharing_pattern", "auto_map", "model_type", "transformers_version")
-# config.json fields that decide the weights' names and shapes, with their defaults (those of `P2RConfig`).
-_SHAPE_FIELDS = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_attention_heads": 32,
-    "num_key_value_heads": None,
-    "head_dim": None,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-}
-_LAYOUT_DEFAULTS = {"share_layers": False, "num_unique_layers": None, "sharing_pattern": "cycle"}
-_DEPTH_DEFAULT = 32  # `P2RConfig`'s num_hidden_layers (Llama's)
 # The most tensors an output may hold: far above any model's (DeepSeek-V3: ~92,000), far below what would exhaust
 # memory while it is planned.
 MAX_TENSORS = 2_000_000
-# The MoE fields of a `p2r_moe` config.json, with `P2RMoeConfig`'s defaults (None: `intermediate_size`, and no dense
-# depths).
-MOE_FIELDS = {
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": None,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": None,
-    "norm_topk_prob": True,
-    "num_expert_groups": 1,
-    "router_aux_loss_coef": 0.001,
-    "output_router_logits": False,
-}
 TARGETS = ("p2r", "llama", "mixtral")
 
 
@@ -227,11 +199,11 @@ def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
         raise InputError(
             f"{path}: model_type is {_short(config.get('model_type'))}, not 'p2r' or 'p2r_moe': not a P2R checkpoint"
         )
-    fields = {**_SHAPE_FIELDS, **_LAYOUT_DEFAULTS, **config}
-    fields = {**fields, "num_hidden_layers": config.get("num_hidden_layers", _DEPTH_DEFAULT)}
+    fields = {**SHAPE_DEFAULTS, **LAYOUT_DEFAULTS, **config}
+    fields = {**fields, "num_hidden_layers": config.get("num_hidden_layers", DEPTH_DEFAULT)}
     moe = {}
     if config["model_type"] == "p2r_moe":
-        moe = {field: config.get(field, default) for field, default in MOE_FIELDS.items()}
+        moe = {field: config.get(field, default) for field, default in MOE_DEFAULTS.items()}
         if moe["moe_intermediate_size"] is None:
             moe["moe_intermediate_size"] = fields["intermediate_size"]
         if moe["mlp_only_layers"] is None:
@@ -281,83 +253,10 @@ def read_p2r_config(folder: str | os.PathLike):
 
 def parameter_shapes(config: dict, num_blocks: int) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the weights a P2R (or Llama, or Mixtral) checkpoint of `config` with `num_blocks` layer blocks
-    stores, in the order `save_pretrained` writes them, tied aliases left out. Dense models: the order of the model's
-    `state_dict()`. MoE models: transformers' reverse conversion (`revert_weight_conversion`) sorts the state dict by
-    name (numbers as numbers) and writes each sparse layer's 3-D experts as one tensor per expert and projection.
-    Plain Python: tests/checkpoint/test_ranges.py (dense) and test_convert_moe.py (MoE) check it against the model
-    built on the meta device."""
-    c = {**_SHAPE_FIELDS, **config}
-    hidden, heads = c["hidden_size"], c["num_attention_heads"]
-    head_dim = c["head_dim"] or hidden // heads
-    kv = (c["num_key_value_heads"] or heads) * head_dim
-    layer = {
-        "self_attn.q_proj": ((heads * head_dim, hidden), c["attention_bias"]),
-        "self_attn.k_proj": ((kv, hidden), c["attention_bias"]),
-        "self_attn.v_proj": ((kv, hidden), c["attention_bias"]),
-        "self_attn.o_proj": ((hidden, heads * head_dim), c["attention_bias"]),
-        "mlp.gate_proj": ((c["intermediate_size"], hidden), c["mlp_bias"]),
-        "mlp.up_proj": ((c["intermediate_size"], hidden), c["mlp_bias"]),
-        "mlp.down_proj": ((hidden, c["intermediate_size"]), c["mlp_bias"]),
-        "input_layernorm": ((hidden,), False),
-        "post_attention_layernorm": ((hidden,), False),
-    }
-    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden)}
-    for block in range(num_blocks):
-        for module, (shape, bias) in layer.items():
-            shapes[f"model.layers.{block}.{module}.weight"] = shape
-            if bias:
-                shapes[f"model.layers.{block}.{module}.bias"] = shape[:1]
-    shapes["model.norm.weight"] = (hidden,)
-    if not c["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (c["vocab_size"], hidden)
-    if c.get("model_type") == "p2r_moe":
-        return _moe_parameter_shapes(c, num_blocks, shapes)
-    return shapes
-
-
-def _moe_parameter_shapes(c: dict, num_blocks: int, dense: dict) -> dict[str, tuple[int, ...]]:
-    """`parameter_shapes` of a MoE model, from the dense model's (`dense`): each sparse block's MLP replaced by its
-    router and experts, as `save_pretrained` writes them."""
-    moe = {field: c.get(field, default) for field, default in MOE_FIELDS.items()}
-    experts, hidden = moe["num_experts"], c["hidden_size"]
-    size = moe["moe_intermediate_size"] or c["intermediate_size"]
-    depths = sparse_depths(c["num_hidden_layers"], moe["decoder_sparse_step"], moe["mlp_only_layers"] or [])
-    blocks = block_of_depth(c["num_hidden_layers"], num_blocks, c.get("sharing_pattern", "cycle"))
-    sparse = {block: depths[depth] for depth, block in enumerate(blocks)}  # the depths of a block agree
-    # (name in memory, [(name on disk, shape)]): sorted by the names in memory, as transformers sorts them
-    entries = []
-    for name, shape in dense.items():
-        match = LAYER_KEY.match(name)
-        if match and sparse[int(match["block"])] and match["rest"].startswith("mlp."):
-            continue
-        entries.append((name, [(name, shape)]))
-    for block in (block for block in range(num_blocks) if sparse[block]):
-        prefix = f"model.layers.{block}."
-        moe_prefix = f"{prefix}block_sparse_moe."
-        w = {n: [(f"{moe_prefix}experts.{e}.{n}.weight", (size, hidden)) for e in range(experts)] for n in ("w1", "w3")}
-        entries += [
-            (
-                f"{prefix}mlp.experts.down_proj",
-                [(f"{moe_prefix}experts.{e}.w2.weight", (hidden, size)) for e in range(experts)],
-            ),
-            (f"{prefix}mlp.experts.gate_up_proj", w["w1"] + w["w3"]),  # merged [w1; w3] per expert in memory
-            (f"{prefix}mlp.gate.weight", [(f"{moe_prefix}gate.weight", (experts, hidden))]),
-        ]
-    entries.sort(key=lambda entry: _natural_key(entry[0]))
-    return {name: shape for _, tensors in entries for name, shape in tensors}
-
-
-def _natural_key(name: str) -> list[tuple]:
-    """transformers' `dot_natural_key` (the order in which it saves a converted state dict): dotted parts compared as
-    numbers when they are digits (layers.2 before layers.10), as text otherwise."""
-    key = []
-    for part in name.split("."):
-        if part.isdigit():
-            key.append((0, int(part)))
-        else:
-            text = part.rstrip("0123456789")
-            key.append((1, text, int(part[len(text) :])) if text != part else (1, part))
-    return key
+    stores, in the order `save_pretrained` writes them, tied aliases left out: the model's inventory on disk
+    (`inventory_p2r.Inventory.disk_shapes`). Plain Python: tests/checkpoint/test_ranges.py (dense) and
+    test_convert_moe.py (MoE) check it against the model built on the meta device."""
+    return inventory(config, num_blocks).disk_shapes()
 
 
 def rewrite_checkpoint(
@@ -444,24 +343,9 @@ def rewrite_checkpoint(
 
 
 def tensor_count(config: dict, num_blocks: int) -> int:
-    """len(parameter_shapes(config, num_blocks)), counted without building it: O(num_hidden_layers), so that a size
-    can be checked before work grows with it."""
-    c = {**_SHAPE_FIELDS, **config}
-    attention = 4 * (1 + c["attention_bias"]) + 2  # q, k, v, o (and biases), two norms
-    dense = attention + 3 * (1 + c["mlp_bias"])
-    count = 2 + (not c["tie_word_embeddings"])  # embeddings, final norm, lm_head
-    if c.get("model_type") != "p2r_moe":
-        return count + num_blocks * dense
-    moe = {field: c.get(field, default) for field, default in MOE_FIELDS.items()}
-    depths = sparse_depths(c["num_hidden_layers"], moe["decoder_sparse_step"], moe["mlp_only_layers"] or [])
-    sparse = {
-        block: depths[depth]
-        for depth, block in enumerate(
-            block_of_depth(c["num_hidden_layers"], num_blocks, c.get("sharing_pattern", "cycle"))
-        )
-    }
-    sparse_blocks = sum(sparse.values())
-    return count + (num_blocks - sparse_blocks) * dense + sparse_blocks * (attention + 1 + 3 * moe["num_experts"])
+    """len(parameter_shapes(config, num_blocks)), counted without building it (`Inventory.disk_count`: one pass over
+    the blocks, experts counted, not listed), so that a size can be checked before work grows with it."""
+    return inventory(config, num_blocks).disk_count
 
 
 def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, provenance) -> None:
@@ -551,7 +435,7 @@ def split_experts(
     those that are views, for the torch paths (cast, verify). Other checkpoints are returned as they are."""
     if config["model_type"] != "p2r_moe" or not any(_FUSED_EXPERTS.match(name) for name in weights):
         return weights, {}
-    moe = {field: config.get(field, default) for field, default in MOE_FIELDS.items()}
+    moe = {field: config.get(field, default) for field, default in MOE_DEFAULTS.items()}
     experts, hidden, size = moe["num_experts"], config.get("hidden_size", 4096), moe["moe_intermediate_size"]
     shapes = {"experts.gate_up_proj": (experts, 2 * size, hidden), "experts.down_proj": (experts, hidden, size)}
     out, views = {}, {}

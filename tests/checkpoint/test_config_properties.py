@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_p2r.checkpoint.convert import MOE_FIELDS, read_p2r_config, read_p2r_config_dict
+from hf_p2r.checkpoint.convert import read_p2r_config, read_p2r_config_dict
+from hf_p2r.models.p2r.inventory_p2r import MOE_DEFAULTS
 
 from ..conftest import tiny_config
 from ..models.test_modeling_p2r_moe import moe_config
@@ -29,7 +30,7 @@ FIELDS = [
     "attention_bias",
     "mlp_bias",
     "tie_word_embeddings",
-    *MOE_FIELDS,
+    *MOE_DEFAULTS,
 ]
 VALUES = (
     st.integers(-3, 12)

@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from hf_p2r import convert_pseudo_to_real
-from hf_p2r.checkpoint.convert import MOE_FIELDS, parameter_shapes, read_p2r_config
+from hf_p2r.checkpoint.convert import parameter_shapes, read_p2r_config
 from hf_p2r.checkpoint.mixtral import export_mixtral, mixtral_fields
 from hf_p2r.cli import main
 from hf_p2r.models.p2r.configuration_p2r_moe import P2RMoeConfig
+from hf_p2r.models.p2r.inventory_p2r import MOE_DEFAULTS
 from hf_p2r.models.p2r.modeling_p2r_moe import P2RMoeForCausalLM
 from hf_p2r.models.p2r.sharing_p2r import delink_names, delink_sources
 
@@ -114,7 +115,7 @@ def test_mixtral_target_loads_in_vanilla_transformers(tmp_path, capsys, input_id
 def test_mixtral_fields_default_as_p2r_does(tmp_path, input_ids):
     """A config.json that leaves fields out (P2R's defaults differ from Mixtral's: rms_norm_eps, rope_theta, ...)."""
     assert mixtral_fields({}) == mixtral_fields(P2RMoeConfig().to_dict())
-    assert MOE_FIELDS == {field: P2RMoeConfig.__dataclass_fields__[field].default for field in MOE_FIELDS}
+    assert MOE_DEFAULTS == {field: P2RMoeConfig.__dataclass_fields__[field].default for field in MOE_DEFAULTS}
     src, model = _pseudo(tmp_path, seed=3, num_key_value_heads=4)
     config = json.loads((src / "config.json").read_text())
     kept = ("model_type", "share_layers", "num_unique_layers", "vocab_size", "hidden_size", "intermediate_size")
