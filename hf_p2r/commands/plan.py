@@ -13,8 +13,13 @@ limit.
 import argparse
 import dataclasses
 import math
+import os
 import re
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..planning.plan import PlanInput
 
 _FLAGS = ("gpu_memory", "cpu_memory", "gpus_per_node")  # `Hardware` fields with their own flag, not `--assume`
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         check_int,
     )
     from ..planning.memory import parameter_tensors
-    from ..planning.plan import Workload, plan, pseudo_and_real, read_config
+    from ..planning.plan import Workload, check_builds, plan, pseudo_and_real
     from ..planning.report import format_plan
 
     # The model's sizes bound --num-unique-layers, the layouts sized bound --top.
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         **_assumptions(args.assume),
     )
-    found = read_config(args.config)
+    found = read_plan_input(args.config)
     pseudo, real = pseudo_and_real(found.config, args.num_unique_layers)
     micro_batch = args.micro_batch or found.micro_batch or 1
     workload = Workload(  # checks the sizes a trainer YAML gives, and the global batch it makes
@@ -123,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
     max_tp = args.max_tp or hardware.gpus_per_node
     models = {"pseudo": pseudo, "real": real}
     try:
-        tensors = {name: parameter_tensors(config) for name, config in models.items()}
+        check_builds(pseudo)
     except (ValueError, TypeError, KeyError, AttributeError) as error:  # fields the validators do not cover
         message = f"{args.config}: cannot build the model from it: {type(error).__name__}: {error}"
         raise InputError(message[:500]) from None
+    tensors = {name: parameter_tensors(config) for name, config in models.items()}
     results = {}
     for name, config in models.items():
         results[name] = plan(
@@ -135,6 +141,35 @@ def run(args: argparse.Namespace) -> int:
     top = None if args.all else args.top
     print(format_plan(results, models, workload, hardware, args.gpus, top, found.notes, tensors=tensors))
     return 0
+
+
+def read_plan_input(path: str | os.PathLike) -> "PlanInput":
+    """What `--config` says: a model folder or JSON file (`hf_p2r.planning.plan.read_config`), or a trainer YAML
+    (`scripts/train.py --config`, read by the trainer's own reader: same keys, same errors), whose model fields,
+    `block_size` (sequence length), `per_device_batch_size`, `gradient_accumulation_steps`, `mixed_precision` and
+    `activation_checkpointing` are handed to the planner as plain values."""
+    from ..planning.plan import PlanInput, read_config
+
+    if not str(path).endswith((".yaml", ".yml")):
+        return read_config(path)
+    from ..training.config import parse_config
+
+    run = parse_config(["--config", str(path)])
+    notes = []
+    vocab_size = run.model.vocab_size
+    if vocab_size is None:
+        vocab_size = 256
+        notes.append(f"{path}: vocab_size is not set (the tokenizer decides it at training time); assumed 256")
+    config = run.p2r_config(vocab_size=vocab_size, num_blocks=run.initial_blocks(), special_tokens={})
+    return PlanInput(
+        config,
+        seq_len=run.data.block_size,
+        micro_batch=run.train.per_device_batch_size,
+        gradient_accumulation_steps=run.train.gradient_accumulation_steps,
+        precision={"bf16": "amp", "fp16": "amp", "no": "fp32"}.get(run.train.mixed_precision),
+        recompute=run.model.activation_checkpointing,
+        notes=notes,
+    )
 
 
 def _assumptions(items: list[str]) -> dict:

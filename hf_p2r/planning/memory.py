@@ -1,9 +1,11 @@
-"""Bytes per GPU of a P2R model under a parallel layout, counted from the model built on the meta device.
+"""Bytes per GPU of a P2R model under a parallel layout, counted from the model's inventory (its tensors, from its
+config: `hf_p2r.models.p2r.inventory_p2r`, which tests hold equal to the model built on the meta device).
 
 Model states (weights, gradients, optimizer state) are summed tensor by tensor over the parameters a GPU holds:
-the model's own tensor-parallel plan (`model.tp_plan`, Llama's `base_model_tp_plan` plus the head's `_tp_plan`)
-says which dimension TP splits, FSDP2 / ZeRO-3 split dimension 0 in `dp` chunks (FSDP2's layout; rank 0 holds the
-largest chunk), and a pipeline stage holds the blocks its depths run. A pseudo model stores k blocks, so its model
+the model's own tensor-parallel plan (`tp_plan`: what transformers assembles as `model.tp_plan`, from the config's
+`base_model_tp_plan` and the causal LM class's head plan) says which dimension TP splits, FSDP2 / ZeRO-3 split
+dimension 0 in `dp` chunks (FSDP2's layout; rank 0 holds the largest chunk), and a pipeline stage holds the blocks its
+depths run. A pseudo model stores k blocks, so its model
 states are about k/L of the real model's; its activations are the real model's (it computes all L depths).
 
 Activations follow the tensors autograd saves in `P2RDecoderLayer` with SDPA attention (no L x L score matrix),
@@ -14,9 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
-import torch
-
-from ..models.p2r import P2RConfig, P2RForCausalLM, P2RMoeConfig, P2RMoeForCausalLM
+from ..models.p2r import P2RConfig, P2RMoeConfig
+from ..models.p2r.inventory_p2r import inventory
 from .assumptions import PRECISIONS, GiB, Precision
 
 # Where TP splits a weight, by the style names of transformers' `ALL_PARALLEL_STYLES`; other styles replicate.
@@ -32,7 +33,6 @@ _TP_DIM = {
     "packed_rowwise": -1,
     "embedding_colwise": 1,
 }
-_BLOCK = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,16 @@ class ParameterTensor:
     shape: tuple[int, ...]
     block: int | None  # stored block index for `model.layers.{b}.*`, None for embeddings, final norm and head
     tp_dim: int | None  # dimension the TP plan splits; None when every TP rank holds all of it
+    routed: float = 1.0  # share of it one token computes with (an expert's: top-k of the experts), the inventory's
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def active_numel(self) -> float:
+        """Elements one token computes with: FLOPs follow this, memory follows `numel`."""
+        return self.numel * self.routed
 
     @property
     def is_embedding(self) -> bool:
@@ -61,32 +67,33 @@ class ParameterTensor:
         return tuple(shape)
 
 
+def tp_plan(config: P2RConfig) -> dict[str, str]:
+    """The tensor-parallel plan of `AutoModelForCausalLM.from_config(config)` (its `model.tp_plan`), without building
+    the model: as transformers assembles it (`init_parallel_plans`), the causal LM class's own plan (the head), then
+    the base model's (`model.`: the embeddings on the vocabulary, and the config's `base_model_tp_plan`). The class is
+    the Auto registry's for the config's type. tests/planning/test_memory.py holds it equal to the built model's."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    head = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_tp_plan", None) or {}
+    base = {"embed_tokens": "embedding_rowwise", **(config.base_model_tp_plan or {})}
+    return {**head, **{f"model.{name}": style for name, style in base.items()}}
+
+
 def parameter_tensors(config: P2RConfig) -> list[ParameterTensor]:
-    """Every parameter of `P2RForCausalLM(config)` (`P2RMoeForCausalLM` for a `P2RMoeConfig`; tied ones once), built
-    on the meta device: nothing allocated."""
-    with torch.device("meta"):
-        model = (P2RMoeForCausalLM if isinstance(config, P2RMoeConfig) else P2RForCausalLM)(config)
-    plan = model.tp_plan
+    """Every parameter of the causal LM of `config` (tied ones once), in `named_parameters()` order, from its
+    inventory, with the dimension its TP plan splits: nothing built, nothing allocated."""
+    plan = tp_plan(config)
     tensors = []
-    for name, parameter in model.named_parameters():
-        module_name, _, leaf = name.rpartition(".")
-        style = plan.get(re.sub(r"\.\d+\.", ".*.", module_name))
-        tp_dim = _TP_DIM.get(style)
-        if tp_dim is not None and leaf == "bias" and tp_dim == -1:
-            tp_dim = None  # a row-wise layer's bias is added after the reduction: replicated
-        if tp_dim is not None and tp_dim < 0:
-            tp_dim += parameter.dim()
-        match = _BLOCK.match(name)
-        tensors.append(ParameterTensor(name, tuple(parameter.shape), int(match[1]) if match else None, tp_dim))
+    for piece in inventory(config).pieces:
+        for tensor in piece.tensors:
+            module_name, _, leaf = tensor.name.rpartition(".")
+            tp_dim = _TP_DIM.get(plan.get(re.sub(r"\.\d+\.", ".*.", module_name)))
+            if tp_dim is not None and leaf == "bias" and tp_dim == -1:
+                tp_dim = None  # a row-wise layer's bias is added after the reduction: replicated
+            if tp_dim is not None and tp_dim < 0:
+                tp_dim += len(tensor.shape)
+            tensors.append(ParameterTensor(tensor.name, tensor.shape, piece.block, tp_dim, tensor.routed))
     return tensors
-
-
-def active_numel(tensor: ParameterTensor, config: P2RConfig) -> float:
-    """Elements of `tensor` one token computes with: of a sparse layer's experts, `num_experts_per_tok` of
-    `num_experts`; every other tensor in full. FLOPs follow this, memory follows `tensor.numel`."""
-    if isinstance(config, P2RMoeConfig) and ".mlp.experts." in tensor.name:
-        return tensor.numel * config.num_experts_per_tok / config.num_experts
-    return tensor.numel
 
 
 def dp_shard_numel(shape: tuple[int, ...], dp: int) -> int:

@@ -36,6 +36,7 @@ from ..checkpoint.convert import read_p2r_config_dict
 from ..checkpoint.io import CONFIG_NAME, read_config_dict
 from ..errors import InputError, read_json
 from ..models.p2r import P2RConfig, P2RMoeConfig
+from ..models.p2r.inventory_p2r import Inventory, inventory
 from ..models.p2r.sharing_p2r import validate_layout, validate_moe
 from .assumptions import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Hardware, check_int
 from .memory import (
@@ -44,7 +45,6 @@ from .memory import (
     Memory,
     ParameterTensor,
     Precision,
-    active_numel,
     head_activation_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -125,7 +125,7 @@ class _Blocks:
     others: list[ParameterTensor]  # embeddings, final norm, head
     kind: dict[int, tuple]  # stored block -> its kind
     example: dict[tuple, list[ParameterTensor]]  # kind -> the tensors of one block of that kind
-    active_block_numel: float  # `active_numel` summed over every block's tensors
+    model: Inventory  # the FLOPs
 
     @classmethod
     def of(cls, tensors: list[ParameterTensor], config: P2RConfig) -> "_Blocks":
@@ -136,8 +136,7 @@ class _Blocks:
         for block, held in by_block.items():
             kind[block] = tuple((t.shape, t.tp_dim) for t in held)
             example.setdefault(kind[block], held)
-        active = sum(active_numel(t, config) for t in tensors if t.block is not None)
-        return cls(others, kind, example, active)
+        return cls(others, kind, example, inventory(config))
 
 
 def _estimate(
@@ -191,8 +190,7 @@ def _estimate(
     )
     tokens_per_step = workload.global_batch * workload.seq_len
     bubble = pipeline_bubble(layout.schedule, layout.pp, micro_batches)
-    per_depth = _forward_flops_per_token(config, blocks.active_block_numel, workload.seq_len)
-    compute = _compute_seconds(config, per_depth, layout, tokens_per_step, hardware) / (1 - bubble)
+    compute = _compute_seconds(blocks.model, layout, workload.seq_len, tokens_per_step, hardware) / (1 - bubble)
     engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, config)
     return Estimate(
         model,
@@ -223,13 +221,13 @@ def stage_seconds(
     model's FLOP count at `mfu * peak_flops` per GPU, and the send between neighbouring stages (one micro-batch's
     activations at the bandwidth of the link it crosses; ranks placed TP, then DP, then PP): the inputs of
     `hf_p2r.distributed.simulate`. Returns {"stages": [(forward, backward), ...], "p2p": [seconds per boundary]}."""
-    tokens = workload.micro_batch * workload.seq_len
+    tokens, seq_len = workload.micro_batch * workload.seq_len, workload.seq_len
     rate = hardware.peak_flops * hardware.mfu * layout.tp
-    per_depth = _forward_flops_per_token(config, _Blocks.of(tensors, config).active_block_numel, workload.seq_len)
-    head = 2 * config.vocab_size * config.hidden_size
+    model = inventory(config)
     times = []
     for stage in pipeline_stages(config, layout.pp):
-        forward = tokens * (len(stage.depths) * per_depth + (head if stage.last else 0)) / rate
+        training = sum(model.depth_flops(depth, seq_len) for depth in stage.depths)
+        forward = tokens * (training + (model.head.flops if stage.last else 0)) / 3 / rate  # a third: the forward
         times.append((forward, (3 if layout.recompute else 2) * forward))
     volume = tokens * config.hidden_size * workload.precision.activation
     group, per_node = layout.tp * layout.dp, hardware.gpus_per_node
@@ -315,7 +313,8 @@ def plan(
 
 @dataclass
 class PlanInput:
-    """What `read_config` found: the model, and the run's settings when the file is a trainer YAML."""
+    """The model to plan for, and the run's settings when they are known (`hf-p2r plan` reads them from a trainer
+    YAML: plain values, so that planning needs nothing of the trainer)."""
 
     config: P2RConfig
     seq_len: int | None = None
@@ -327,11 +326,8 @@ class PlanInput:
 
 
 def read_config(path: str | os.PathLike) -> PlanInput:
-    """Read a model config for planning.
-
-    Accepts a model folder or a JSON file (model_type `p2r` or `p2r_moe`, or `llama`: read as a real P2R model), or
-    a trainer YAML (`scripts/train.py --config`): its model fields, `block_size` (sequence length),
-    `per_device_batch_size`, `gradient_accumulation_steps`, `mixed_precision` and `activation_checkpointing`.
+    """Read a model config for planning: a model folder or a JSON file (model_type `p2r` or `p2r_moe`, or `llama`:
+    read as a real P2R model). (`hf-p2r plan` reads a trainer YAML with the trainer's own reader.)
 
     A folder's config.json is read as the converter reads it (`read_config_dict`: only a file within the folder;
     `read_p2r_config_dict` for a P2R one), a JSON file by `hf_p2r.errors.read_json`; every field is checked by the
@@ -339,8 +335,6 @@ def read_config(path: str | os.PathLike) -> PlanInput:
     input raises `InputError` (a `FileNotFoundError` for a missing file) naming the file and the problem.
     """
     path = Path(path)
-    if path.suffix in (".yaml", ".yml"):
-        return _read_trainer_yaml(path)
     if path.is_dir():
         file, values = path / CONFIG_NAME, read_config_dict(path)
     else:
@@ -373,28 +367,6 @@ def _cut(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-def _read_trainer_yaml(path: Path) -> PlanInput:
-    from ..training.config import parse_config  # the trainer's own reader: same keys, same errors
-
-    run = parse_config(["--config", str(path)])
-    notes = []
-    vocab_size = run.model.vocab_size
-    if vocab_size is None:
-        vocab_size = 256
-        notes.append(f"{path}: vocab_size is not set (the tokenizer decides it at training time); assumed 256")
-    config = run.p2r_config(vocab_size=vocab_size, num_blocks=run.initial_blocks(), special_tokens={})
-    precision = {"bf16": "amp", "fp16": "amp", "no": "fp32"}.get(run.train.mixed_precision)
-    return PlanInput(
-        config,
-        seq_len=run.data.block_size,
-        micro_batch=run.train.per_device_batch_size,
-        gradient_accumulation_steps=run.train.gradient_accumulation_steps,
-        precision=precision,
-        recompute=run.model.activation_checkpointing,
-        notes=notes,
-    )
-
-
 def pseudo_and_real(config: P2RConfig, num_unique_layers: int | None = None) -> tuple[P2RConfig, P2RConfig]:
     """The pseudo model (k blocks: the config's own, else `num_unique_layers`, default 1) and the real model."""
     pseudo, real = copy.deepcopy(config), copy.deepcopy(config)
@@ -412,6 +384,17 @@ def pseudo_and_real(config: P2RConfig, num_unique_layers: int | None = None) -> 
         except ValueError as error:
             raise InputError(f"num_unique_layers={k}: {error}") from None
     return pseudo, real
+
+
+def check_builds(config: P2RConfig) -> None:
+    """Build the causal LM of `config` on the meta device (nothing allocated) and drop it: a field its validators do
+    not cover (an unknown `hidden_act`, say) fails here as it would in `from_pretrained`. The pseudo model of
+    `pseudo_and_real` holds every kind of block the real one does, in k blocks instead of L: check that one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(config)
 
 
 def _unit_numels(held: list[ParameterTensor], tp: int) -> dict:
@@ -439,20 +422,11 @@ def _buffer_bytes(units: dict, layout: Layout, p: Precision, uses: Counter, offl
     return 0
 
 
-def _forward_flops_per_token(config, active_block_numel, seq_len) -> float:
-    """Forward FLOPs per token of one depth: 2 per (active) block parameter, and 4 q s for the attention scores."""
-    block_numel = active_block_numel / config.num_blocks
-    heads = config.num_attention_heads
-    q = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return 2 * block_numel + 4 * q * seq_len
-
-
-def _compute_seconds(config, per_depth, layout, tokens_per_step, hardware) -> float:
-    """Seconds of the step's FLOPs spread evenly over the GPUs, before the pipeline bubble (`per_depth`: forward
-    FLOPs per token of one depth)."""
-    head = config.vocab_size * config.hidden_size
-    layers = config.num_hidden_layers * per_depth
-    flops_per_token = 3 * layers + 6 * head + (layers if layout.recompute else 0)
+def _compute_seconds(model: Inventory, layout: Layout, seq_len: int, tokens_per_step: int, hardware: Hardware) -> float:
+    """Seconds of the step's training FLOPs (the inventory's; recomputation runs each depth's forward, a third of its
+    FLOPs, once more) spread evenly over the GPUs, before the pipeline bubble."""
+    layers = model.flops(seq_len) - model.head.flops
+    flops_per_token = layers + (layers / 3 if layout.recompute else 0) + model.head.flops
     return flops_per_token * tokens_per_step / (layout.gpus * hardware.peak_flops * hardware.mfu)
 
 
@@ -571,6 +545,7 @@ __all__ = [
     "PlanInput",
     "Workload",
     "candidate_layouts",
+    "check_builds",
     "estimate",
     "plan",
     "pseudo_and_real",

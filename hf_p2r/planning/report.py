@@ -1,7 +1,7 @@
 """The table `hf-p2r plan` prints."""
 
 from ..models.p2r import P2RConfig
-from .memory import GiB, ParameterTensor, active_numel, parameter_tensors
+from .memory import GiB, ParameterTensor, parameter_tensors
 from .plan import Estimate, Hardware, Workload
 
 COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "bubble")
@@ -79,7 +79,7 @@ def format_plan(
         parameters = _count(sum(t.numel for t in held))
         if getattr(config, "num_experts", 0):
             # Memory follows all the experts, FLOPs the k a token is routed to.
-            active = _count(round(sum(active_numel(t, config) for t in held)))
+            active = _count(round(sum(t.active_numel for t in held)))
             parameters = f"{parameters} parameters ({active} active per token: top-{config.num_experts_per_tok} of "
             parameters += f"{config.num_experts} experts)"
         else:

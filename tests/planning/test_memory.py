@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from hf_p2r import P2RConfig
 from hf_p2r.planning import (
@@ -13,8 +14,10 @@ from hf_p2r.planning import (
     saved_activation_bytes,
     stage_tensors,
 )
+from hf_p2r.planning.memory import tp_plan
 
 from ..conftest import tiny_config, tiny_model
+from ..models.test_modeling_p2r_moe import moe_config
 
 MODELS = {
     "real": {},
@@ -22,6 +25,24 @@ MODELS = {
     "pseudo-tied": {"share_layers": True, "num_unique_layers": 1, "tie_word_embeddings": True},
     "real-bias": {"attention_bias": True, "mlp_bias": True},
 }
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        *(tiny_config(**fields) for fields in MODELS.values()),
+        moe_config(share_layers=True, num_unique_layers=2, decoder_sparse_step=2, mlp_bias=True),
+    ],
+    ids=[*MODELS, "moe"],
+)
+def test_parameter_tensors_and_tp_plan_are_the_meta_models(config):
+    """The planner counts from the model's inventory and the TP plan transformers would assemble, without building
+    the model: both are the meta-device model's."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert tp_plan(config) == model.tp_plan
+    planned = [(t.name, t.shape) for t in parameter_tensors(config)]
+    assert planned == [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def measured_model_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:

@@ -4,7 +4,6 @@ import pytest
 
 from hf_p2r.cli import main
 from hf_p2r.planning import Hardware, Layout, estimate, parameter_tensors
-from hf_p2r.planning.memory import active_numel
 from hf_p2r.planning.plan import pseudo_and_real, read_config
 
 from ..models.test_modeling_p2r_moe import moe_config, moe_model
@@ -17,7 +16,7 @@ def test_parameter_tensors_count_every_expert_and_active_the_routed_ones():
     assert sum(t.numel for t in tensors) == sum(p.numel() for p in moe_model(num_experts=8).parameters())
     experts = sum(t.numel for t in tensors if ".mlp.experts." in t.name)
     assert experts == 8 * 8 * 3 * 48 * 32  # L x E x (gate, up, down) x moe_intermediate x hidden
-    assert sum(active_numel(t, config) for t in tensors) == sum(t.numel for t in tensors) - experts * 6 / 8
+    assert sum(t.active_numel for t in tensors) == sum(t.numel for t in tensors) - experts * 6 / 8
 
 
 def test_more_experts_cost_memory_not_flops():

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from hf_p2r.cli import main
+from hf_p2r.commands.plan import read_plan_input
 from hf_p2r.planning import (
     PRECISIONS,
     Hardware,
@@ -141,7 +142,7 @@ def test_read_config_accepts_folders_json_and_trainer_yaml(tmp_path):
         "hidden_size: 64\nintermediate_size: 128\nnum_hidden_layers: 6\nnum_attention_heads: 4\n"
         "num_unique_layers: 2\nblock_size: 96\nper_device_batch_size: 3\nactivation_checkpointing: true\n"
     )
-    found = read_config(yaml_file)
+    found = read_plan_input(yaml_file)
     assert (found.config.num_hidden_layers, found.config.num_blocks, found.seq_len, found.micro_batch) == (6, 2, 96, 3)
     assert found.recompute and found.notes  # vocab_size unset: assumed, and said so
 
