@@ -1,8 +1,9 @@
-"""Publishing checkpoint folders to the Hugging Face Hub, with a model card rendered from `model_cards/`.
+"""Publishing checkpoint folders to the Hugging Face Hub, with a model card (`hf_p2r.checkpoint.card`, rendered from
+`model_cards/`).
 
-Everything goes through huggingface_hub: `ModelCard`/`ModelCardData` render the card, `HfApi.create_repo` and one
-`HfApi.create_commit` upload the folder and the card together. (The card is added as an operation of that commit
-instead of being written into the folder, so pushing never modifies the folder.)
+Everything goes through huggingface_hub: `HfApi.create_repo` and one `HfApi.create_commit` upload the folder and the
+card together. (The card is added as an operation of that commit instead of being written into the folder, so pushing
+never modifies the folder.)
 
 Only what lies within the folder is uploaded (`hf_p2r.checkpoint.io.files_within`: regular files, and the links of a
 Hugging Face cache snapshot into its own blobs); a link out of the folder (to /etc/passwd, say), a FIFO or a device is
@@ -15,119 +16,22 @@ import re
 from pathlib import Path
 
 import yaml
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm import tqdm
 
+from .checkpoint.card import render_model_card
 from .checkpoint.headers import read_weights
-from .checkpoint.io import file_within, files_within, read_config_dict
+from .checkpoint.io import file_within, files_within
 from .errors import InputError
 
 logger = logging.getLogger(__name__)
 
-# hf_p2r/model_cards links to model_cards/ at the top of the repository; a wheel holds a copy.
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "model_card.md"
 CARD_NAME = "README.md"
 # A README.md larger than this is not a card hf-p2r wrote (those are a few KB): it is uploaded as it is, unparsed.
 MAX_CARD_BYTES = 1 << 20
 # Skipped files named in the one line that reports them; the rest are counted.
 _NAMED_SKIPS = 10
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-# config.json fields shown in the card's table
-_CONFIG_FIELDS = (
-    "num_hidden_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "tie_word_embeddings",
-)
-
-
-def render_model_card(
-    folder: str | os.PathLike, *, model_id: str | None = None, provenance: dict | None = None
-) -> ModelCard:
-    """The model card of the checkpoint in `folder`, rendered from `model_cards/model_card.md`.
-
-    `model_id` (a Hub repo id, or a name; default: the folder's name) appears in the title and the code snippet.
-    `provenance` (written by `convert_pseudo_to_real`) is stored in the card's metadata under `hf_p2r`, with
-    `rendered_for: model_id` (so that `push_to_hub` can tell an unedited card, and render it again for the repo, even
-    after the folder was renamed), and shown as a section. Metadata: `library_name: transformers`, `pipeline_tag:
-    text-generation`, tags `pseudo-to-real`, the model type, and `custom_code` only when the folder needs
-    `trust_remote_code` (its config.json has `auto_map`). The weights are opened (headers only: no tensor data is
-    read) to count parameters, so a corrupt checkpoint is an error here.
-    """
-    folder = Path(folder)
-    model_id = model_id or folder.name
-    if provenance is not None:
-        provenance = {**provenance, "rendered_for": model_id}
-    config = read_config_dict(folder)
-    model_type = config.get("model_type")
-    model_type = model_type if isinstance(model_type, str) else "unknown"
-    architectures = config.get("architectures")
-    architecture = architectures[0] if isinstance(architectures, list) and architectures else "?"
-    remote_code = "auto_map" in config
-    depth = config.get("num_hidden_layers")
-    share = bool(config.get("share_layers"))
-    blocks = config.get("num_unique_layers") if share else depth
-    weights = read_weights(folder).values()
-    num_parameters = sum(info.numel for info in weights)
-    dtypes = sorted({info.dtype_name for info in weights})
-
-    moe = model_type in ("p2r_moe", "mixtral")
-    if model_type in ("p2r", "p2r_moe"):
-        shape = "a Mixtral-shaped mixture-of-experts decoder" if moe else "a Llama-shaped decoder"
-        summary = (
-            f"A *pseudo* P2R model: {shape} whose {depth} layers share {blocks} block(s) of parameters (experts and "
-            "routers included)."
-            if share and moe
-            else f"A *pseudo* P2R model: {shape} whose {depth} layers share {blocks} block(s) of parameters."
-            if share
-            else f"A *real* P2R model: {shape} in which every layer has its own parameters."
-        )
-        blocks_text = (
-            f"{blocks} (pseudo: shared, `sharing_pattern: {config.get('sharing_pattern')}`)"
-            if share
-            else f"{blocks} (real: one per layer)"
-        )
-    else:
-        summary = f"A `{model_type}` checkpoint; it loads in transformers without hf-p2r."
-        blocks_text = f"{depth} (one per layer)"
-
-    card_data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        tags=["pseudo-to-real", model_type] + (["custom_code"] if remote_code else []),
-        hf_p2r=provenance,
-    )
-    return ModelCard.from_template(
-        card_data,
-        template_path=MODEL_CARD_TEMPLATE,
-        model_id=model_id,
-        summary=summary,
-        architecture=architecture,
-        model_type=model_type,
-        blocks=blocks_text,
-        share_layers=share,
-        num_parameters=f"{num_parameters:,}",
-        dtypes=", ".join(dtypes),
-        usage=_usage(
-            model_id,
-            model_type,
-            remote_code,
-            has_tokenizer=any(file_within(folder, folder / f) for f in _TOKENIZER_FILES),
-        ),
-        weight_names="Mixtral's" if moe else "Llama's",
-        experts=(
-            f"{config.get('num_experts') or config.get('num_local_experts')} x FFN "
-            f"{config.get('moe_intermediate_size') or config.get('intermediate_size')}, "
-            f"top-{config.get('num_experts_per_tok')} per token"
-            if moe
-            else None
-        ),
-        **{key: config.get(key) for key in _CONFIG_FIELDS},
-    )
 
 
 def push_to_hub(
@@ -310,17 +214,4 @@ def _report(folder, repo_id, files, skipped, card, card_note, *, private, revisi
         lines.append(f"Not uploaded: {_skipped_line(folder, skipped)}")
     if card is not None:
         lines += ["", str(card)]
-    return "\n".join(lines)
-
-
-def _usage(model_id: str, model_type: str, remote_code: bool, *, has_tokenizer: bool) -> str:
-    lines = []
-    if model_type in ("p2r", "p2r_moe") and not remote_code:
-        lines.append("import hf_p2r  # registers the P2R architecture with transformers")
-    lines.append(f"from transformers import AutoModelForCausalLM{', AutoTokenizer' if has_tokenizer else ''}")
-    lines.append("")
-    extra = ", trust_remote_code=True" if remote_code else ""
-    lines.append(f'model = AutoModelForCausalLM.from_pretrained("{model_id}"{extra})')
-    if has_tokenizer:
-        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{model_id}")')
     return "\n".join(lines)

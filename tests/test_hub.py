@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_p2r import convert_pseudo_to_real, export_llama, push_to_hub
+from hf_p2r.checkpoint.card import render_model_card
 from hf_p2r.cli import main
 from hf_p2r.errors import InputError
-from hf_p2r.hub import check_branch, render_model_card
+from hf_p2r.hub import check_branch
 
 from .conftest import tiny_model
 
@@ -202,7 +203,7 @@ def test_model_card_template_ships_inside_the_package():
     """hf_p2r/model_cards links to the repository's model_cards/, so wheels carry the templates (package data)."""
     from pathlib import Path
 
-    from hf_p2r.hub import MODEL_CARD_TEMPLATE
+    from hf_p2r.checkpoint.card import MODEL_CARD_TEMPLATE
 
     repo = Path(__file__).resolve().parents[1]
     assert MODEL_CARD_TEMPLATE.parent == repo / "hf_p2r" / "model_cards"

@@ -29,7 +29,6 @@ import re
 import shutil
 import types
 from pathlib import Path
-from typing import Literal
 
 from ..errors import InputError
 from ..models.p2r.inventory_p2r import DEPTH_DEFAULT, LAYOUT_DEFAULTS, MOE_DEFAULTS, SHAPE_DEFAULTS, inventory
@@ -44,6 +43,7 @@ from ..models.p2r.sharing_p2r import (
 from .headers import FLOAT_CODES, TensorInfo, parse_size, printable, read_weights
 from .io import CONFIG_NAME, atomic_directory, files_within, read_config_dict, resolve_destination, why_skipped
 from .ranges import copying
+from .targets import get_target
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,9 @@ CARRIED_FILES = (
 CARRIED_FOLDERS = ("additional_chat_templates",)
 # dtypes an output can be cast to: those transformers loads without a quantization config.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-# Fields of a P2R config.json that Llama does not have (or must not inherit).
-NOT_LLAMA = ("share_layers", "num_unique_layers", "sharing_pattern", "auto_map", "model_type", "transformers_version")
 # The most tensors an output may hold: far above any model's (DeepSeek-V3: ~92,000), far below what would exhaust
 # memory while it is planned.
 MAX_TENSORS = 2_000_000
-TARGETS = ("p2r", "llama", "mixtral")
 
 
 def convert_pseudo_to_real(
@@ -77,7 +74,7 @@ def convert_pseudo_to_real(
     num_unique_layers: int | None = None,
     max_shard_size: int | str = "5GB",
     dtype=None,
-    target: Literal["p2r", "llama", "mixtral"] = "p2r",
+    target: str = "p2r",
     overwrite: bool = False,
     verify: bool = False,
     progress: bool = True,
@@ -121,8 +118,7 @@ def convert_pseudo_to_real(
     ```
     """
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
-    if target not in TARGETS:
-        raise InputError(f"target must be 'p2r', 'llama' or 'mixtral', got {target!r}")
+    spec = get_target(target)
     if num_unique_layers is not None and (
         isinstance(num_unique_layers, bool) or not isinstance(num_unique_layers, int)
     ):
@@ -130,13 +126,13 @@ def convert_pseudo_to_real(
     src = Path(src)
     config = read_p2r_config_dict(src)
     depth, stored = config["num_hidden_layers"], config["num_unique_layers"]
-    if not config["share_layers"] and target == "p2r" and dtype is None:
+    if not config["share_layers"] and not spec.real_only and dtype is None:
         raise InputError(
             f"{src / CONFIG_NAME}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
             "delink; export it with target='llama' or 'mixtral' (--target), or cast it with dtype (--dtype)"
         )
     blocks = depth if num_unique_layers is None else num_unique_layers
-    if target != "p2r" and blocks != depth:
+    if spec.real_only and blocks != depth:
         raise InputError(
             f"target={target!r} needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
             f"not num_hidden_layers ({depth})"
@@ -152,7 +148,7 @@ def convert_pseudo_to_real(
                 f"{src}: num_unique_layers={blocks} cannot be reached from {stored} blocks (sharing_pattern="
                 f"{pattern!r}, {depth} layers): every depth must keep the block it ran; it can be {', '.join(shown)}"
             )
-    check_target(src, config, target)
+    spec.check(config, src / CONFIG_NAME)
     return rewrite_checkpoint(
         src,
         dst,
@@ -165,27 +161,6 @@ def convert_pseudo_to_real(
         verify=verify,
         progress=progress,
     )
-
-
-def check_target(src: Path, config: dict, target: str) -> None:
-    """A vanilla target must exist for the model: Llama for dense models, Mixtral for MoE models (and only those MoE
-    models Mixtral can express: `mixtral_fields`' checks). One `ValueError` naming config.json and the field."""
-    path, moe = src / CONFIG_NAME, config["model_type"] == "p2r_moe"
-    if target == "llama" and moe:
-        raise ValueError(
-            f"{path}: model_type is 'p2r_moe' (experts): target='llama' is for dense models; use 'mixtral'"
-        )
-    if target == "mixtral" and not moe:
-        raise ValueError(
-            f"{path}: model_type is 'p2r' (a dense model, no experts): target='mixtral' is for MoE models; use 'llama'"
-        )
-    if target == "mixtral":
-        from .mixtral import mixtral_fields
-
-        try:
-            mixtral_fields(config)
-        except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
 
 
 def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
@@ -265,7 +240,7 @@ def rewrite_checkpoint(
     config: dict,
     *,
     num_blocks: int,
-    target: Literal["p2r", "llama", "mixtral"],
+    target: str,
     max_shard_size: int,
     dtype: str | None,
     overwrite: bool,
@@ -274,9 +249,7 @@ def rewrite_checkpoint(
 ) -> Path:
     """Stream the checkpoint in `src` (whose config.json is `config`, from `read_p2r_config_dict`) into `dst` with
     `num_blocks` blocks (the shared engine of `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype`
-    already parsed)."""
-    from .. import __version__
-
+    already parsed; `target` checked by its `Target.check`)."""
     dst = Path(dst)
     _check_not_nested(src, dst)
     stored_blocks = config["num_unique_layers"] if config["share_layers"] else config["num_hidden_layers"]
@@ -305,7 +278,7 @@ def rewrite_checkpoint(
 
     source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
-    if num_blocks == stored_blocks and target == "p2r":
+    if num_blocks == stored_blocks and not get_target(target).real_only:
         change = "a copy" if out_dtype == source_dtype else f"cast from {source_dtype} to {out_dtype}"
         logger.warning(f"nothing to delink: {src} already has {stored_blocks} blocks; {dst} is {change}")
     tensors = {new: weights[new_to_old[new]] for new in order}
@@ -318,7 +291,7 @@ def rewrite_checkpoint(
         "sharing_pattern": config["sharing_pattern"],
         "dtype": f"{out_dtype} (unchanged)" if out_dtype == source_dtype else f"{out_dtype} (cast from {source_dtype})",
         "target": target,
-        "converted_with": f"hf-p2r {__version__}",
+        "converted_with": f"hf-p2r {_version('hf-p2r')}",
     }
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         if out_dtype == source_dtype:  # bytes as they are: copied by the kernel while the rest is written
@@ -350,37 +323,31 @@ def tensor_count(config: dict, num_blocks: int) -> int:
 
 def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, provenance) -> None:
     """Everything but the weights: config.json, the files that travel with a checkpoint, the model card."""
-    from ..hub import render_model_card  # huggingface_hub's model cards (0.3 s of imports: while the kernel copies)
+    from .card import render_model_card  # huggingface_hub's model cards (0.3 s of imports: while the kernel copies)
 
     out_config = output_config(config, num_blocks, target=target, dtype=dtype)
     (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-    _carry_files(src, tmp, remote_code=target == "p2r" and "auto_map" in out_config)
+    _carry_files(src, tmp, remote_code=get_target(target).carries_code and "auto_map" in out_config)
     render_model_card(tmp, model_id=model_id, provenance=provenance).save(tmp / "README.md")
 
 
-def output_config(config: dict, num_blocks: int, *, target: Literal["p2r", "llama", "mixtral"], dtype: str) -> dict:
-    """The config.json of the output: the source's with the sharing fields (and `dtype`) of `num_blocks` blocks; for
-    `target="llama"`, without P2R's fields; for `target="mixtral"`, Mixtral's fields (`mixtral_fields`). Written as
-    transformers writes a config (sorted keys, indent 2), so a source saved by transformers gives the file
-    `save_pretrained` would write (a test checks it)."""
+def output_config(config: dict, num_blocks: int, *, target: str, dtype: str) -> dict:
+    """The config.json of the output: the source's with the sharing fields (and `dtype`) of `num_blocks` blocks, as
+    the conversion `target` writes it (`Target.fields`, and the `model_type` it writes: Llama's fields without P2R's,
+    or Mixtral's). Written as transformers writes a config (sorted keys, indent 2), so a source saved by transformers
+    gives the file `save_pretrained` would write (a test checks it)."""
+    spec = get_target(target)
     out = copy.deepcopy(config)
     out.pop("torch_dtype", None)  # the old name of `dtype`
     out.update(share_layers=num_blocks < config["num_hidden_layers"], num_unique_layers=num_blocks, dtype=dtype)
-    out["transformers_version"] = _transformers_version() or out.get("transformers_version")
-    if target == "llama":
-        out = {key: value for key, value in out.items() if key not in NOT_LLAMA}
-        out.update(architectures=["LlamaForCausalLM"], model_type="llama")
-        out["transformers_version"] = _transformers_version() or config.get("transformers_version")
-    elif target == "mixtral":
-        from .mixtral import mixtral_fields
-
-        out = {**mixtral_fields(out), "model_type": "mixtral", "transformers_version": out["transformers_version"]}
-    return out
+    version = _version("transformers") or out.get("transformers_version")
+    return {**spec.fields(out), "model_type": spec.writes[config["model_type"]], "transformers_version": version}
 
 
-def _transformers_version() -> str | None:
+def _version(package: str) -> str | None:
+    """The installed version of `package` (its distribution's metadata), None if it is not installed."""
     try:
-        return importlib.metadata.version("transformers")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
 

@@ -6,9 +6,10 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from ..models.p2r import P2RConfig, P2RForCausalLM
-from .convert import NOT_LLAMA, parse_dtype, read_p2r_config_dict, rewrite_checkpoint
+from .convert import parse_dtype, read_p2r_config_dict, rewrite_checkpoint
 from .headers import parse_size
 from .save import save_model
+from .targets import llama_fields
 
 
 def llama_config(config: P2RConfig) -> LlamaConfig:
@@ -18,9 +19,7 @@ def llama_config(config: P2RConfig) -> LlamaConfig:
             "config: share_layers=True (a pseudo model) has no Llama equivalent; delink() the model, or convert the "
             "checkpoint with hf_p2r.convert_pseudo_to_real(..., target='llama')"
         )
-    fields = {key: value for key, value in config.to_dict().items() if key not in NOT_LLAMA}
-    fields["architectures"] = ["LlamaForCausalLM"]
-    return LlamaConfig.from_dict(fields)
+    return LlamaConfig.from_dict(llama_fields(config.to_dict()))
 
 
 def export_llama(

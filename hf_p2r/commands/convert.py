@@ -11,6 +11,8 @@ HELP = "convert a pseudo checkpoint into a real one, or a real one into Llama/Mi
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..checkpoint.targets import TARGETS  # torch-free: --help and argument errors answer at once
+
     parser = subparsers.add_parser(
         "convert",
         help=HELP,
@@ -50,11 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", metavar="DTYPE", help="cast the weights to float32, float16, bfloat16 or float64")
     parser.add_argument(
         "--target",
-        choices=("p2r", "llama", "mixtral"),
+        choices=list(TARGETS),
         default="p2r",
-        help="p2r: a P2R checkpoint, dense or MoE (default); llama: a vanilla LlamaForCausalLM checkpoint (dense "
-        "models); mixtral: a vanilla MixtralForCausalLM checkpoint (MoE models without expert prototyping or dense "
-        "layers). llama and mixtral write the real model, from a pseudo or a real SRC",
+        help="; ".join(f"{name}: {target.help}" for name, target in TARGETS.items())
+        + f". {' and '.join(name for name, target in TARGETS.items() if target.real_only)} write the real model, from "
+        "a pseudo or a real SRC",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     parser.add_argument(

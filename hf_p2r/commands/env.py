@@ -32,9 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
 def collect() -> dict[str, str]:
     """{what: value} for a bug report."""
-    from .. import __version__
-
-    info = {"hf-p2r version": __version__, "Python version": platform.python_version(), "Platform": platform.platform()}
+    info = {"hf-p2r version": _version("hf-p2r"), "Python version": platform.python_version()}
+    info["Platform"] = platform.platform()
     for package in PACKAGES:
         info[f"{package} version"] = _version(package)
     info.update(_cuda())
