@@ -12,31 +12,18 @@
 Names load on first use (PEP 562), so that the torch-free modules stay torch-free.
 """
 
-import importlib
+from ..lazy import lazy_exports
 
-_EXPORTS = {
-    "CheckpointReader": ".reader",
-    "atomic_directory": ".io",
-    "convert_pseudo_to_real": ".convert",
-    "export_llama": ".llama",
-    "export_mixtral": ".mixtral",
-    "file_within": ".io",
-    "files_within": ".io",
-    "llama_config": ".llama",
-    "mixtral_config": ".mixtral",
-    "read_config_dict": ".io",
-    "read_p2r_config": ".convert",
-    "render_model_card": ".card",
-    "save_model": ".save",
-    "verify_checkpoint": ".convert",
-    "write_checkpoint": ".writer",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".card": ("render_model_card",),
+        ".convert": ("convert_pseudo_to_real", "read_p2r_config", "verify_checkpoint"),
+        ".io": ("atomic_directory", "file_within", "files_within", "read_config_dict"),
+        ".llama": ("export_llama", "llama_config"),
+        ".mixtral": ("export_mixtral", "mixtral_config"),
+        ".reader": ("CheckpointReader",),
+        ".save": ("save_model",),
+        ".writer": ("write_checkpoint",),
+    },
+)

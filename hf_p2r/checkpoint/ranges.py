@@ -35,26 +35,16 @@ _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno
 _CHUNK = 64 << 20
 
 
-def copy_checkpoint(
-    folder: str | os.PathLike,
-    tensors: Mapping[str, TensorInfo],
-    *,
-    max_shard_size: int,
-    metadata: Mapping[str, str] | None = None,
-    progress: bool = True,
-    workers: int | None = None,
-) -> list[Path]:
+def copy_checkpoint(folder: str | os.PathLike, tensors: Mapping[str, TensorInfo], **options) -> list[Path]:
     """Write the checkpoint {output name: where its bytes are} into `folder`: the same files, byte for byte, as
     `write_checkpoint` writes from the same tensors (shards of at most `max_shard_size` planned in the order of
-    `tensors`, `model.safetensors.index.json` when sharded); returns the files written.
+    `tensors`, `model.safetensors.index.json` when sharded); returns the files written. `options` are `copying`'s.
 
     The bytes are copied by the kernel (see the module's docstring) by up to `workers` threads (default: the CPU
     count, at most 4), range by range; anonymous memory does not grow with the model. `folder` must exist (make it
     with `atomic_directory`). A progress bar over bytes is shown on a terminal when `progress`.
     """
-    with copying(
-        folder, tensors, max_shard_size=max_shard_size, metadata=metadata, progress=progress, workers=workers
-    ) as files:
+    with copying(folder, tensors, **options) as files:
         pass
     return files
 

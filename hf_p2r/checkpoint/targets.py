@@ -78,31 +78,19 @@ class Target:
             raise ValueError(f"{path}: {error}") from None
 
 
+# name: (source model_type -> model_type written, config.json fields, vanilla, help)
 TARGETS: dict[str, Target] = {
-    target.name: target
-    for target in (
-        Target(
-            "p2r",
-            writes={"p2r": "p2r", "p2r_moe": "p2r_moe"},
-            fields=_same_fields,
-            vanilla=False,
-            help="a P2R checkpoint, dense or MoE (default)",
+    name: Target(name, *entry)
+    for name, entry in {
+        "p2r": ({"p2r": "p2r", "p2r_moe": "p2r_moe"}, _same_fields, False, "a P2R checkpoint, dense or MoE (default)"),
+        "llama": ({"p2r": "llama"}, llama_fields, True, "a vanilla LlamaForCausalLM checkpoint (dense models)"),
+        "mixtral": (
+            {"p2r_moe": "mixtral"},
+            mixtral_fields,
+            True,
+            "a vanilla MixtralForCausalLM checkpoint (MoE models without expert prototyping or dense layers)",
         ),
-        Target(
-            "llama",
-            writes={"p2r": "llama"},
-            fields=llama_fields,
-            vanilla=True,
-            help="a vanilla LlamaForCausalLM checkpoint (dense models)",
-        ),
-        Target(
-            "mixtral",
-            writes={"p2r_moe": "mixtral"},
-            fields=mixtral_fields,
-            vanilla=True,
-            help="a vanilla MixtralForCausalLM checkpoint (MoE models without expert prototyping or dense layers)",
-        ),
-    )
+    }.items()
 }
 
 

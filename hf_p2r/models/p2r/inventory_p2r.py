@@ -116,8 +116,28 @@ class Tensor:
         return sum(self.experts if "{e}" in pattern else 1 for pattern, _ in self.disk)
 
 
+class _Totals:
+    """Parameters (all, and those one token uses) and tensors on disk, summed over the parts of a whole."""
+
+    def _parts(self):  # a piece's tensors, a model's pieces
+        raise NotImplementedError
+
+    @property
+    def numel(self) -> int:
+        return sum(part.numel for part in self._parts())
+
+    @property
+    def active_numel(self) -> float:
+        return sum(part.active_numel for part in self._parts())
+
+    @property
+    def disk_count(self) -> int:
+        """How many tensors `save_pretrained` writes (a MoE layer's experts one per expert and projection)."""
+        return sum(part.disk_count for part in self._parts())
+
+
 @dataclass(frozen=True)
-class Piece:
+class Piece(_Totals):
     """A part of the model a pipeline stage holds whole: the embeddings, one stored block, or the head."""
 
     name: str  # "embeddings", "block <b>", "head"
@@ -126,21 +146,12 @@ class Piece:
     flops: float  # training FLOPs per token of one run (matrix products only; a depth adds its attention scores)
     sparse: bool = False  # a MoE block with a router and experts
 
-    @property
-    def numel(self) -> int:
-        return sum(t.numel for t in self.tensors)
-
-    @property
-    def active_numel(self) -> float:
-        return sum(t.active_numel for t in self.tensors)
-
-    @property
-    def disk_count(self) -> int:
-        return sum(t.disk_count for t in self.tensors)
+    def _parts(self) -> tuple[Tensor, ...]:
+        return self.tensors
 
 
 @dataclass(frozen=True)
-class Inventory:
+class Inventory(_Totals):
     """The pieces of one model (see the module docstring)."""
 
     embeddings: Piece
@@ -155,18 +166,13 @@ class Inventory:
     def pieces(self) -> tuple[Piece, ...]:
         return (self.embeddings, *self.blocks, self.head)
 
+    def _parts(self) -> tuple[Piece, ...]:
+        return self.pieces
+
     def tensors(self) -> Iterator[Tensor]:
         """Every parameter, in `named_parameters()` order (tied ones once)."""
         for piece in self.pieces:
             yield from piece.tensors
-
-    @property
-    def numel(self) -> int:
-        return sum(piece.numel for piece in self.pieces)
-
-    @property
-    def active_numel(self) -> float:
-        return sum(piece.active_numel for piece in self.pieces)
 
     def attention_flops(self, seq_len: int) -> float:
         """Training FLOPs per token of one depth's attention scores over `seq_len` tokens."""
@@ -193,11 +199,6 @@ class Inventory:
         if self.moe:
             tensors.sort(key=lambda t: natural_key(t.name))
         return {name: shape for t in tensors for name, shape in t.on_disk()}
-
-    @property
-    def disk_count(self) -> int:
-        """len(disk_shapes()), without building it."""
-        return sum(piece.disk_count for piece in self.pieces)
 
 
 def inventory(config, num_blocks: int | None = None) -> Inventory:

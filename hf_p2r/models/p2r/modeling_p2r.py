@@ -432,14 +432,17 @@ class P2RModel(P2RPreTrainedModel):
         self.vocab_size = config.vocab_size
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        # A pseudo model stores k blocks; a real one stores L.
-        self.layers = nn.ModuleList([P2RDecoderLayer(config, block) for block in range(config.num_blocks)])
+        self.layers = nn.ModuleList(self._stored_blocks(config))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
         # Initialize weights and apply final processing
         self.post_init()
+
+    def _stored_blocks(self, config: P2RConfig) -> list[nn.Module]:
+        """The decoder layers the model stores: k for a pseudo model, L for a real one (the MoE model's differ)."""
+        return [P2RDecoderLayer(config, block) for block in range(config.num_blocks)]
 
     @accepts_past_key_values
     @merge_with_config_defaults
@@ -520,9 +523,11 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     _fsdp_plan = {"lm_head": "keep_full_weight"}
 
+    base_model_class = P2RModel  # what `self.model` is (the MoE model's differs)
+
     def __init__(self, config: P2RConfig):
         super().__init__(config)
-        self.model = P2RModel(config)
+        self.model = self.base_model_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -24,7 +24,6 @@ from transformers.core_model_loading import Concatenate, MergeModulelist, Weight
 from transformers.integrations import use_experts_implementation
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
@@ -194,20 +193,10 @@ class P2RMoeModel(P2RMoePreTrainedModel, P2RModel):
     def __init__(self, config: P2RMoeConfig):
         validate_layout(config)  # again: fields may have been assigned since the config was built
         validate_moe(config)
-        # P2RModel.__init__ would build (and initialise) dense layers: skip to P2RPreTrainedModel's.
-        super(P2RModel, self).__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
+        super().__init__(config)
 
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [P2RMoeDecoderLayer(config, block, sparse) for block, sparse in enumerate(config.sparse_blocks)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-
-        self.post_init()
+    def _stored_blocks(self, config: P2RMoeConfig) -> list[nn.Module]:
+        return [P2RMoeDecoderLayer(config, block, sparse) for block, sparse in enumerate(config.sparse_blocks)]
 
     # P2RModel's signature, not (*args, **kwargs): transformers reads the forward's parameters (main input,
     # inputs_embeds, the cache) to decide what to pass and test.
@@ -239,14 +228,7 @@ def router_aux_loss(
 
 
 class P2RMoeForCausalLM(P2RMoePreTrainedModel, P2RForCausalLM):
-    def __init__(self, config: P2RMoeConfig):
-        # P2RForCausalLM.__init__ would build a dense P2RModel: skip to P2RPreTrainedModel's.
-        super(P2RForCausalLM, self).__init__(config)
-        self.model = P2RMoeModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-        self.post_init()
+    base_model_class = P2RMoeModel
 
     @accepts_past_key_values
     @can_return_tuple
