@@ -3,17 +3,26 @@
 Each read is written for every release pyproject.toml allows; tests/test_compat.py runs them on the declared floors
 and on the newest releases (.ci/run's compatibility pass), so a private name that moves breaks here, with a test,
 instead of somewhere in a training run. No torch at import: the converter's fast path imports this module.
+
+By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`), Accelerate
+(`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
+`local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
+`initialize_pipeline_stage`). A new read goes beside its library's, with a test.
 """
 
 import importlib
 
 __all__ = [
     "defer_auto_registration",
+    "forget_preparation",
     "in_backward",
     "initialize_pipeline_stage",
+    "local_tensor",
     "parse_size_to_int",
     "pipeline_order",
+    "prepared_models",
     "reshard_after_backward",
+    "tensor_version",
 ]
 
 
@@ -117,6 +126,30 @@ class _DeferredEntries(dict):
     def copy(self) -> dict:
         self._resolve_all()
         return dict(dict.items(self))
+
+
+def prepared_models(accelerator) -> list:
+    """The models `accelerator.prepare` returned and still holds (what `save_state` saves): a DeepSpeed engine, DDP,
+    or the model itself when prepared in place (one device, FSDP2). Accelerate keeps them in `_models`."""
+    return list(accelerator._models)
+
+
+def forget_preparation(model) -> None:
+    """Drop Accelerate's "already prepared" mark from `model` (`_is_accelerate_prepared`), so that the next `prepare`
+    wraps it again (mixed precision's autocast forward included) instead of handing it back as it is."""
+    vars(model).pop("_is_accelerate_prepared", None)
+
+
+def local_tensor(tensor):
+    """This rank's shard of a DTensor (`_local_tensor`: a view, so writes go to the shard; `to_local()` is an autograd
+    function), or the tensor itself."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def tensor_version(tensor) -> int:
+    """The tensor's version counter (`_version`), which every in-place write increments: how a copy knows whether its
+    source changed since it was taken."""
+    return tensor._version
 
 
 def reshard_after_backward(module) -> bool:

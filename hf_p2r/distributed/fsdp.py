@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..compat import reshard_after_backward
+from ..compat import local_tensor, reshard_after_backward
 from ..models.p2r import P2RPreTrainedModel, delink_sources
 
 
@@ -171,18 +171,18 @@ def delink_fully_sharded(
     new_model = shard(new_model)
 
     first = next(iter(old_parameters.values()))
-    new_model.to_empty(device=_local(first).device)
+    new_model.to_empty(device=local_tensor(first).device)
     with torch.no_grad():
         for name, parameter in new_model.named_parameters():
             source = old_parameters[parameter_map[name]]
             if getattr(parameter, "placements", None) != getattr(source, "placements", None) or (
-                _local(parameter).shape != _local(source).shape
+                local_tensor(parameter).shape != local_tensor(source).shape
             ):
                 raise ValueError(
                     f"{name}: the new model is not sharded like the old one ({_layout(parameter)} vs "
                     f"{_layout(source)}); pass a `shard` that applies the old model's FSDP layout"
                 )
-            _local(parameter).copy_(_local(source))
+            local_tensor(parameter).copy_(local_tensor(source))
             parameter.requires_grad_(source.requires_grad)
     _copy_buffers(model, new_model)
     new_model.train(model.training)
@@ -218,18 +218,13 @@ def gather_deepspeed_model(engine) -> P2RPreTrainedModel:
 def _copy_buffers(source: nn.Module, target: nn.Module, device: torch.device | str | None = None) -> None:
     """Give `target` copies of `source`'s buffers (the rotary tables, which meta-device construction leaves empty)."""
     for name, buffer in source.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        target.get_submodule(owner)._buffers[leaf] = buffer.detach().to(device or buffer.device, copy=True)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view: writes go to the shard), or the tensor itself."""
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+        owner, _, leaf = name.rpartition(".")  # assigning a registered buffer's name replaces it, persistence kept
+        setattr(target.get_submodule(owner), leaf, buffer.detach().to(device or buffer.device, copy=True))
 
 
 def _layout(tensor: torch.Tensor) -> str:
     placements = getattr(tensor, "placements", None)
-    return f"placements={placements}, local shape={tuple(_local(tensor).shape)}"
+    return f"placements={placements}, local shape={tuple(local_tensor(tensor).shape)}"
 
 
 __all__ = ["delink_fully_sharded", "fully_shard_p2r", "gather_deepspeed_model", "gather_shared_once"]

@@ -30,7 +30,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+from .pipeline.schedules import ONE_STAGE_SCHEDULES, get_schedule
+
+# The schedules whose action lists this module writes (the registry's with one stage per process); torch's lists of
+# the others are simulated as they are.
+SCHEDULES = ONE_STAGE_SCHEDULES
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, UPDATE = "F", "B", "I", "W", "U"
 
 
@@ -103,20 +107,25 @@ def two_bw_actions(stages: int, microbatches: int, batches: int) -> list[list[Ac
     """PipeDream-2BW over `batches` optimizer steps of `microbatches` each: one 1F1B stream with no flush, and each
     stage's update (U) right after its last backward of a batch. Needs m >= d: batch k + 1's first forward on stage
     0 comes d - 1 forwards before batch k's last backward there, so the version it needs (k) must already exist."""
-    if microbatches < stages:
-        raise ValueError(f"2bw: num_microbatches ({microbatches}) must be at least the pipeline depth ({stages})")
+    get_schedule("2bw").check_microbatches(microbatches, stages)
     return _one_f_one_b(stages, microbatches * batches, microbatches)
 
 
 def schedule_actions(schedule: str, stages: int, microbatches: int, batches: int = 1) -> list[list[Action]]:
-    """The action lists of `schedule` ("gpipe", "1f1b" or "2bw"; 2BW over `batches` steps)."""
-    if schedule == "gpipe":
-        return gpipe_actions(stages, microbatches)
-    if schedule == "1f1b":
-        return one_f_one_b_actions(stages, microbatches)
-    if schedule == "2bw":
+    """The action lists of `schedule` (one of `SCHEDULES`: "gpipe", "1f1b" or "2bw"), as the registry describes it:
+    every forward before every backward (a stage holding every micro-batch: GPipe), 1F1B with a flush, or 1F1B
+    streamed over `batches` steps (no flush: 2BW)."""
+    spec = get_schedule(schedule)
+    if spec.virtual_stages:
+        raise ValueError(
+            f"pipeline_schedule: {schedule} runs several stages per process; simulate torch's own action lists "
+            "(hf_p2r.compat.pipeline_order) with `simulate`"
+        )
+    if not spec.flush:
         return two_bw_actions(stages, microbatches, batches)
-    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if spec.holds_every_microbatch:
+        return gpipe_actions(stages, microbatches)
+    return one_f_one_b_actions(stages, microbatches)
 
 
 def simulate(
@@ -194,8 +203,9 @@ def simulate(
 def simulate_schedule(
     schedule: str, costs: list[StageCost], microbatches: int, *, p2p: float | list[float] = 0.0, batches: int = 6
 ) -> Simulation:
-    """`simulate` of `schedule_actions(schedule, len(costs), microbatches)`: one stage per rank; 2BW over `batches`."""
-    actions = schedule_actions(schedule, len(costs), microbatches, batches if schedule == "2bw" else 1)
+    """`simulate` of `schedule_actions(schedule, len(costs), microbatches)`: one stage per rank; a schedule without a
+    flush (2BW) over `batches` steps."""
+    actions = schedule_actions(schedule, len(costs), microbatches, 1 if get_schedule(schedule).flush else batches)
     return simulate(actions, costs, microbatches, p2p=p2p, schedule=schedule)
 
 

@@ -1,14 +1,16 @@
-"""Pseudo-to-Real training with Accelerate: pseudo stage -> delink -> real stage in one run.
+"""Pseudo-to-Real training: pseudo stage -> delink -> real stage in one run.
 
 Modules, each readable alone: `config` (the YAML + command-line configuration), `data` (corpus, tokenizer, packed
-blocks), `optim` (AdamW and the learning-rate schedule), `delink` (delinking a model in training and carrying its
-optimizer state), `checkpointing` (atomic checkpoints and model saves), `metrics` (metrics.jsonl and the loss
-curve), `train` (the run).
+blocks), `optim` (AdamW and the learning-rate schedule), `offload` (granular CPU offload), `carry` (the optimizer
+state across a delink), `delink` (delinking a model or a pipeline in training), `checkpointing` (atomic checkpoints
+and model saves), `metrics` (metrics.jsonl and the loss curve), `run` (the step log, the stop on signals, the output
+folder, the summary), `engines` (how each backend steps, delinks, evaluates and saves), `train` (the one loop).
 """
 
 from .config import ConfigError, DataArguments, ModelArguments, TrainArguments, TrainConfig, parse_config
-from .delink import delink_in_training, delink_with_optimizer
-from .train import NonFiniteLossError, build_model, train
+from .delink import delink_in_training, delink_pipeline, delink_with_optimizer
+from .run import NonFiniteLossError
+from .train import build_model, train
 
 __all__ = [
     "ConfigError",
@@ -19,6 +21,7 @@ __all__ = [
     "TrainConfig",
     "build_model",
     "delink_in_training",
+    "delink_pipeline",
     "delink_with_optimizer",
     "parse_config",
     "train",

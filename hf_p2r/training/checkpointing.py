@@ -41,6 +41,7 @@ from transformers import PreTrainedTokenizerBase
 from ..checkpoint import atomic_directory
 from ..checkpoint import save_model as write_model_folder
 from ..checkpoint.headers import read_header
+from ..compat import prepared_models
 from ..errors import InputError, read_json
 from ..models.p2r import P2RForCausalLM
 from .config import DataArguments, ModelArguments, TrainConfig
@@ -379,10 +380,24 @@ def save_model(
     remote_code: bool,
 ) -> None:
     """Save the unwrapped `model` and its tokenizer into `directory` (replaced atomically) as a checkpoint that
-    `from_pretrained` loads (`hf_p2r.checkpoint.save_model`); with `remote_code`, with the model's code. Call on every
-    process: the full state dict is gathered by `accelerator.get_state_dict` on all of them (a collective when the
-    model is sharded: FSDP2, ZeRO-3), then the main process writes it."""
+    `from_pretrained` loads (`write_model`); with `remote_code`, with the model's code. Call on every process: the full
+    state dict is gathered by `accelerator.get_state_dict` on all of them (a collective when the model is sharded:
+    FSDP2, ZeRO-3), then the main process writes it."""
     state_dict = accelerator.get_state_dict(_prepared(accelerator, model))
+    write_model(accelerator, model, tokenizer, directory, remote_code, state_dict)
+
+
+def write_model(
+    accelerator: Accelerator,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: str | Path,
+    remote_code: bool,
+    state_dict: dict[str, torch.Tensor] | None,
+) -> None:
+    """The main process writes `state_dict` (the whole model's weights, needed there only) as `model`'s checkpoint
+    into `directory` through `hf_p2r.checkpoint.save_model` (`model` may be a skeleton on the meta device); every
+    process waits for it. Call on every process."""
     if accelerator.is_main_process:
         write_model_folder(
             model,
@@ -399,7 +414,7 @@ def save_model(
 def _prepared(accelerator: Accelerator, model: nn.Module) -> nn.Module:
     """What `accelerator.prepare` returned for the unwrapped `model` (a DeepSpeed engine, DDP...), which
     `get_state_dict` needs under ZeRO-3; the model itself when it was prepared in place (one device, FSDP2)."""
-    for prepared in accelerator._models:
+    for prepared in prepared_models(accelerator):
         if prepared is model or accelerator.unwrap_model(prepared) is model:
             return prepared
     return model

@@ -30,6 +30,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
+from ..distributed.pipeline.schedules import SCHEDULES, get_schedule
 from ..errors import InputError
 from ..models.p2r import P2RConfig, P2RMoeConfig, delink_sources
 
@@ -254,7 +255,7 @@ class TrainArguments:
         default=1,
         metadata={"help": "Pipeline stages (processes) the model is split into by depth (hf_p2r.distributed)."},
     )
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "2bw"] = field(
+    pipeline_schedule: Literal[SCHEDULES] = field(  # the registry's names (hf_p2r.distributed.pipeline.schedules)
         default="1f1b",
         metadata={"help": "Pipeline schedule: torch's gpipe, 1f1b, interleaved_1f1b, zero_bubble, or PipeDream-2BW."},
     )
@@ -331,12 +332,13 @@ class TrainArguments:
 
     def _check_pipeline(self) -> None:
         """Refuse, in one line naming the fields, what a pipelined run does not support."""
+        schedule = get_schedule(self.pipeline_schedule)  # what it allows: the schedule registry
+        try:
+            if self.data_parallel_shard:
+                schedule.check_shardable()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         refused = [
-            (
-                "data_parallel_shard",
-                self.data_parallel_shard and self.pipeline_schedule == "2bw",
-                "PipeDream-2BW swaps two weight versions, which FSDP2's sharded parameters do not allow",
-            ),
             ("offload", self.offload is not None, "granular offload runs in one process"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps != 1, "num_microbatches splits the batch"),
             ("mixed_precision", self.mixed_precision not in (None, "no"), "stages run in fp32 so far"),
@@ -352,11 +354,10 @@ class TrainArguments:
                 f"num_microbatches: {microbatches} must divide per_device_batch_size ({self.per_device_batch_size}), "
                 "the pipeline's batch"
             )
-        if self.pipeline_schedule == "2bw" and microbatches < self.pipeline_parallel_size:
-            raise ConfigError(
-                f"num_microbatches: PipeDream-2BW needs at least pipeline_parallel_size ({self.pipeline_parallel_size})"
-                f" micro-batches per step, got {microbatches}"
-            )
+        try:
+            schedule.check_microbatches(microbatches, self.pipeline_parallel_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     @property
     def total_steps(self) -> int:
@@ -507,18 +508,18 @@ def even_delink_steps(pseudo_steps: int, count: int) -> list[int]:
     return [(2 * pseudo_steps * i + count + 1) // (2 * (count + 1)) for i in range(1, count + 1)]
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
+def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> TrainConfig:
     """`--config FILE` (YAML, flat keys) plus `--field value` overrides -> `TrainConfig`.
 
     Raises `ConfigError` (a `ValueError`), one line naming the field, the YAML key and file, or the bad flag, for any
-    bad input; `--help` prints every field and exits.
+    bad input; `--help` prints every field (under the command name `prog`) and exits.
     """
     pre = _ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, rest = pre.parse_known_args(argv)
     parser = _Parser(
         (ModelArguments, DataArguments, TrainArguments),
-        prog="train.py",
+        prog=prog,
         usage="%(prog)s [--config FILE] [--FIELD VALUE ...]",
         description="P2R pretraining: pseudo stage -> delink -> real stage. Every --FIELD is also a YAML key; a list "
         "--FIELD takes its values one after the other (none, [] or no value: an empty list).",

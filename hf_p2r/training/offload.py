@@ -49,16 +49,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..compat import in_backward
+from ..compat import in_backward, tensor_version
 from ..planning.memory import offload_working_set_bytes
+from .config import TrainArguments
 
 __all__ = [
     "GranularOffload",
+    "apply_offload",
     "decoder_layers",
     "estimate_device_bytes",
     "estimate_host_bytes",
     "execution_order",
     "measure_activation_bytes",
+    "measure_offload_activations",
     "offload_working_set_bytes",
     "select_layers",
     "spread_layers",
@@ -453,7 +456,7 @@ class GranularOffload:
                 source = master if work.dtype == master.dtype else next(converted).copy_(master)
                 block.works.append(work)
                 block.sources.append(source)
-                block.versions.append(p._version)
+                block.versions.append(tensor_version(p))
             self._blocks[i] = block
         # {parameter: (master, staging buffer)} for the gradient path.
         self._host = {p: (m, s) for b in self._blocks.values() for p, m, s in zip(b.params, b.masters, b.staging)}
@@ -462,10 +465,10 @@ class GranularOffload:
                 self._moved.append((p, p.device))
                 self._set_data(p, p.data.to(self.device))
         for module in self.model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != self.device:
+            for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if buffer.device != self.device:
                     self._moved_buffers.append((module, name, buffer))
-                    module._buffers[name] = buffer.to(self.device)
+                    setattr(module, name, buffer.to(self.device))  # a registered buffer: replaced, persistence kept
 
     @staticmethod
     def _set_data(p: nn.Parameter, data: torch.Tensor) -> None:
@@ -507,7 +510,7 @@ class GranularOffload:
         for p, origin in self._moved:
             self._set_data(p, p.data.to(origin))
         for module, name, buffer in self._moved_buffers:
-            module._buffers[name] = buffer
+            setattr(module, name, buffer)
         self._moved, self._moved_buffers = [], []
 
     @property
@@ -634,9 +637,9 @@ class GranularOffload:
                         "offload: an offloaded parameter was moved or replaced while GranularOffload is applied "
                         "(model.to(), .half(), ...); call offload.remove() first and apply it again after"
                     )
-                if source is not master and (self._stale or block.versions[i] != p._version):
+                if source is not master and (self._stale or block.versions[i] != tensor_version(p)):
                     source.copy_(master)
-                    block.versions[i] = p._version
+                    block.versions[i] = tensor_version(p)
                 if p.grad is not None:  # accumulated on the CPU; this backward's gradient is added at its end
                     self._grads[p] = p.grad
                     p.grad = None
@@ -764,3 +767,41 @@ class GranularOffload:
                 p.data = master
                 if (grad := self._grads.pop(p, None)) is not None:
                     p.grad = grad
+
+
+def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activation_bytes: int = 0):
+    """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it.
+
+    Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks).
+    Raises `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA.
+    """
+    if args.offload is None:
+        return None
+    args.check_offload_budget(accelerator.device.type)  # ConfigError: `auto` with no device memory to plan for
+    budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
+    return GranularOffload(
+        model,
+        args.offload_spec,
+        device=accelerator.device,
+        prefetch=args.offload_prefetch,
+        # The autocast dtype: otherwise autocast caches a cast of every offloaded weight until backward.
+        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision),
+        budget_bytes=budget,
+        activation_bytes=activation_bytes,
+    )
+
+
+def measure_offload_activations(model: nn.Module, args: TrainArguments, block_size: int, accelerator) -> int:
+    """Activation bytes of one training micro-batch, for `offload: auto` (0 for other offload modes).
+
+    Measured on the CPU, before the model is placed (the pseudo model's activations equal the real model's), with
+    one sequence of at most 512 tokens under the run's bf16 autocast, then scaled linearly to the micro-batch:
+    attention is `sdpa`-like (linear in the sequence), so this is an estimate, like the rest of `auto`'s plan.
+    """
+    if args.offload != "auto":
+        return 0
+    tokens = min(block_size, 512)
+    input_ids = torch.zeros((1, tokens), dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=accelerator.mixed_precision == "bf16"):
+        measured = measure_activation_bytes(model, input_ids)
+    return measured * args.per_device_batch_size * block_size // tokens

@@ -14,8 +14,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_wsd_schedule
 
+from .carry import block_of
 from .config import TrainArguments
-from .offload import GranularOffload, measure_activation_bytes
+from .offload import GranularOffload
 
 
 def build_optimizer(
@@ -57,50 +58,18 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return min(group["lr"] for group in optimizer.param_groups)
 
 
-def shared_lr_scales(model: nn.Module, args: TrainArguments) -> dict[int, float]:
-    """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths."""
+def shared_lr_scales(model, args: TrainArguments) -> dict[int, float]:
+    """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths of the
+    whole model. `model`: a P2R model, or a pipeline's stages (their parameters under the model's names, the whole
+    model's layout in `config`)."""
     if args.shared_lr_scale == "none":
         return {}
     uses = Counter(model.config.block_of_depth)
-    return {id(p): 1.0 / uses[block] for block, layer in enumerate(model.base_model.layers) for p in layer.parameters()}
-
-
-def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activation_bytes: int = 0):
-    """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it.
-
-    Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks).
-    Raises `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA.
-    """
-    if args.offload is None:
-        return None
-    args.check_offload_budget(accelerator.device.type)  # ConfigError: `auto` with no device memory to plan for
-    budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
-    return GranularOffload(
-        model,
-        args.offload_spec,
-        device=accelerator.device,
-        prefetch=args.offload_prefetch,
-        # The autocast dtype: otherwise autocast caches a cast of every offloaded weight until backward.
-        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision),
-        budget_bytes=budget,
-        activation_bytes=activation_bytes,
-    )
-
-
-def measure_offload_activations(model: nn.Module, args: TrainArguments, block_size: int, accelerator) -> int:
-    """Activation bytes of one training micro-batch, for `offload: auto` (0 for other offload modes).
-
-    Measured on the CPU, before the model is placed (the pseudo model's activations equal the real model's), with
-    one sequence of at most 512 tokens under the run's bf16 autocast, then scaled linearly to the micro-batch:
-    attention is `sdpa`-like (linear in the sequence), so this is an estimate, like the rest of `auto`'s plan.
-    """
-    if args.offload != "auto":
-        return 0
-    tokens = min(block_size, 512)
-    input_ids = torch.zeros((1, tokens), dtype=torch.long)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=accelerator.mixed_precision == "bf16"):
-        measured = measure_activation_bytes(model, input_ids)
-    return measured * args.per_device_batch_size * block_size // tokens
+    return {
+        id(param): 1.0 / uses[block]
+        for name, param in model.named_parameters()
+        if (block := block_of(name)) is not None
+    }
 
 
 def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -> float:

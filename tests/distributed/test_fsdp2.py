@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_p2r.distributed import delink_fully_sharded, fully_shard_p2r, gather_shared_once
 from hf_p2r.planning import PRECISIONS, Layout, model_state_bytes, parameter_tensors
-from hf_p2r.training.delink import _Before, carry_optimizer_state
+from hf_p2r.training.carry import ParameterSnapshot, carry_optimizer_state
 
 from ..conftest import tiny_model
 from . import spawn
@@ -75,10 +75,11 @@ def train_step(model, optimizer, input_ids) -> None:
 def delink_and_carry(model, optimizer, delink):
     """The trainer's delink step (`delink_in_training`): `delink(model)` -> (new model, {new name: old name}), then a
     new AdamW whose state `carry_optimizer_state` fills with carry "scale" (DTensor shards under FSDP2)."""
-    before = _Before.of(model)
+    before = ParameterSnapshot.of(model)
     new_model, parameter_map = delink(model)
     new_optimizer = torch.optim.AdamW(new_model.parameters(), lr=LR)
-    carry_optimizer_state(optimizer, new_optimizer, new_model, parameter_map, before, "scale")
+    after = ParameterSnapshot.of(new_model)
+    carry_optimizer_state(optimizer, new_optimizer, before, after, parameter_map, "scale")
     return new_model, new_optimizer, parameter_map
 
 

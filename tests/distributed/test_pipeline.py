@@ -24,7 +24,6 @@ from hf_p2r.distributed.pipeline import (
     balanced_split,
     build_pipeline,
     check_split,
-    delink_pipeline,
     explain_split,
     gather_state_dict,
     load_pipeline_state,
@@ -33,7 +32,8 @@ from hf_p2r.distributed.pipeline import (
     pipeline_state,
 )
 from hf_p2r.training import parse_config, train
-from hf_p2r.training.delink import _Before, carry_optimizer_state
+from hf_p2r.training.carry import ParameterSnapshot, carry_optimizer_state
+from hf_p2r.training.delink import delink_pipeline
 from hf_p2r.training.metrics import read_metrics
 
 from ..conftest import tiny_config
@@ -223,14 +223,13 @@ def run_with_delink(
         mesh=mesh,
         **kw,
     )
-    optimizer = pipeline.schedule.optimizer if schedule == "2bw" else adamw(pipeline.parameters())
+    optimizer = pipeline.optimizer  # made by optimizer_factory; 2BW steps it inside its schedule
     first = 0
     if state is not None:
         first, saved = state
         if first > before:
             optimizer = delink_pipeline(pipeline, optimizer, adamw, "scale")
         load_pipeline_state(pipeline, optimizer, saved)
-        optimizer = pipeline.schedule.optimizer if schedule == "2bw" else optimizer
     losses = []
     for step, ids in enumerate(batches(before + after, 2 * microbatches * pipelines)):
         if step < first:
@@ -263,10 +262,10 @@ def one_process_delink(world: int, before: int = 2, after: int = 2) -> P2RForCau
     optimizer = adamw(model.parameters())
     for step, ids in enumerate(batches(before + after, 2 * world)):
         if step == before:
-            previous, mapping = _Before.of(model), model.delink_parameter_map()
+            previous, mapping = ParameterSnapshot.of(model), model.delink_parameter_map()
             model.delink()
             new_optimizer = adamw(model.parameters())
-            carry_optimizer_state(optimizer, new_optimizer, model, mapping, previous, "scale")
+            carry_optimizer_state(optimizer, new_optimizer, previous, ParameterSnapshot.of(model), mapping, "scale")
             optimizer = new_optimizer
         accumulate(model, ids, world)
         optimizer.step()
@@ -281,7 +280,7 @@ def delink_checks(world: int, folder: str) -> dict:
     out["delink_vs_one_process"] = worst_difference(
         (param, reference[name]) for name, param in pipeline.named_parameters()
     )
-    out["real_after_delink"] = not pipeline.config.share_layers and not pipeline._replicas
+    out["real_after_delink"] = not pipeline.config.share_layers and not pipeline.replicas
     for schedule in ("1f1b", "2bw"):
         uninterrupted = losses if schedule == "1f1b" else run_with_delink(schedule, world)[0]
         for stop in (2, 3):  # just before the delink, and after it

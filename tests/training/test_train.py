@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_p2r import P2RForCausalLM, cli
 from hf_p2r.training import NonFiniteLossError, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
+from hf_p2r.training.engines.accelerate import check_gpu_per_process
 from hf_p2r.training.metrics import delink_points, read_metrics
-from hf_p2r.training.train import _check_gpu_per_process
 
 from .helpers import PYTHON, REPO, subprocess_env, tiny_argv, trajectory
 
@@ -253,12 +253,12 @@ def test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once(
     one kind would merge into one, and a loaded machine delays a child's start and its handlers by seconds."""
     code = """
 import signal, sys, time
-from hf_p2r.training.train import _StopOnSignal
+from hf_p2r.training.run import StopOnSignal
 
 # As in a terminal: a shell starting this suite in the background (`cmd &`) hands its children SIGINT ignored
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-class Counting(_StopOnSignal):
+class Counting(StopOnSignal):
     handled = 0
 
     def _handle(self, signum, frame):
@@ -318,6 +318,6 @@ def test_a_cpu_process_without_a_gpu_of_its_own_is_refused_before_it_starts(tmp_
     with pytest.raises(ValueError, match="^cpu: this CPU run has 2 processes .* 1 GPU.* hide the GPUs"):
         train(parse_config(tiny_argv(tmp_path / "run", cpu="true", pseudo_steps=1, real_steps=0, warmup_steps=1)))
     assert not (tmp_path / "run").exists()
-    _check_gpu_per_process(False)
+    check_gpu_per_process(False)
     monkeypatch.setenv("LOCAL_RANK", "0")
-    _check_gpu_per_process(True)
+    check_gpu_per_process(True)

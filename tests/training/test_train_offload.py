@@ -10,8 +10,7 @@ import torch
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.data import load_tokenizer
 from hf_p2r.training.metrics import read_metrics
-from hf_p2r.training.offload import estimate_device_bytes, spread_layers
-from hf_p2r.training.optim import apply_offload, measure_offload_activations
+from hf_p2r.training.offload import apply_offload, estimate_device_bytes, measure_offload_activations, spread_layers
 from hf_p2r.training.train import build_model
 
 from .helpers import tiny_argv, trajectory

@@ -1,5 +1,6 @@
-"""Run by test_launch.py under `accelerate launch` with two gloo processes: the trainer's `_evaluate` on an odd number
-of validation blocks, with a collective in every forward pass, as under FSDP2 / ZeRO-3 (their parameter all-gather).
+"""Run by test_launch.py under `accelerate launch` with two gloo processes: the Accelerate engine's `evaluate` on an
+odd number of validation blocks, with a collective in every forward pass, as under FSDP2 / ZeRO-3 (their parameter
+all-gather).
 
 Writes `rank{N}.json` into the folder given as the only argument: forward passes run, the validation loss, and the
 same loss computed block by block in this one process.
@@ -17,7 +18,7 @@ from datasets import Dataset
 
 from hf_p2r import P2RConfig, P2RForCausalLM
 from hf_p2r.training import TrainArguments
-from hf_p2r.training.train import _evaluate
+from hf_p2r.training.engines.accelerate import evaluate
 
 NUM_BLOCKS, EVAL_BLOCKS, BATCH_SIZE = 40, 9, 4  # process 0 takes 5 blocks (2 batches), process 1 takes 4 (1 batch)
 CHOSEN = [0, 4, 8, 13, 17, 22, 26, 31, 35]  # 9 blocks spread evenly over 40
@@ -52,7 +53,7 @@ def main(output_dir: Path) -> None:
     model.register_forward_pre_hook(all_gather_like_fsdp)
     model = accelerator.prepare(model)
     args = TrainArguments(eval_blocks=EVAL_BLOCKS, per_device_batch_size=BATCH_SIZE)
-    val_loss = _evaluate(accelerator, model, blocks, args)
+    val_loss = evaluate(accelerator, model, blocks, args)
     result = {"forwards": forwards, "val_loss": val_loss, "expected": expected.item()}
     (output_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()

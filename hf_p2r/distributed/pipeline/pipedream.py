@@ -34,18 +34,33 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from ..compat import initialize_pipeline_stage
-from .pipeline import model_name
+from ...compat import initialize_pipeline_stage
+from .schedules import get_schedule
 
 
 class SchedulePipeDream2BW(PipelineScheduleSingle):
-    """PipeDream-2BW over one `PipelineStage` per process; `attach` gives it the pipeline and its optimizer."""
+    """PipeDream-2BW over one `PipelineStage` per process.
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable):
+    It owns its state (the two weight versions, which one the module holds, which one the optimizer steps, the batch
+    counters); what it needs of the pipeline around it is passed in: `finish_gradients` is called with a version's
+    parameters (stage names) once its batch's backwards are done (the mean over the micro-batches, the replicas'
+    reduction and the clipping: `Pipeline.finish_gradients`), `optimizer` returns the optimizer to step, over the
+    module's parameters when it was made (after a delink: the new one, after `delinked`).
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: Callable,
+        *,
+        finish_gradients: Callable[[dict[str, nn.Parameter]], None],
+        optimizer: Callable[[], torch.optim.Optimizer],
+    ):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        if n_microbatches < stage.num_stages:
-            raise ValueError(f"num_microbatches: PipeDream-2BW needs m >= d (m={n_microbatches}, d={stage.num_stages})")
+        get_schedule("2bw").check_microbatches(n_microbatches, stage.num_stages)
         self.m, self.stage, self.loss_fn = n_microbatches, stage, loss_fn
+        self.finish_gradients, self._optimizer = finish_gradients, optimizer
         # Micro-batch g uses the stage's infrastructure slot g mod 2m (fewer than m are ever in flight).
         self.slots = 2 * n_microbatches
         self._ready = False
@@ -57,16 +72,19 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         self.batches = 0  # batches started
         self.updated = 0  # batches whose update is applied
         self.observer: Callable[[], None] | None = None  # called after every forward and backward (tests)
-
-    def attach(self, pipeline, optimizer_factory, max_grad_norm: float | None) -> None:
-        """Create the second weight version and the optimizer (over the first; it follows the updated set)."""
-        self.pipeline, self.max_grad_norm = pipeline, max_grad_norm
-        self.optimizer_factory = optimizer_factory
-        first = dict(self.stage.submod.named_parameters())
+        first = dict(stage.submod.named_parameters())
         self.versions = [first, _clone(first)]
         self.installed = 0  # the set the module holds
-        self.optimizer = optimizer_factory(list(first.values()))
-        self.optimizer_set = 0
+        self.optimizer_set = 0  # the set the optimizer's parameter slots point at
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ValueError(
+                "pipeline_schedule: 2bw steps the optimizer itself; give the pipeline one (optimizer_factory)"
+            )
+        return optimizer
 
     # --- the schedule ---------------------------------------------------------------------------------------------
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
@@ -159,13 +177,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     def _update(self, batch: int) -> None:
         """W(batch + 1) = W(batch) - step(grad f_batch(W(batch - 1))), into the set batch ran on (now free)."""
         updated, newest = self.versions[batch % 2], self.versions[(batch + 1) % 2]
-        for param in updated.values():
-            if param.grad is not None:
-                param.grad.div_(self.m)  # the mean over the micro-batches, as the flush schedules' scale_grads
-        named = {model_name(name, self.pipeline.config.tie_word_embeddings): param for name, param in updated.items()}
-        self.pipeline.reduce_gradients(named)
-        if self.max_grad_norm:
-            self.pipeline.clip_grad_norm_(self.max_grad_norm, named)
+        self.finish_gradients(updated)  # the mean over the micro-batches, reduced (and clipped) as the pipeline does
         with torch.no_grad():
             for name, param in updated.items():
                 param.copy_(newest[name])
@@ -205,19 +217,41 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
             tensors.update(_graph_leaves(outputs))
         return -(-len(tensors) // len(self.versions[0]))
 
-    # --- the delink -----------------------------------------------------------------------------------------------
-    def delinked(self, mapping_stage: dict[str, str]) -> None:
-        """After `delink_stages` changed the module (drained first): both sets follow the new layout. The installed
-        set is the module's; the other is delinked alike (each new weight a copy of the weight its depth ran)."""
+    # --- the delink and checkpoints ----------------------------------------------------------------------------
+    def delinked(self, mapping: dict[str, str]) -> None:
+        """After the delink changed the module (drained first): both sets follow the new layout (`mapping`: {new stage
+        name: old stage name}). The installed set is the module's; the other is delinked alike (each new weight a copy
+        of the weight its depth ran). The optimizer to come is made over the module's parameters."""
         installed = self.installed  # after `drain()`, the newest weights (the last update went there)
         other = self.versions[1 - installed]
-        module_params = dict(self.stage.submod.named_parameters())
-        self.versions[installed] = module_params
+        self.versions[installed] = dict(self.stage.submod.named_parameters())
         self.versions[1 - installed] = {
             name: nn.Parameter(other[source].detach().clone(), requires_grad=other[source].requires_grad)
-            for name, source in mapping_stage.items()
+            for name, source in mapping.items()
         }
         self.optimizer_set = installed
+
+    def state_dict(self, name_of: Callable[[str], str]) -> dict:
+        """What a checkpoint keeps of the schedule beside the module's weights (after `drain()`): the other weight
+        version (under `name_of` each stage name) and the batch counters."""
+        other = self.versions[self.batches % 2]
+        return {
+            "other_version": {name_of(name): param.detach() for name, param in other.items()},
+            "batches": self.batches,
+            "updated": self.updated,
+        }
+
+    def load_state_dict(self, state: dict, name_of: Callable[[str], str]) -> None:
+        """Restore `state_dict` into a schedule whose module already holds the saved (newest) weights and whose
+        optimizer is over them."""
+        self.batches, self.updated = state["batches"], state["updated"]
+        newest = (self.batches - 1) % 2  # where the last update went: the module's parameters
+        if self.installed != newest:  # the module's set (and the optimizer's) must be the newest
+            self.versions.reverse()
+        self.installed = self.optimizer_set = newest
+        with torch.no_grad():
+            for name, param in self.versions[1 - newest].items():
+                param.copy_(state["other_version"][name_of(name)])
 
 
 def _clone(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:

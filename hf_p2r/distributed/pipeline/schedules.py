@@ -1,0 +1,148 @@
+"""The pipeline schedules hf-p2r runs and what each one is: the one registry that the trainer's `pipeline_schedule`
+choices, the runtime (`build_pipeline`), the simulator (`hf_p2r.distributed.simulate`) and the planner read.
+
+Plain Python (no torch): the planner and the simulator import it without the runtime.
+
+```python
+>>> from hf_p2r.distributed.pipeline.schedules import SCHEDULES, get_schedule
+>>> SCHEDULES
+('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', '2bw')
+>>> get_schedule("2bw").weight_versions, get_schedule("interleaved_1f1b").virtual_stages
+(2, True)
+```
+
+A schedule new to hf-p2r is one entry here (and, if torch does not have it, a class beside `pipedream.py`).
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """What one pipeline schedule is; every other module derives its behaviour from these fields."""
+
+    name: str  # the trainer's `pipeline_schedule` value
+    title: str  # how messages name it
+    torch_name: str | None  # torch.distributed.pipelining's `get_schedule_class` name; None: hf-p2r's own (2bw)
+    virtual_stages: bool  # several stages per process (interleaved), else one
+    weight_versions: int  # weight copies a stage keeps in a pipeline (2BW: the newest and the one in flight)
+    microbatches_at_least_stages: bool  # needs m >= d micro-batches per optimizer step (d: processes of a pipeline)
+    flush: bool  # each optimizer step ends with a flush (a bubble of (d - 1) / (m + d - 1)); 2BW streams the steps
+    holds_every_microbatch: bool  # a stage keeps every micro-batch's activations (GPipe), else at most d - s (1F1B)
+    updates_inside: bool  # the schedule reduces, clips and steps the optimizer itself (2BW's delayed update)
+    why_microbatches: str = ""  # what fewer than d micro-batches would break
+    shard_refusal: str = ""  # why FSDP2-sharded stages (data_parallel_shard) are refused; "": they are allowed
+
+    def check_microbatches(self, microbatches: int, stages: int) -> None:
+        """The m >= d rule, the one place it is checked: `ValueError` naming `num_microbatches` if it is broken."""
+        if self.microbatches_at_least_stages and microbatches < stages:
+            raise ValueError(
+                f"num_microbatches: {self.title} needs at least pipeline_parallel_size micro-batches per optimizer "
+                f"step: num_microbatches ({microbatches}) must be at least the pipeline depth ({stages}); "
+                f"{self.why_microbatches}"
+            )
+
+    def check_shardable(self) -> None:
+        """`ValueError` naming `data_parallel_shard` if this schedule cannot run FSDP2-sharded stages."""
+        if self.shard_refusal:
+            raise ValueError(
+                f"data_parallel_shard: not supported with pipeline_parallel_size > 1 ({self.title} "
+                f"{self.shard_refusal}; use replicated data-parallel stages: data_parallel_shard: false)"
+            )
+
+    def stages_per_process(self, virtual_stages: int) -> int:
+        """Stages a process runs: `virtual_stages` under an interleaved schedule, else one."""
+        return virtual_stages if self.virtual_stages else 1
+
+    def versions(self, stages: int) -> int:
+        """Copies of its weights a stage of a `stages`-deep pipeline holds (one without a pipeline)."""
+        return self.weight_versions if stages > 1 else 1
+
+    def in_flight(self, stages: int, stage: int, microbatches: int) -> int:
+        """Micro-batches whose activations stage `stage` of `stages` holds at once, at most."""
+        return microbatches if self.holds_every_microbatch else min(stages - stage, microbatches)
+
+    def bubble(self, stages: int, microbatches: int) -> float:
+        """Idle share of a step with equal stages and free communication: (d - 1) / (m + d - 1) for a flush, none
+        for a schedule that streams its steps (in steady state the next batch's forwards fill the drain)."""
+        if stages == 1 or not self.flush:
+            return 0.0
+        return (stages - 1) / (microbatches + stages - 1)
+
+
+_REGISTRY = (
+    PipelineSchedule(
+        "gpipe",
+        "GPipe",
+        torch_name="GPipe",
+        virtual_stages=False,
+        weight_versions=1,
+        microbatches_at_least_stages=False,
+        flush=True,
+        holds_every_microbatch=True,
+        updates_inside=False,
+    ),
+    PipelineSchedule(
+        "1f1b",
+        "1F1B",
+        torch_name="1F1B",
+        virtual_stages=False,
+        weight_versions=1,
+        microbatches_at_least_stages=True,
+        flush=True,
+        holds_every_microbatch=False,
+        updates_inside=False,
+        why_microbatches="torch's Schedule1F1B refuses fewer",
+    ),
+    PipelineSchedule(
+        "interleaved_1f1b",
+        "interleaved 1F1B",
+        torch_name="Interleaved1F1B",
+        virtual_stages=True,
+        weight_versions=1,
+        microbatches_at_least_stages=False,
+        flush=True,
+        holds_every_microbatch=False,
+        updates_inside=False,
+    ),
+    PipelineSchedule(
+        "zero_bubble",
+        "interleaved zero bubble",
+        torch_name="InterleavedZeroBubble",
+        virtual_stages=True,
+        weight_versions=1,
+        microbatches_at_least_stages=False,
+        flush=True,
+        holds_every_microbatch=False,
+        updates_inside=False,
+    ),
+    PipelineSchedule(
+        "2bw",
+        "PipeDream-2BW",
+        torch_name=None,
+        virtual_stages=False,
+        weight_versions=2,
+        microbatches_at_least_stages=True,
+        flush=False,
+        holds_every_microbatch=False,
+        updates_inside=True,
+        shard_refusal="swaps two weight versions in the stage, which FSDP2's sharded parameters do not allow",
+        why_microbatches="with fewer, more than two weight versions would be in flight",
+    ),
+)
+REGISTRY: dict[str, PipelineSchedule] = {schedule.name: schedule for schedule in _REGISTRY}
+# The trainer's `pipeline_schedule` values.
+SCHEDULES: tuple[str, ...] = tuple(REGISTRY)
+# One stage per process: the schedules the simulator writes action lists for and the planner sizes.
+ONE_STAGE_SCHEDULES: tuple[str, ...] = tuple(name for name, spec in REGISTRY.items() if not spec.virtual_stages)
+
+
+def get_schedule(name: str) -> PipelineSchedule:
+    """The registry's entry for `name`; `ValueError` naming `pipeline_schedule` for an unknown one."""
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"pipeline_schedule: {name!r} is not one of {', '.join(SCHEDULES)}") from None
+
+
+__all__ = ["ONE_STAGE_SCHEDULES", "REGISTRY", "SCHEDULES", "PipelineSchedule", "get_schedule"]

@@ -1,0 +1,201 @@
+"""The Accelerate engine: one process, DDP, FSDP2 or DeepSpeed (whatever `accelerate config` / `accelerate launch`
+says), mixed precision, gradient accumulation, and hf-p2r's granular CPU offload in one process.
+
+Launch with `accelerate launch -m hf_p2r.train --config ...` (or `scripts/train.py`) for one CPU, one GPU or many.
+"""
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from transformers import PreTrainedTokenizerBase
+
+from ...distributed import gather_shared_once
+from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
+from ..config import TrainArguments, TrainConfig
+from ..delink import check_delink_supported, delink_in_training
+from ..moe import RouterLoad
+from ..offload import apply_offload, measure_offload_activations
+from ..optim import build_optimizer
+from ..run import say
+from .base import Engine
+
+
+class AccelerateEngine(Engine):
+    """The model and optimizer prepared by Accelerate; granular offload places the model itself."""
+
+    def __init__(self, config: TrainConfig):
+        super().__init__(config)
+        args = self.args
+        cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+        check_gpu_per_process(cpu)
+        self.accelerator = accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            cpu=cpu,
+            log_with=None if args.report_to == "none" else args.report_to,
+            project_dir=Path(args.output_dir),
+        )
+        if config.delink_schedule():
+            check_delink_supported(accelerator, args)
+        if args.offload is not None and (
+            accelerator.num_processes > 1 or accelerator.distributed_type != DistributedType.NO
+        ):
+            raise ValueError(
+                f"offload: granular offload runs in one process, this run has {accelerator.num_processes} "
+                f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml "
+                "or deepspeed_zero3_offload.yaml"
+            )
+        self.model = self.optimizer = self.offload = self.router_load = None
+        self.activation_bytes = 0
+
+    @property
+    def data_rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def data_size(self) -> int:
+        return self.accelerator.num_processes
+
+    def build(self, model: torch.nn.Module, num_blocks: int) -> None:
+        accelerator, args = self.accelerator, self.args
+        # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
+        self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
+        self.offload = apply_offload(model, args, accelerator, self.activation_bytes)
+        optimizer = build_optimizer(model, args, self.offload)
+        # Device placement, DDP / FSDP2 / DeepSpeed, mixed precision.
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            fill_deepspeed_batch_size(accelerator, args)
+        placement = [False, False] if self.offload is not None else None
+        self.model, self.optimizer = accelerator.prepare(model, optimizer, device_placement=placement)
+        if accelerator.is_fsdp2:
+            gather_shared_once(self.model)  # a shared block is gathered once per step, not at every depth
+        if self.offload is not None:
+            say(accelerator, f"offload: blocks {self.offload.layers} of {num_blocks} in CPU memory")
+        # MoE: the training loss includes the load-balancing loss (router_aux_loss_coef); the router statistics are
+        # logged.
+        if self.config.model.num_experts:
+            self.router_load = RouterLoad(accelerator.unwrap_model(self.model).config)
+
+    def load(self, checkpoint: Path, state: TrainState) -> None:
+        with loading_checkpoint(self.accelerator, checkpoint):
+            self.accelerator.load_state(checkpoint)
+
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        extra = {"output_router_logits": True} if self.router_load is not None else {}
+        with self.accelerator.accumulate(self.model):
+            outputs = self.model(input_ids=input_ids, labels=input_ids, **extra)
+            loss = outputs.loss
+            self.accelerator.backward(loss)
+        if self.router_load is not None:
+            self.router_load.add(outputs)
+        return loss.detach().float()
+
+    def mean_loss(self, losses: list[torch.Tensor], signum: int) -> tuple[float, int]:
+        device = self.accelerator.device
+        signal = torch.tensor(float(signum), device=device)
+        gathered = self.accelerator.gather(torch.stack([torch.stack(losses).mean(), signal]))
+        return gathered[0::2].mean().item(), int(gathered[1::2].max().item())
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        # The last accumulate() synchronised the gradients: clip, then step.
+        max_norm = self.args.max_grad_norm
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm) if max_norm else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def step_measures(self) -> dict:
+        return self.router_load.pop(self.accelerator) if self.router_load is not None else {}
+
+    def delink(self, num_unique_layers: int | None) -> dict:
+        self.model, self.optimizer, self.offload = delink_in_training(
+            self.accelerator,
+            self.model,
+            self.optimizer,
+            num_unique_layers,
+            self.args,
+            self.offload,
+            self.activation_bytes,
+        )
+        return {"offloaded_blocks": self.offload.layers} if self.offload is not None else {}
+
+    def delink_note(self) -> str:
+        args = self.args
+        note = f" (optimizer_carry={args.optimizer_carry}, lr_after_delink={args.lr_after_delink})"
+        return note + (f"; offload: blocks {self.offload.layers} in CPU memory" if self.offload is not None else "")
+
+    @torch.no_grad()
+    def evaluate(self, blocks) -> float:
+        return evaluate(self.accelerator, self.model, blocks, self.args)
+
+    def weights(self):
+        return self.model.parameters()
+
+    def training_state(self):
+        return [self.model.parameters(), self.optimizer.state]
+
+    def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        save_model(self.accelerator, model, tokenizer, directory, self.args.remote_code)
+
+    def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
+        save_checkpoint(self.accelerator, output_dir, state, self.config)  # Accelerate's save_state
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, model, blocks, args: TrainArguments) -> float:
+    """Mean loss over `eval_blocks` validation blocks spread evenly over the split, each process taking every n-th.
+
+    Every process runs the same number of forward passes: under FSDP2 and ZeRO-3 each forward gathers the parameters
+    with all processes, so one that stopped early would leave the others waiting. A process with fewer blocks repeats
+    its last batch and drops that loss.
+    """
+    # The unwrapped model (mixed-precision wrapper kept): DDP's forward would add collectives of its own.
+    model = accelerator.unwrap_model(model).eval()
+    count = min(len(blocks), args.eval_blocks)
+    # Evenly spaced rather than the first ones: consecutive blocks come from the same few documents.
+    chosen = [index * len(blocks) // count for index in range(count)]
+    mine = chosen[accelerator.process_index :: accelerator.num_processes]
+    size = args.per_device_batch_size
+    batches = [mine[start : start + size] for start in range(0, len(mine), size)]
+    most = math.ceil(len(chosen[:: accelerator.num_processes]) / size)  # the first process has the most blocks
+    padding = [batches[-1] if batches else chosen[:1]] * (most - len(batches))
+    total = torch.zeros((), device=accelerator.device)
+    for index, indices in enumerate(batches + padding):
+        ids = blocks[indices]["input_ids"].to(accelerator.device)
+        loss = model(input_ids=ids, labels=ids).loss.float()
+        if index < len(batches):
+            total += loss * len(ids)
+    model.train()
+    return accelerator.reduce(total, reduction="sum").item() / count
+
+
+def check_gpu_per_process(cpu: bool) -> None:
+    """Raise `ValueError` for a CPU run whose process of local rank r sees fewer than r + 1 GPUs.
+
+    Accelerate's barriers call torch's `barrier(device_ids=[r])`, which allocates on the machine's accelerator, so a
+    CPU process on a machine with CUDA still needs `cuda:r`: with fewer GPUs than processes the run would fail with
+    "CUDA error: invalid device ordinal", then gloo's "connection closed by peer". (A GPU run is left to Accelerate,
+    which maps rank r to `cuda:r % count`: with one visible GPU per process, as SLURM sets it, that is right.)
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cpu and 0 < gpus <= local_rank:
+        processes = os.environ.get("LOCAL_WORLD_SIZE", f"more than {local_rank}")
+        raise ValueError(
+            f"cpu: this CPU run has {processes} processes on a machine whose {gpus} GPU(s) they can see, and a "
+            f"CPU process still needs cuda:{local_rank} for its barriers: hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES= accelerate launch ..., or accelerate launch --cpu)"
+        )
+
+
+def fill_deepspeed_batch_size(accelerator: Accelerator, args: TrainArguments) -> None:
+    """DeepSpeed needs its micro-batch size before `prepare`; Accelerate reads it from a DataLoader, which this loop
+    does not use, so an "auto" value in the DeepSpeed config is set from `per_device_batch_size`."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        config["train_micro_batch_size_per_gpu"] = args.per_device_batch_size

@@ -1,0 +1,118 @@
+"""What an engine is: the object behind the one training loop (`hf_p2r.training.train`) that owns how a step, a clip
+and an optimizer step, a delink, an evaluation and a save happen for one way of running the model.
+
+The loop reads top to bottom the same for every engine; an engine is built from the configuration (`__init__` makes
+its `Accelerator` and refuses what it cannot run), given the model (`build`), maybe a checkpoint (`load`), then driven
+step by step. A new way of running the model (a parallelism, a backend) is one new subclass in this package and one
+line in `engine_for` (`__init__.py`).
+"""
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from transformers import PreTrainedTokenizerBase
+
+from ..checkpointing import TrainState
+from ..config import TrainConfig
+
+
+class Engine:
+    """The interface the loop drives; the methods below each engine implements."""
+
+    accelerator: Accelerator
+    optimizer: torch.optim.Optimizer  # what the learning rate is set on before each step
+
+    def __init__(self, config: TrainConfig):
+        self.config, self.args = config, config.train
+
+    # --- the data layout ----------------------------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int:
+        """Which slice of every global micro-batch this process reads."""
+        raise NotImplementedError
+
+    @property
+    def data_size(self) -> int:
+        """Slices of a global micro-batch: the processes (or pipelines) reading different data."""
+        raise NotImplementedError
+
+    @property
+    def tokens_per_step(self) -> int:
+        args = self.args
+        per_process = args.per_device_batch_size * args.gradient_accumulation_steps * self.config.data.block_size
+        return per_process * self.data_size
+
+    # --- build and resume ---------------------------------------------------------------------------------------------
+    def build(self, model: torch.nn.Module, num_blocks: int) -> None:
+        """Take the freshly built `model` (with `num_blocks` blocks: `model_blocks`) and make it ready to train: its
+        placement, parallelism and optimizer."""
+        raise NotImplementedError
+
+    def model_blocks(self, state: TrainState) -> int:
+        """Blocks of the model `build` takes for a run at `state` (a resumed run's, or the first model's)."""
+        return state.num_blocks
+
+    def load(self, checkpoint: Path, state: TrainState) -> None:
+        """Load `checkpoint` (its files checked by `read_state`) into the built model and optimizer, on every
+        process."""
+        raise NotImplementedError
+
+    # --- a step -------------------------------------------------------------------------------------------------------
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """One micro-batch's forward and backward (of `gradient_accumulation_steps`); its loss where this process
+        computes one."""
+        raise NotImplementedError
+
+    def mean_loss(self, losses: list, signum: int) -> tuple[float, int]:
+        """The step's mean loss over every process and the largest stop signal any process caught: one collective,
+        the same answer everywhere."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        """Clip the gradients to `max_grad_norm` (0: no clipping), step the optimizer, zero the gradients; the
+        gradient norm when it was computed."""
+        raise NotImplementedError
+
+    def step_measures(self) -> dict:
+        """What the engine adds to a metrics record (a collective: every process calls it)."""
+        return {}
+
+    # --- delink, evaluation, saves ----------------------------------------------------------------------------------
+    def delink(self, num_unique_layers: int | None) -> dict:
+        """Delink the model to `num_unique_layers` blocks (None: the real model), the optimizer state carried
+        (`hf_p2r.training.carry`); returns what the delink's metrics record adds."""
+        raise NotImplementedError
+
+    def delink_note(self) -> str:
+        """What the delink's message says after "delinked k -> k' blocks"."""
+        return ""
+
+    @torch.no_grad()
+    def evaluate(self, blocks) -> float:
+        """The validation loss over `eval_blocks` of `blocks`, the same on every process."""
+        raise NotImplementedError
+
+    def weights(self):
+        """The model's weights as `all_finite` reads them (checked before `pseudo/` is written)."""
+        raise NotImplementedError
+
+    def training_state(self):
+        """What a checkpoint holds, as `all_finite` reads it (checked before the checkpoint is written)."""
+        raise NotImplementedError
+
+    def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        """`pseudo/` or `real/`: the whole model and its tokenizer as one ordinary checkpoint."""
+        raise NotImplementedError
+
+    def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
+        """`checkpoint-{step}/` (atomically, `hf_p2r.training.checkpointing.save_checkpoint`): `training_state`,
+        already checked, and `trainer_state.json`."""
+        raise NotImplementedError
+
+    def title(self) -> str:
+        """What the loss curve's title says of the run's layout."""
+        return f"optimizer_carry={self.args.optimizer_carry}"
+
+    def close(self) -> None:
+        self.accelerator.end_training()

@@ -1,0 +1,208 @@
+"""The pipeline engine (`pipeline_parallel_size > 1`): the model split into stages (`hf_p2r.distributed.pipeline`),
+optionally `data_parallel_size` pipelines side by side, replicated or FSDP2-sharded stages.
+
+Every process builds the same seeded model and keeps its stages; every process of a pipeline reads the same batch
+(the schedule splits it into `num_microbatches`), and with `data_parallel_size` > 1 each pipeline reads its own
+`per_device_batch_size` blocks of the step's batch (`pipeline_mesh`: pipelines x data-parallel replicas); the last
+stages' mean loss is shared by one collective with the stop signal. The delink is `delink_pipeline` (each stage its
+own blocks, the optimizer state carried by the one carry); a checkpoint is one file per process beside
+`trainer_state.json` (a sharded stage's file holds its shards); `pseudo/` and `real/` are ordinary checkpoints
+written by the first process from the gathered weights. The validation loss is computed by each pipeline's first
+process on the gathered model (cheap at the sizes a CPU pipeline runs; a pipelined evaluation is future work).
+
+Launch with `torchrun --nproc-per-node 2 -m hf_p2r.train --config ... --pipeline_parallel_size 2` or
+`accelerate launch --num_processes 2 -m hf_p2r.train ...` (Accelerate only starts the processes and the group here).
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from ...distributed.pipeline import (
+    Pipeline,
+    build_pipeline,
+    gather_state_dict,
+    load_pipeline_state,
+    pipeline_mesh,
+    pipeline_model_config,
+    pipeline_state,
+)
+from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, write_model
+from ..config import TrainConfig
+from ..delink import delink_pipeline
+from ..optim import build_optimizer, shared_lr_scales
+from ..run import say
+from .base import Engine
+
+
+class PipelineEngine(Engine):
+    """This process's stages of the model, their schedule and optimizer (`Pipeline`); Accelerate only joins the
+    processes."""
+
+    def __init__(self, config: TrainConfig):
+        super().__init__(config)
+        args = self.args
+        cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+        self.joined = dist.is_initialized()  # a caller's process group (tests) is left to the caller at the end
+        self.accelerator = accelerator = Accelerator(
+            cpu=cpu,
+            mixed_precision="no",
+            log_with=None if args.report_to == "none" else args.report_to,
+            project_dir=Path(args.output_dir),
+        )
+        if accelerator.num_processes != args.pipeline_parallel_size * args.data_parallel_size:
+            raise ValueError(
+                f"pipeline_parallel_size: {args.pipeline_parallel_size} stages x data_parallel_size "
+                f"{args.data_parallel_size} need as many processes, the launcher started {accelerator.num_processes}"
+            )
+        if config.model.num_experts:
+            raise ValueError("num_experts: mixture-of-experts models are not supported with pipeline_parallel_size > 1")
+        self.pipeline: Pipeline | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.pipeline.optimizer
+
+    @property
+    def data_rank(self) -> int:
+        return self.pipeline.data_rank
+
+    @property
+    def data_size(self) -> int:
+        return self.args.data_parallel_size
+
+    def model_blocks(self, state: TrainState) -> int:
+        # The split is chosen on the first model (a checkpoint records it); `load` delinks to the checkpoint's blocks.
+        return self.config.initial_blocks()
+
+    def build(self, model: torch.nn.Module, num_blocks: int) -> None:
+        args, accelerator = self.args, self.accelerator
+        data_parallel = args.data_parallel_size
+        mesh = (
+            pipeline_mesh(args.pipeline_parallel_size, data_parallel, accelerator.device.type)
+            if data_parallel > 1
+            else None
+        )
+        self.pipeline = build_pipeline(
+            model,
+            schedule=args.pipeline_schedule,
+            num_microbatches=args.num_microbatches or args.pipeline_parallel_size,
+            split=args.pipeline_split,
+            seq_len=self.config.data.block_size,
+            device=accelerator.device,
+            mesh=mesh,
+            shard=args.data_parallel_shard,
+            max_grad_norm=args.max_grad_norm or None,
+        )
+        self.pipeline.optimizer = self.new_optimizer(self.pipeline.parameters())
+        say(accelerator, self.pipeline.explanation)
+
+    def new_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """AdamW over `params` of this process's stages, a shared block's rate divided by the depths of the whole model
+        running it under `shared_lr_scale: depth` (by the stages' own parameters, sharded or not)."""
+        return build_optimizer(
+            nn.ParameterList(params), self.args, lr_scales=shared_lr_scales(self.pipeline, self.args)
+        )
+
+    def load(self, checkpoint: Path, state: TrainState) -> None:
+        part = checkpoint / f"stage-{dist.get_rank()}.pt"
+        if not part.is_file():
+            raise ValueError(
+                f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes (resume "
+                "with its pipeline_parallel_size and data_parallel_size)"
+            )
+        depth = self.config.model.num_hidden_layers
+        if state.num_blocks > self.config.initial_blocks():  # the layout it saved: delinked (partly or fully)
+            self.delink(state.num_blocks if state.num_blocks < depth else None)
+        with loading_checkpoint(self.accelerator, checkpoint):
+            load_pipeline_state(self.pipeline, self.optimizer, torch.load(part, weights_only=True))
+
+    def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        return self.pipeline.step(input_ids)
+
+    def mean_loss(self, losses: list[torch.Tensor | None], signum: int) -> tuple[float, int]:
+        # Every process gets the last stages' mean loss (over the data-parallel pipelines) and the same stop.
+        [loss] = losses  # the pipeline's micro-batches are its accumulation (gradient_accumulation_steps: 1)
+        shared = torch.tensor([0.0 if loss is None else loss.item(), float(loss is not None)])
+        dist.all_reduce(shared)
+        signal = torch.tensor(float(signum))
+        dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+        return shared[0].item() / shared[1].item(), int(signal.item())
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        return self.pipeline.update()  # 2BW stepped inside its schedule: None
+
+    def delink(self, num_unique_layers: int | None) -> dict:
+        args = self.args
+        delink_pipeline(self.pipeline, self.optimizer, self.new_optimizer, args.optimizer_carry, num_unique_layers)
+        return {}
+
+    def delink_note(self) -> str:
+        return f" in every stage (optimizer_carry={self.args.optimizer_carry})"
+
+    def _gathered_model(self) -> nn.Module | None:
+        """The whole model on the first process (None elsewhere): a collective."""
+        self.pipeline.drain()
+        weights = gather_state_dict(self.pipeline)
+        if weights is None:
+            return None
+        config = pipeline_model_config(self.pipeline)
+        if config.tie_word_embeddings:  # the head is gathered under the embeddings' name
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        model = self.pipeline.model_class(config)
+        model.load_state_dict(weights)
+        return model.eval()
+
+    @torch.no_grad()
+    def evaluate(self, blocks) -> float:
+        """Mean validation loss over `eval_blocks` blocks spread over the split, on the gathered model (first
+        process), shared with every process."""
+        args, pipeline = self.args, self.pipeline
+        model = self._gathered_model()
+        value = torch.zeros(1)
+        if model is not None:
+            count = min(len(blocks), args.eval_blocks)
+            chosen = [index * len(blocks) // count for index in range(count)]
+            total = 0.0
+            for start in range(0, count, args.per_device_batch_size):
+                ids = blocks[chosen[start : start + args.per_device_batch_size]]["input_ids"]
+                total += model(input_ids=ids, labels=ids).loss.item() * len(ids)
+            value[0] = total / count
+        dist.broadcast(value, src=dist.get_process_group_ranks(pipeline.group)[0], group=pipeline.group)
+        return value.item()
+
+    def weights(self):
+        return pipeline_state(self.pipeline, None)
+
+    def training_state(self):
+        return pipeline_state(self.pipeline, self.optimizer)
+
+    def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        """One ordinary checkpoint, written by the first process from the gathered weights."""
+        self.pipeline.drain()
+        weights = gather_state_dict(self.pipeline)
+        skeleton = None
+        if weights is not None:
+            with torch.device("meta"):
+                skeleton = self.pipeline.model_class(pipeline_model_config(self.pipeline))
+        write_model(self.accelerator, skeleton, tokenizer, directory, self.args.remote_code, weights)
+
+    def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
+        """`stage-{rank}.pt` per process (`training_state`: its `pipeline_state`) and `trainer_state.json`."""
+        name = f"stage-{dist.get_rank()}.pt"
+
+        def write(folder: Path) -> None:
+            torch.save(training_state, folder / name)
+
+        save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
+
+    def title(self) -> str:
+        return f"{self.args.pipeline_schedule} x{self.args.pipeline_parallel_size}"
+
+    def close(self) -> None:
+        if not self.joined:
+            self.accelerator.end_training()
