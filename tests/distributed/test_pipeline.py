@@ -31,6 +31,8 @@ from hf_p2r.distributed.pipeline import (
     pipeline_model_config,
     pipeline_state,
 )
+from hf_p2r.distributed.pipeline.split import BYTES_PER_PARAMETER, stage_cost
+from hf_p2r.models.p2r.inventory_p2r import inventory
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.carry import ParameterSnapshot, carry_optimizer_state
 from hf_p2r.training.delink import delink_pipeline
@@ -490,6 +492,17 @@ def test_balanced_split_counts_the_head_and_keeps_blocks_whole():
     sequence = tiny_config(share_layers=True, num_unique_layers=2, sharing_pattern="sequence", vocab_size=32000)
     assert balanced_split(sequence, 2, SEQ) == [4, 4]  # one block per stage, whatever the head costs
     assert "automatic" in explain_split(big, heavy, SEQ, manual=False)
+
+
+def test_the_split_costs_a_stage_by_the_models_inventory():
+    """One count of a model's FLOPs and parameters: one stage holding the whole model costs what the inventory
+    says (a shared block's parameters once, each depth's FLOPs)."""
+    config = tiny_config(share_layers=True, num_unique_layers=2, vocab_size=32000)
+    inv = inventory(config)
+    assert stage_cost(inv, 0, config.num_hidden_layers, True, True, SEQ) == (
+        inv.flops(SEQ),
+        inv.numel * BYTES_PER_PARAMETER,
+    )
 
 
 def test_manual_split_is_checked():

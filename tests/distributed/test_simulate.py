@@ -151,3 +151,15 @@ def test_the_simulator_imports_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_schedule_registry_and_the_pipeline_split_import_no_torch():
+    """The planner sizes the split the trainer runs, for every schedule, from these two modules: plain Python (the
+    model's inventory gives the split its costs), without the runtime's torch."""
+    code = (
+        "import sys\n"
+        "from hf_p2r.distributed.pipeline import schedules, split\n"
+        "print(schedules.get_schedule('2bw').versions(4), 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["2", "False"]

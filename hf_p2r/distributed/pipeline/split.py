@@ -1,63 +1,45 @@
-"""Where a pipelined P2R model is cut into stages: the cost of each piece, the cuts a model allows, the balanced split
+"""Where a pipelined P2R model is cut into stages: the cost of a stage, the cuts a model allows, the balanced split
 the trainer runs, a manual split's checks and the one-line explanation of a split.
 
 Plain Python on a P2R config (no torch): the planner sizes the split the trainer runs from the same functions.
 
-Costs (`piece_costs`): training FLOPs per token (6 per parameter of a matrix product, plus the attention scores,
-12 * seq * hidden per layer) and bytes of parameters, gradients and Adam state (16 per fp32 parameter). The embedding
-lookup costs no FLOPs; the head costs 6 * hidden * vocab per token, so a big vocabulary makes the last stage heavy and
-the split gives it fewer layers. The split minimises the largest stage's FLOPs, then its bytes.
+Costs come from the model's inventory (`hf_p2r.models.p2r.inventory_p2r`, the one count of its tensors and FLOPs):
+a stage's training FLOPs per token are its depths' (each its block's matrix products and its attention scores), plus
+the head's `6 * hidden * vocab` on the last stage (the embedding lookup costs none), so a big vocabulary makes the last
+stage heavy and the split gives it fewer layers; its bytes are those of the parameters it holds times 16 (fp32
+weights, gradients and Adam's two moments): each distinct block its depths run once, the embeddings on the first
+stage, the head on the last (with a tied head, the embeddings' copy it computes the logits with). The split minimises
+the largest stage's FLOPs, then its bytes.
 
 A `sequence` pseudo model's block has contiguous depths, so the automatic split cuts only between blocks and every
 block lives on one stage (a manual `pipeline_split` that cuts through a block is refused). A `cycle` pseudo model's
-every stage runs the shared blocks: each stage holds the blocks its depths use, counted once in its bytes.
+every stage runs the shared blocks: each stage holds the blocks its depths use.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from ...models.p2r.inventory_p2r import Inventory, inventory
+
+BYTES_PER_PARAMETER = 16  # training state of an fp32 parameter: weight, gradient, Adam's two moments
 
 
-@dataclass(frozen=True)
-class PieceCost:
-    """One piece of the model for the split: training FLOPs per token and bytes of training state."""
-
-    name: str
-    flops: float
-    bytes: float
+def stage_cost(inv: Inventory, start: int, end: int, first: bool, last: bool, seq_len: int) -> tuple[float, float]:
+    """(training FLOPs per token, bytes of training state) of the stage running depths [start, end) of the model
+    `inv` lists (`first`: it holds the embeddings; `last`: the head)."""
+    flops = sum(inv.depth_flops(depth, seq_len) for depth in range(start, end))
+    return _cost(inv, flops, {inv.block_of_depth[depth] for depth in range(start, end)}, first, last)
 
 
-def piece_costs(config, seq_len: int, bytes_per_param: int = 16) -> tuple[PieceCost, list[PieceCost], PieceCost]:
-    """(embeddings, one cost per depth, norm + head) of a P2R config; see the module docstring for the model.
-
-    A depth's bytes are its block's: a pseudo model's stage holds each of its blocks once however many of its depths
-    run it (`stage_cost` counts them so).
-    """
-    hidden, vocab = config.hidden_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    attention = hidden * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-    layer_params = attention + 3 * hidden * config.intermediate_size + 2 * hidden
-    layer_flops = 6 * (layer_params - 2 * hidden) + 12 * seq_len * hidden
-    embed = PieceCost("embeddings", 0.0, float(vocab * hidden * bytes_per_param))
-    head_params = (0 if config.tie_word_embeddings else vocab * hidden) + hidden
-    head = PieceCost("head", float(6 * hidden * vocab), float(head_params * bytes_per_param))
-    layers = [
-        PieceCost(f"layer {depth}", float(layer_flops), float(layer_params * bytes_per_param))
-        for depth in range(config.num_hidden_layers)
-    ]
-    return embed, layers, head
-
-
-def stage_cost(config, costs, start: int, end: int, first: bool, last: bool) -> tuple[float, float]:
-    """(FLOPs per token, bytes) of the stage running depths [start, end)."""
-    embed, layers, head = costs
-    flops = sum(layers[depth].flops for depth in range(start, end))
-    blocks = {config.block_of_depth[depth] for depth in range(start, end)}
-    nbytes = len(blocks) * (layers[0].bytes if layers else 0.0)
+def _cost(inv: Inventory, flops: float, blocks: set[int], first: bool, last: bool) -> tuple[float, float]:
+    """`stage_cost` of depths whose FLOPs are `flops` and whose blocks are `blocks`."""
+    numel = sum(inv.blocks[block].numel for block in blocks)
     if first:
-        flops, nbytes = flops + embed.flops, nbytes + embed.bytes
+        flops, numel = flops + inv.embeddings.flops, numel + inv.embeddings.numel
     if last:
-        flops, nbytes = flops + head.flops, nbytes + head.bytes
-    return flops, nbytes
+        flops, numel = flops + inv.head.flops, numel + inv.head.numel
+        if inv.tie_word_embeddings and not first:
+            numel += inv.embeddings.numel  # the head's replica of the tied embeddings
+    return flops, float(numel * BYTES_PER_PARAMETER)
 
 
 def allowed_cuts(config) -> list[int]:
@@ -69,7 +51,8 @@ def allowed_cuts(config) -> list[int]:
 
 
 def balanced_split(config, num_stages: int, seq_len: int) -> list[int]:
-    """Layers per stage, contiguous, minimising the largest stage's (FLOPs, bytes); ValueError if impossible."""
+    """Layers per stage, contiguous, minimising the largest stage's (FLOPs, bytes) (`stage_cost`); ValueError if
+    impossible. A dynamic program over the allowed cuts: O(stages x cuts^2)."""
     depth = config.num_hidden_layers
     cuts = [0, *allowed_cuts(config), depth]
     if num_stages > len(cuts) - 1:
@@ -77,20 +60,27 @@ def balanced_split(config, num_stages: int, seq_len: int) -> list[int]:
         raise ValueError(
             f"pipeline_parallel_size: {num_stages} stages need at least as many {kind}, the model has {len(cuts) - 1}"
         )
-    costs = piece_costs(config, seq_len)
-    # best[s][j]: the smallest largest-stage cost of s stages covering depths [0, cuts[j]); choice: the previous cut.
+    inv = inventory(config)
+    last_cut = len(cuts) - 1
+    # best[s][j]: the smallest largest-stage cost of s stages covering depths [0, cuts[j]); choice: the previous cut
+    # (the first one reaching it). The stage [cuts[i], cuts[j]) grows depth by depth as i goes down.
     infinite = (float("inf"), float("inf"))
     best = [[infinite] * len(cuts) for _ in range(num_stages + 1)]
     choice = [[0] * len(cuts) for _ in range(num_stages + 1)]
     best[0][0] = (0.0, 0.0)
     for stages in range(1, num_stages + 1):
-        for j in range(1, len(cuts)):
-            for i in range(j):
+        last = stages == num_stages
+        for j in range(stages, last_cut + 1):
+            flops, blocks = 0.0, set()
+            for i in range(j - 1, stages - 2, -1):
+                for depth in range(cuts[i], cuts[i + 1]):
+                    flops += inv.depth_flops(depth, seq_len)
+                    blocks.add(inv.block_of_depth[depth])
                 if best[stages - 1][i] == infinite:
                     continue
-                cost = stage_cost(config, costs, cuts[i], cuts[j], i == 0, stages == num_stages and j == len(cuts) - 1)
+                cost = _cost(inv, flops, blocks, i == 0, last and j == last_cut)
                 candidate = max(best[stages - 1][i], cost)
-                if candidate < best[stages][j]:
+                if candidate <= best[stages][j]:  # ties: the smallest i
                     best[stages][j], choice[stages][j] = candidate, i
     bounds, j = [], len(cuts) - 1
     for stages in range(num_stages, 0, -1):
@@ -121,12 +111,12 @@ def check_split(config, split: Sequence[int], num_stages: int) -> list[int]:
 
 def explain_split(config, split: Sequence[int], seq_len: int, manual: bool) -> str:
     """One log line: the split, how it was chosen, each stage's layers, FLOPs share and training-state bytes."""
-    costs = piece_costs(config, seq_len)
+    inv = inventory(config)
     parts, start = [], 0
     stage_costs = []
     for stage, count in enumerate(split):
         end = start + count
-        stage_costs.append(stage_cost(config, costs, start, end, stage == 0, stage == len(split) - 1))
+        stage_costs.append(stage_cost(inv, start, end, stage == 0, stage == len(split) - 1, seq_len))
         parts.append((start, end))
         start = end
     total = sum(flops for flops, _ in stage_costs) or 1.0
@@ -139,7 +129,7 @@ def explain_split(config, split: Sequence[int], seq_len: int, manual: bool) -> s
         "manual (pipeline_split)"
         if manual
         else "automatic: the largest stage's training FLOPs per token (then bytes) made smallest, the head's "
-        f"{costs[2].flops / max(costs[1][0].flops, 1):.2f} layers of FLOPs counted"
+        f"{inv.head.flops / max(inv.depth_flops(0, seq_len), 1):.2f} layers of FLOPs counted"
         + (
             ", cuts between blocks only (sequence)"
             if config.share_layers and config.sharing_pattern == "sequence"
@@ -156,12 +146,11 @@ def stage_depths(split: Sequence[int]) -> list[range]:
 
 
 __all__ = [
-    "PieceCost",
+    "BYTES_PER_PARAMETER",
     "allowed_cuts",
     "balanced_split",
     "check_split",
     "explain_split",
-    "piece_costs",
     "stage_cost",
     "stage_depths",
 ]
