@@ -111,3 +111,19 @@ def test_env_prints_versions_and_hardware_but_no_secret(monkeypatch):
     assert fields["CUDA available"] in ("True", "False") and fields["CPUs"].startswith(str(os.cpu_count()))
     assert "Platform" in fields
     assert "secret" not in done.stdout + done.stderr
+
+
+def test_train_hands_every_argument_to_the_trainers_parser(capsys):
+    """`hf-p2r train` has no option of its own: `--help` is the trainer's (every field), under the command's name; its
+    line in `hf-p2r --help` says how to start several processes."""
+    from hf_p2r.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: hf-p2r train [--config FILE] [--FIELD VALUE ...]")
+    assert "--pseudo_steps" in shown and "--pipeline_schedule" in shown
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "accelerate launch -m hf_p2r.train" in " ".join(capsys.readouterr().out.split())

@@ -65,6 +65,43 @@ def test_demo_through_accelerate_launch(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_installed_trainer_runs_from_every_entry_point_alike(tmp_path):
+    """The trainer ships in the package: `hf-p2r train`, `python -m hf_p2r.train` and `accelerate launch -m
+    hf_p2r.train`, started outside the repository (no scripts/ at hand), each train the same tiny run (bitwise the same
+    losses), and a bad field is one line naming the command."""
+    hf_p2r = str(Path(PYTHON).with_name("hf-p2r"))
+    expected = None
+    commands = {
+        "hf-p2r": [hf_p2r, "train"],
+        "python -m": [PYTHON, "-m", "hf_p2r.train"],
+        "accelerate launch -m": [ACCELERATE, "launch", "-q", "--num_processes", "1", "--num_machines", "1",
+                                 "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_p2r.train"],
+    }  # fmt: skip
+    for name, command in commands.items():
+        output_dir = tmp_path / name.replace(" ", "_")
+        overrides = tiny_argv(output_dir, pseudo_steps=2, real_steps=1, corpus_max_bytes=20000)
+        result = subprocess.run(
+            [*command, *overrides], capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=600
+        )
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        expected = expected or trajectory(output_dir)
+        assert trajectory(output_dir) == expected, name
+        assert "***** run summary" in result.stdout, name
+    bad = subprocess.run(
+        [hf_p2r, "train", "--optimizer_carry", "cpy"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr.splitlines() == [
+        "hf-p2r train: error: argument --optimizer_carry/--optimizer-carry: invalid choice: 'cpy' (choose from "
+        "'reset', 'copy', 'scale')"
+    ], bad.stderr
+
+
+@pytest.mark.slow
 def test_two_processes_match_one_process_at_equal_global_batch(tmp_path):
     """Two gloo processes with 2 blocks each against one process with 4, through a delink (DDP re-wrapped).
 

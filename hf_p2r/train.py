@@ -1,0 +1,77 @@
+"""The trainer's command line: pseudo stage -> delink -> real stage, in one run (`hf_p2r.training`).
+
+    accelerate launch -q --num_processes 1 -m hf_p2r.train --config configs/demo.yaml [--FIELD VALUE ...]
+    torchrun --nproc-per-node 2 -m hf_p2r.train --config ... --pipeline_parallel_size 2
+    hf-p2r train --config configs/demo.yaml [--FIELD VALUE ...]      # one process, as `python -m hf_p2r.train`
+
+(`scripts/train.py` of a source checkout is this module.) Exit codes: 0 done; 2 bad input or configuration (a field, a
+damaged checkpoint, a missing file: `hf_p2r.errors.exit_code`); 1 a failure at run time (a full disk, a non-finite
+loss); 128 + signal number when SIGTERM / SIGINT stopped the run after saving a checkpoint (143 / 130). Through
+`accelerate launch` the launcher's own code replaces every non-zero one: 1 (with `-q`; without it, after a
+CalledProcessError traceback).
+"""
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def hide_gpus_for_cpu_launch() -> None:
+    """`accelerate launch --cpu`: hide the GPUs before torch starts CUDA. Otherwise torch still allocates a CPU run's
+    barriers on cuda:<local rank>, which fails on a machine with fewer GPUs than processes. Call it before torch is
+    imported (this module imports it only in `main`)."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
+    """Parse the trainer's arguments (`hf_p2r.training.parse_config`) and run it; returns the exit code. Expected
+    errors are one line on stderr, `prog: error: ...`."""
+    hide_gpus_for_cpu_launch()
+    from .errors import exit_code
+    from .training import NonFiniteLossError, parse_config, train
+
+    try:
+        config = parse_config(argv, prog=prog)
+    except ValueError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return train(config)
+    except (ValueError, OSError, NonFiniteLossError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return exit_code(error)
+
+
+def stop_with_launcher() -> None:
+    """Under a launcher, on Linux: have the kernel send this process SIGTERM when the launcher dies.
+
+    `accelerate launch` with one process (and DeepSpeed's launcher) starts the trainer with Popen + wait and forwards
+    no signal, so SIGTERM to the launcher would end the launcher alone and leave the trainer running as an orphan
+    that never saves. With the death signal the trainer finishes its step, saves a checkpoint and exits. (torchrun,
+    accelerate's multi-process path, forwards SIGTERM itself; the death signal also covers its being killed.)
+
+    Only under a launcher: a run started straight from a shell must survive that shell (`nohup`, `setsid`).
+    """
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    if not launched or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not allowed here (seccomp): run as before
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The trainer as a process's entry point (`python -m hf_p2r.train`, a launcher's `-m hf_p2r.train`,
+    `scripts/train.py`): `stop_with_launcher`, then `main`."""
+    stop_with_launcher()
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run())
