@@ -5,7 +5,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from hf_p2r.compat import in_backward, parse_size_to_int, reshard_after_backward
+from hf_p2r.compat import (
+    forget_preparation,
+    in_backward,
+    local_tensor,
+    parse_size_to_int,
+    prepared_models,
+    reshard_after_backward,
+    tensor_version,
+)
 
 from .distributed import spawn
 
@@ -74,3 +82,40 @@ def test_deferred_auto_entries_load_on_lookup_and_match_classes_by_module_and_na
     assert mapping[P2RConfig] is collections.OrderedDict
     mapping.register(P2RConfig, collections.Counter, exist_ok=True)  # a later register replaces it
     assert mapping[P2RConfig] is collections.Counter and list(mapping._extra_content) == [P2RConfig]
+
+
+def write_through_local_tensor(rank: int, world_size: int) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,))
+    block = nn.Linear(4, 4)
+    fully_shard(block, mesh=mesh)
+    with torch.no_grad():
+        local_tensor(block.weight).fill_(3.0)  # a view of the shard: the parameter sees the write
+    plain = torch.ones(2)
+    return {"shard": block.weight.to_local().tolist(), "plain_is_itself": local_tensor(plain) is plain}
+
+
+def test_local_tensor_is_a_writable_view_of_the_shard(tmp_path):
+    result = spawn.run(write_through_local_tensor, 1, tmp_path)
+    assert result == {"shard": [[3.0] * 4] * 4, "plain_is_itself": True}
+
+
+def test_tensor_version_counts_in_place_writes():
+    tensor = torch.zeros(2)
+    before = tensor_version(tensor)
+    tensor.add_(1)
+    tensor[0] = 5
+    assert tensor_version(tensor) == before + 2
+
+
+def test_accelerate_lists_prepared_models_and_forgets_a_preparation():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(2, 2)
+    prepared = accelerator.prepare(model)
+    assert prepared_models(accelerator) == [prepared]
+    assert getattr(prepared, "_is_accelerate_prepared", False)  # the mark `prepare` checks before wrapping again
+    forget_preparation(prepared)
+    assert not getattr(prepared, "_is_accelerate_prepared", False)
+    accelerator.free_memory()
+    assert prepared_models(accelerator) == []
