@@ -84,8 +84,8 @@ def linear_cross_entropy(
         backend: `"auto"`, `"chunked"` or `"liger"` (see the module's docstring).
 
     Returns:
-        The fp32 scalar loss. Gradients come back in each input's dtype; the chunked backend accumulates the weight's
-        and bias' gradients over chunks in fp32.
+        The scalar loss in fp32 (fp64 for fp64 inputs). Gradients come back in each input's dtype; the chunked
+        backend sums the weight's and the bias' gradients over chunks in fp32.
 
     Raises:
         ValueError: one line naming the argument, for a bad shape, dtype, `chunk_size` or `backend`, or `"liger"`
