@@ -10,48 +10,25 @@
 Names load on first use (PEP 562), so that `schedules` and `split` stay importable without torch.
 """
 
-import importlib
+from ...lazy import lazy_exports
 
-_EXPORTS = {
-    "ONE_STAGE_SCHEDULES": ".schedules",
-    "SCHEDULES": ".schedules",
-    "PipelineSchedule": ".schedules",
-    "get_schedule": ".schedules",
-    "PieceCost": ".split",
-    "allowed_cuts": ".split",
-    "balanced_split": ".split",
-    "check_split": ".split",
-    "explain_split": ".split",
-    "piece_costs": ".split",
-    "stage_cost": ".split",
-    "stage_depths": ".split",
-    "P2RPipelineStage": ".stage",
-    "causal_lm_loss": ".stage",
-    "model_name": ".stage",
-    "shard_stage": ".stage",
-    "SchedulePipeDream2BW": ".pipedream",
-    "FlushSchedule": ".runtime",
-    "Pipeline": ".runtime",
-    "build_pipeline": ".runtime",
-    "gather_state_dict": ".runtime",
-    "load_pipeline_state": ".runtime",
-    "pipeline_mesh": ".runtime",
-    "pipeline_model_config": ".runtime",
-    "pipeline_state": ".runtime",
-    "delink_stages": ".delink",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
-
-__all__ = sorted(_EXPORTS)
+# The names callers use; the rest is in the role's module.
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".schedules": ("SCHEDULES", "get_schedule"),
+        ".split": ("balanced_split", "check_split", "explain_split"),
+        ".stage": ("P2RPipelineStage", "causal_lm_loss", "model_name"),
+        ".pipedream": ("SchedulePipeDream2BW",),
+        ".runtime": (
+            "Pipeline",
+            "build_pipeline",
+            "gather_state_dict",
+            "load_pipeline_state",
+            "pipeline_mesh",
+            "pipeline_model_config",
+            "pipeline_state",
+        ),
+        ".delink": ("delink_stages",),
+    },
+)

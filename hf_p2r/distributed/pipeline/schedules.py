@@ -19,18 +19,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PipelineSchedule:
-    """What one pipeline schedule is; every other module derives its behaviour from these fields."""
+    """What one pipeline schedule is; every other module derives its behaviour from these fields (the defaults are
+    torch's 1F1B-like flush schedules' answers)."""
 
     name: str  # the trainer's `pipeline_schedule` value
     title: str  # how messages name it
     torch_name: str | None  # torch.distributed.pipelining's `get_schedule_class` name; None: hf-p2r's own (2bw)
-    virtual_stages: bool  # several stages per process (interleaved), else one
-    weight_versions: int  # weight copies a stage keeps in a pipeline (2BW: the newest and the one in flight)
-    microbatches_at_least_stages: bool  # needs m >= d micro-batches per optimizer step (d: processes of a pipeline)
-    flush: bool  # each optimizer step ends with a flush (a bubble of (d - 1) / (m + d - 1)); 2BW streams the steps
-    holds_every_microbatch: bool  # a stage keeps every micro-batch's activations (GPipe), else at most d - s (1F1B)
-    updates_inside: bool  # the schedule reduces, clips and steps the optimizer itself (2BW's delayed update)
+    virtual_stages: bool = False  # several stages per process (interleaved), else one
+    weight_versions: int = 1  # weight copies a stage keeps in a pipeline (2BW: the newest and the one in flight)
+    microbatches_at_least_stages: bool = False  # needs m >= d micro-batches per step (d: a pipeline's processes)
     why_microbatches: str = ""  # what fewer than d micro-batches would break
+    flush: bool = True  # each optimizer step ends with a flush (a bubble of (d - 1) / (m + d - 1)); 2BW streams steps
+    holds_every_microbatch: bool = False  # a stage keeps every micro-batch's activations (GPipe), else at most d - s
+    updates_inside: bool = False  # the schedule reduces, clips and steps the optimizer itself (2BW's delayed update)
     shard_refusal: str = ""  # why FSDP2-sharded stages (data_parallel_shard) are refused; "": they are allowed
 
     def check_microbatches(self, microbatches: int, stages: int) -> None:
@@ -71,63 +72,22 @@ class PipelineSchedule:
 
 
 _REGISTRY = (
+    PipelineSchedule("gpipe", "GPipe", "GPipe", holds_every_microbatch=True),
     PipelineSchedule(
-        "gpipe",
-        "GPipe",
-        torch_name="GPipe",
-        virtual_stages=False,
-        weight_versions=1,
-        microbatches_at_least_stages=False,
-        flush=True,
-        holds_every_microbatch=True,
-        updates_inside=False,
+        "1f1b", "1F1B", "1F1B", microbatches_at_least_stages=True, why_microbatches="torch's Schedule1F1B refuses fewer"
     ),
-    PipelineSchedule(
-        "1f1b",
-        "1F1B",
-        torch_name="1F1B",
-        virtual_stages=False,
-        weight_versions=1,
-        microbatches_at_least_stages=True,
-        flush=True,
-        holds_every_microbatch=False,
-        updates_inside=False,
-        why_microbatches="torch's Schedule1F1B refuses fewer",
-    ),
-    PipelineSchedule(
-        "interleaved_1f1b",
-        "interleaved 1F1B",
-        torch_name="Interleaved1F1B",
-        virtual_stages=True,
-        weight_versions=1,
-        microbatches_at_least_stages=False,
-        flush=True,
-        holds_every_microbatch=False,
-        updates_inside=False,
-    ),
-    PipelineSchedule(
-        "zero_bubble",
-        "interleaved zero bubble",
-        torch_name="InterleavedZeroBubble",
-        virtual_stages=True,
-        weight_versions=1,
-        microbatches_at_least_stages=False,
-        flush=True,
-        holds_every_microbatch=False,
-        updates_inside=False,
-    ),
+    PipelineSchedule("interleaved_1f1b", "interleaved 1F1B", "Interleaved1F1B", virtual_stages=True),
+    PipelineSchedule("zero_bubble", "interleaved zero bubble", "InterleavedZeroBubble", virtual_stages=True),
     PipelineSchedule(
         "2bw",
         "PipeDream-2BW",
-        torch_name=None,
-        virtual_stages=False,
+        None,
         weight_versions=2,
         microbatches_at_least_stages=True,
+        why_microbatches="with fewer, more than two weight versions would be in flight",
         flush=False,
-        holds_every_microbatch=False,
         updates_inside=True,
         shard_refusal="swaps two weight versions in the stage, which FSDP2's sharded parameters do not allow",
-        why_microbatches="with fewer, more than two weight versions would be in flight",
     ),
 )
 REGISTRY: dict[str, PipelineSchedule] = {schedule.name: schedule for schedule in _REGISTRY}

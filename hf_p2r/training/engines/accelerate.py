@@ -49,16 +49,9 @@ class AccelerateEngine(Engine):
                 f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml "
                 "or deepspeed_zero3_offload.yaml"
             )
+        self.data_rank, self.data_size = accelerator.process_index, accelerator.num_processes
         self.model = self.optimizer = self.offload = self.router_load = None
         self.activation_bytes = 0
-
-    @property
-    def data_rank(self) -> int:
-        return self.accelerator.process_index
-
-    @property
-    def data_size(self) -> int:
-        return self.accelerator.num_processes
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
         accelerator, args = self.accelerator, self.args

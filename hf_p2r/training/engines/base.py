@@ -22,20 +22,13 @@ class Engine:
 
     accelerator: Accelerator
     optimizer: torch.optim.Optimizer  # what the learning rate is set on before each step
+    # The data layout: this process reads slice `data_rank` of every global micro-batch, cut into `data_size` slices
+    # (the processes, or pipelines, reading different data).
+    data_rank: int
+    data_size: int
 
     def __init__(self, config: TrainConfig):
         self.config, self.args = config, config.train
-
-    # --- the data layout ----------------------------------------------------------------------------------------------
-    @property
-    def data_rank(self) -> int:
-        """Which slice of every global micro-batch this process reads."""
-        raise NotImplementedError
-
-    @property
-    def data_size(self) -> int:
-        """Slices of a global micro-batch: the processes (or pipelines) reading different data."""
-        raise NotImplementedError
 
     @property
     def tokens_per_step(self) -> int:

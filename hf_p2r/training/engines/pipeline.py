@@ -62,18 +62,11 @@ class PipelineEngine(Engine):
         if config.model.num_experts:
             raise ValueError("num_experts: mixture-of-experts models are not supported with pipeline_parallel_size > 1")
         self.pipeline: Pipeline | None = None
+        self.data_size = args.data_parallel_size  # each pipeline reads its slice (`data_rank`, once built)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.pipeline.optimizer
-
-    @property
-    def data_rank(self) -> int:
-        return self.pipeline.data_rank
-
-    @property
-    def data_size(self) -> int:
-        return self.args.data_parallel_size
 
     def model_blocks(self, state: TrainState) -> int:
         # The split is chosen on the first model (a checkpoint records it); `load` delinks to the checkpoint's blocks.
@@ -99,6 +92,7 @@ class PipelineEngine(Engine):
             max_grad_norm=args.max_grad_norm or None,
         )
         self.pipeline.optimizer = self.new_optimizer(self.pipeline.parameters())
+        self.data_rank = self.pipeline.data_rank
         say(accelerator, self.pipeline.explanation)
 
     def new_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
