@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_p2r"
 LAYERS = {
     "hf_p2r.errors": 0,
     "hf_p2r.compat": 0,
+    "hf_p2r.lazy": 0,  # lazy_exports: names of a package loaded on first use
     "hf_p2r.models": 1,
     "hf_p2r.ops": 1,  # compute kernels in plain torch (a model or an engine may call them)
     "hf_p2r.checkpoint": 2,
