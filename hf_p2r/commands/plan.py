@@ -52,9 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=HELP,
         description=(
             "Per-GPU bytes of weights, gradients, optimizer state and activations of the pseudo and the real model "
-            "under DDP, ZeRO-1/2, FSDP2/ZeRO-3, tensor and pipeline parallelism and granular CPU offload, computed "
-            "on the meta device; the layouts that fit, fastest first. The config's sizes and every number given are "
-            "checked first (bad input: one line, exit 2)."
+            "under DDP, ZeRO-1/2, FSDP2/ZeRO-3, tensor and pipeline parallelism (split as the trainer splits it) and "
+            "granular CPU offload, counted from the model's config; the layouts that fit, fastest first. The "
+            "config's sizes and every number given are checked first (bad input: one line, exit 2)."
         ),
         epilog=f"Cost-model assumptions (override with --assume NAME=VALUE): {assumptions}. Each model's table shows "
         "its --top best layouts (those that fit first, fastest first; when none fits, the three closest to fitting) "
@@ -80,7 +80,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-unique-layers", type=int, help="k of the pseudo model when --config is a real model")
     parser.add_argument("--max-tp", type=int, help="largest tensor-parallel degree (default: GPUs per node)")
     parser.add_argument(
-        "--max-pp", type=int, default=1, help="largest pipeline degree; each under gpipe, 1f1b and 2bw (default 1)"
+        "--max-pp",
+        type=int,
+        default=1,
+        help="largest pipeline degree; each under every schedule the trainer runs (default 1)",
     )
     rows = parser.add_mutually_exclusive_group()
     rows.add_argument("--top", type=int, default=10, metavar="N", help="the N best layouts per model (default 10)")
@@ -136,7 +139,15 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name, config in models.items():
         results[name] = plan(
-            config, args.gpus, workload, hardware, max_tp=max_tp, max_pp=args.max_pp, model=name, tensors=tensors[name]
+            config,
+            args.gpus,
+            workload,
+            hardware,
+            max_tp=max_tp,
+            max_pp=args.max_pp,
+            model=name,
+            tensors=tensors[name],
+            notes=found.notes,
         )
     top = None if args.all else args.top
     print(format_plan(results, models, workload, hardware, args.gpus, top, found.notes, tensors=tensors))

@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..distributed.pipeline.schedules import SCHEDULES, get_schedule
+from ..distributed.pipeline.split import balanced_split, stage_depths
 from ..models.p2r import P2RConfig, P2RMoeConfig
 from ..models.p2r.inventory_p2r import inventory
 from .assumptions import PRECISIONS, GiB, Precision
@@ -111,7 +113,7 @@ class Layout:
     optimizer), 2 = + gradients (ZeRO-2), 3 = + weights (ZeRO-3 / FSDP2). `offload`: fraction of the blocks whose
     model states live in CPU memory (granular offload; 1.0 also moves embeddings and head, as FSDP2's
     `CPUOffloadPolicy` does). `recompute`: activation checkpointing of every decoder layer. `schedule`: the pipeline
-    schedule when `pp > 1` (`PIPELINE_SCHEDULES`, the trainer's `pipeline_schedule` values).
+    schedule when `pp > 1` (`PIPELINE_SCHEDULES`: the trainer's `pipeline_schedule` values, the schedule registry's).
     """
 
     dp: int
@@ -135,61 +137,51 @@ class Layout:
         return ("ddp", "zero1", "zero2", "fsdp2/zero3")[self.zero]
 
 
-# The pipeline schedules the planner sizes (the trainer's `pipeline_schedule` values), and what each keeps per stage:
-# GPipe the activations of all m micro-batches; 1F1B (PipeDream-Flush) those of at most d - s on stage s; PipeDream-2BW
-# (arXiv 2006.09503) 1F1B's activations and two weight versions (the one in-flight micro-batches started with, and
-# the newest), with no flush, so no bubble in steady state.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw")
-
-
-def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
-    """Micro-batches whose activations stage `stage` of `stages` holds at once, at most, under `schedule`."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule in ("1f1b", "2bw"):
-        return min(stages - stage, microbatches)
-    raise ValueError(f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
-
-
-def weight_versions(schedule: str, stages: int) -> int:
-    """Copies of its weights a pipeline stage holds: two under 2BW (in a pipeline), one otherwise."""
-    return 2 if schedule == "2bw" and stages > 1 else 1
-
-
-def pipeline_bubble(schedule: str, stages: int, microbatches: int) -> float:
-    """Idle share of a step with equal stages: (d - 1) / (m + d - 1) for the flush schedules, none for 2BW in steady
-    state (no flush: the next batch's forwards fill the drain)."""
-    if stages == 1 or schedule == "2bw":
-        return 0.0
-    return (stages - 1) / (microbatches + stages - 1)
+# The pipeline schedules the planner sizes: every `pipeline_schedule` the trainer offers, with each one's facts (weight
+# versions, the micro-batches it needs, its bubble, the activations a stage holds) from the schedule registry.
+PIPELINE_SCHEDULES = SCHEDULES
+# Stages per process under an interleaved schedule: what the trainer runs (`build_pipeline`'s `virtual_stages`).
+VIRTUAL_STAGES = 2
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: the depths it runs, the stored blocks they use, and its share of the other tensors."""
+    """One process of a pipeline: the depths it runs (those of each of its stages: several under an interleaved
+    schedule), the stored blocks they use, and its share of the other tensors."""
 
-    depths: range
+    depths: tuple[int, ...]
     blocks: tuple[int, ...]
-    first: bool
-    last: bool
+    first: bool  # holds the embeddings (the pipeline's first stage)
+    last: bool  # holds the head (the pipeline's last stage)
+    parts: tuple[tuple[int, range], ...] = ()  # (the stage's index in the pipeline, its depths), one per stage
 
 
-def pipeline_stages(config: P2RConfig, pp: int) -> list[Stage]:
-    """Equal numbers of depths per stage (PipeDream-2BW's partitioning of repeated transformer layers).
+def pipeline_stages(config: P2RConfig, pp: int, seq_len: int | None = None, schedule: str = "1f1b") -> list[Stage]:
+    """The `pp` processes of a pipeline of `config`: with `seq_len`, the split the trainer runs (`balanced_split`:
+    layers per stage balancing each stage's training FLOPs for `seq_len`-token sequences, then its bytes; never inside
+    a block of a `sequence` pseudo model) into `pp` stages, or `pp * VIRTUAL_STAGES` under an interleaved `schedule`,
+    stage s on process s mod pp; `ValueError` (the trainer's) where it has no such split. Without `seq_len`, equal
+    numbers of depths per stage (`pp` must divide the depth).
 
-    A stage holds every stored block its depths run: for a `"sequence"` pseudo model each block lands on one stage;
+    A process holds every stored block its depths run: for a `"sequence"` pseudo model each block lands on one stage;
     for a `"cycle"` pseudo model every stage holds all the blocks its depths cycle through (a copy per stage).
     """
     depth = config.num_hidden_layers
-    if depth % pp:
-        raise ValueError(f"pp={pp} must divide num_hidden_layers ({depth})")
-    per_stage = depth // pp
-    block_of_depth = config.block_of_depth
+    if seq_len is None:
+        if depth % pp:
+            raise ValueError(f"pp={pp} must divide num_hidden_layers ({depth})")
+        split = [depth // pp] * pp
+    else:
+        num_stages = pp * get_schedule(schedule).stages_per_process(VIRTUAL_STAGES) if pp > 1 else 1
+        split = balanced_split(config, num_stages, seq_len) if num_stages > 1 else [depth]
+    order = config.block_of_depth
+    parts = list(enumerate(stage_depths(split)))
     stages = []
-    for s in range(pp):
-        depths = range(s * per_stage, (s + 1) * per_stage)
-        blocks = tuple(sorted({block_of_depth[d] for d in depths}))
-        stages.append(Stage(depths, blocks, first=s == 0, last=s == pp - 1))
+    for process in range(pp):
+        mine = tuple(parts[process::pp])
+        depths = tuple(d for _, stage in mine for d in stage)
+        blocks = tuple(sorted({order[d] for d in depths}))
+        stages.append(Stage(depths, blocks, first=process == 0, last=mine[-1][0] == len(split) - 1, parts=mine))
     return stages
 
 
@@ -315,19 +307,17 @@ __all__ = [
     "ParameterTensor",
     "Precision",
     "Stage",
+    "VIRTUAL_STAGES",
     "dp_shard_numel",
     "head_activation_bytes",
-    "in_flight_microbatches",
     "layer_activation_bytes",
     "logits_bytes",
     "model_state_bytes",
     "parameter_tensors",
-    "pipeline_bubble",
     "pipeline_stages",
     "saved_activation_bytes",
     "offload_working_set_bytes",
     "stage_tensors",
-    "weight_versions",
 ]
 
 

@@ -3,18 +3,22 @@
 The layout space follows the Frontier study (arXiv 2312.12705), which trained 22B-1T models by combining sharded
 data parallelism, tensor parallelism within a node and pipeline parallelism: DP with ZeRO stage 0-3 (FSDP2 is
 ZeRO-3), TP degrees that divide a node, PP degrees that divide the depth, granular CPU offload and activation
-recomputation. Like PipeDream-2BW's planner (arXiv 2006.09503), it exploits the repeated transformer layers (equal
-layers per stage), discards the configurations that exceed the memory capacity, and ranks the others with a cost
-model.
+recomputation. Like PipeDream-2BW's planner (arXiv 2006.09503), it exploits the repeated transformer layers,
+discards the configurations that exceed the memory capacity, and ranks the others with a cost model. A pipeline is
+sized as the trainer runs it: every schedule of the schedule registry (`hf_p2r.distributed.pipeline.schedules`:
+weight versions, the micro-batches it needs, its bubble, the activations a stage holds), split by the trainer's own
+`balanced_split` (stages of balanced training FLOPs, never inside a block of a `sequence` pseudo model;
+`VIRTUAL_STAGES` stages per process under an interleaved schedule).
 
 Cost model (every assumption is a field of `Hardware`, overridable from the command line):
-- compute: 6 N FLOPs per token for the N matmul parameters of the *real* depth (a pseudo model computes all L
-  depths) plus 12 L h s for attention scores (PaLM's count), 8 N + 16 L h s with recomputation, at
-  `mfu * peak_flops`, stretched by the pipeline bubble: divided by 1 - (pp - 1) / (m + pp - 1) for m micro-batches
-  per pipeline under GPipe and 1F1B (flushed every step), by 1 under PipeDream-2BW (no flush: no bubble in steady
-  state); `hf_p2r.distributed.simulate` replays the schedules themselves (`stage_seconds` gives it the stage times);
-- memory of a pipeline stage follows its schedule: GPipe holds the activations of all m micro-batches, 1F1B and 2BW
-  those of at most pp - s on stage s, and 2BW two versions of the stage's weights;
+- compute: the model inventory's training FLOPs per token (`hf_p2r.models.p2r.inventory_p2r`: 6 per matmul weight
+  element a token uses, of the *real* depth, since a pseudo model computes all L depths, plus 12 L q s for attention
+  scores, PaLM's count; a third more of the layers' with recomputation), at `mfu * peak_flops`, stretched by the
+  pipeline bubble the schedule has: divided by 1 - (pp - 1) / (m + pp - 1) for m micro-batches per pipeline under a
+  schedule flushed every step, by 1 under PipeDream-2BW (no flush: no bubble in steady state);
+  `hf_p2r.distributed.simulate` replays the schedules themselves (`stage_seconds` gives it the stage times);
+- memory of a pipeline process follows its schedule: GPipe holds the activations of all m micro-batches, the others
+  those of at most d - s on stage s of d, and 2BW two versions of the stage's weights;
 - communication: ring collectives move 2 (n-1)/n of a buffer for an all-reduce and (n-1)/n for a reduce-scatter
   or all-gather; a group inside a node uses `intra_node_bandwidth`, one that spans nodes `inter_node_bandwidth`
   (ranks are placed TP innermost, then DP, then PP, as in Megatron);
@@ -34,6 +38,8 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..checkpoint.convert import read_p2r_config_dict
 from ..checkpoint.io import CONFIG_NAME, read_config_dict
+from ..distributed.pipeline.schedules import get_schedule
+from ..distributed.pipeline.split import allowed_cuts
 from ..errors import InputError, read_json
 from ..models.p2r import P2RConfig, P2RMoeConfig
 from ..models.p2r.inventory_p2r import Inventory, inventory
@@ -41,24 +47,26 @@ from ..models.p2r.sharing_p2r import validate_layout, validate_moe
 from .assumptions import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Hardware, check_int
 from .memory import (
     PIPELINE_SCHEDULES,
+    VIRTUAL_STAGES,
     Layout,
     Memory,
     ParameterTensor,
     Precision,
+    Stage,
     head_activation_bytes,
-    in_flight_microbatches,
     layer_activation_bytes,
     logits_bytes,
     model_state_bytes,
     offload_working_set_bytes,
     parameter_tensors,
-    pipeline_bubble,
     pipeline_stages,
     stage_tensors,
-    weight_versions,
 )
 
 OFFLOAD_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)  # granular offload: share of the stored blocks in CPU memory
+# The longest search (stages x allowed cuts^2 steps of `balanced_split`'s dynamic program) the planner runs to size one
+# pipeline shape the way the trainer splits it: about a second. Deeper pipelines of very deep models are left out.
+MAX_SPLIT_STEPS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,14 @@ class _Blocks:
     kind: dict[int, tuple]  # stored block -> its kind
     example: dict[tuple, list[ParameterTensor]]  # kind -> the tensors of one block of that kind
     model: Inventory  # the FLOPs
+    splits: dict = field(default_factory=dict)  # (pp, schedule, seq_len) -> the trainer's stages, each split once
+
+    def stages(self, config: P2RConfig, layout: Layout, seq_len: int) -> list[Stage]:
+        """`pipeline_stages` of `layout` (the split the trainer runs), computed once per pipeline shape."""
+        key = (layout.pp, layout.schedule if layout.pp > 1 else "", seq_len)
+        if key not in self.splits:
+            self.splits[key] = pipeline_stages(config, layout.pp, seq_len, layout.schedule)
+        return self.splits[key]
 
     @classmethod
     def of(cls, tensors: list[ParameterTensor], config: P2RConfig) -> "_Blocks":
@@ -146,16 +162,21 @@ def _estimate(
     a, hidden = p.activation, config.hidden_size
     micro_batches = math.ceil(workload.global_batch / (layout.dp * workload.micro_batch))
     tokens = workload.micro_batch * workload.seq_len
-    stages = pipeline_stages(config, layout.pp)
+    schedule = get_schedule(layout.schedule)
+    stages = blocks.stages(config, layout, workload.seq_len)  # the trainer's split
+    num_stages = sum(len(stage.parts) for stage in stages)
     order = config.block_of_depth  # a property that builds the list: once
     kinds = {kind: model_state_bytes(held, layout, p) for kind, held in blocks.example.items()}
     kind_numel = {kind: sum(math.prod(t.tp_shape(layout.tp)) for t in held) for kind, held in blocks.example.items()}
+    layer = layer_activation_bytes(config, tokens, layout.tp, p)
+    per_depth = tokens * a * hidden if layout.recompute else layer
+    head = head_activation_bytes(config, tokens, p) + logits_bytes(config, tokens, p)
 
-    memory: Memory | None = None  # of the most loaded stage
-    comm = offload = 0.0  # of the slowest stage: the pipeline runs at its pace
-    for index, stage in enumerate(stages):
+    memory: Memory | None = None  # of the most loaded process
+    comm = offload = 0.0  # of the slowest process: the pipeline runs at its pace
+    for stage in stages:
         held = stage_tensors(blocks.others, stage, config.tie_word_embeddings)  # and the blocks of `stage.blocks`
-        uses = Counter(order[d] for d in stage.depths)  # depths of this stage running each block
+        uses = Counter(order[d] for d in stage.depths)  # depths of this process running each block
         offloaded = set(stage.blocks[: round(layout.offload * len(stage.blocks))])
         stage_memory = model_state_bytes(held, layout, p, offloaded)
         units = _unit_numels(held, layout.tp)
@@ -168,16 +189,14 @@ def _estimate(
                 stage_memory.grads += states.grads
                 stage_memory.optimizer += states.optimizer
         stage_memory.buffers = _buffer_bytes(units, layout, p, uses, offloaded)
-        stage_memory.weights *= weight_versions(layout.schedule, layout.pp)  # 2BW: |W| more per stage
-        in_flight = in_flight_microbatches(layout.schedule, layout.pp, index, micro_batches)
-        layer = layer_activation_bytes(config, tokens, layout.tp, p)
-        per_micro_batch = len(stage.depths) * (tokens * a * hidden if layout.recompute else layer)
-        stage_memory.activations = in_flight * per_micro_batch + (layer if layout.recompute else 0)
-        if stage.first:
-            stage_memory.activations += in_flight * 8 * tokens  # input ids
-        if stage.last:
-            head = head_activation_bytes(config, tokens, p) + logits_bytes(config, tokens, p)
-            stage_memory.activations += in_flight * head
+        stage_memory.weights *= schedule.versions(layout.pp)  # 2BW: |W| more per stage
+        # Each of its stages holds the activations of the micro-batches in flight there (input ids on the first
+        # stage, the head's on the last); with recomputation, one layer's full activations at a time besides.
+        stage_memory.activations = layer if layout.recompute else 0
+        for index, depths in stage.parts:
+            in_flight = schedule.in_flight(num_stages, index, micro_batches)
+            per_micro_batch = len(depths) * per_depth + (8 * tokens if index == 0 else 0)
+            stage_memory.activations += in_flight * (per_micro_batch + (head if index == num_stages - 1 else 0))
 
         comm = max(comm, _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardware, stage))
         offload = max(offload, _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware))
@@ -189,9 +208,10 @@ def _estimate(
         hardware.cpu_memory is None or cpu_per_node <= hardware.cpu_memory
     )
     tokens_per_step = workload.global_batch * workload.seq_len
-    bubble = pipeline_bubble(layout.schedule, layout.pp, micro_batches)
+    bubble = schedule.bubble(layout.pp, micro_batches)
     compute = _compute_seconds(blocks.model, layout, workload.seq_len, tokens_per_step, hardware) / (1 - bubble)
-    engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, config)
+    split = [len(depths) for _, depths in sorted(part for stage in stages for part in stage.parts)]
+    engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, split)
     return Estimate(
         model,
         layout,
@@ -209,9 +229,14 @@ def _estimate(
 
 
 def runnable(layout: Layout, microbatches: int) -> bool:
-    """Whether the trainer runs `layout` with `microbatches` per pipeline: torch's `Schedule1F1B` needs m >= d, and
-    2BW too (with fewer, more than two weight versions would be in flight)."""
-    return layout.pp == 1 or layout.schedule == "gpipe" or microbatches >= layout.pp
+    """Whether the trainer runs `layout` with `microbatches` per pipeline: the schedule registry's m >= d rule (torch's
+    `Schedule1F1B` needs it, and 2BW: with fewer, more than two weight versions would be in flight)."""
+    try:
+        if layout.pp > 1:
+            get_schedule(layout.schedule).check_microbatches(microbatches, layout.pp)
+    except ValueError:
+        return False
+    return True
 
 
 def stage_seconds(
@@ -225,7 +250,7 @@ def stage_seconds(
     rate = hardware.peak_flops * hardware.mfu * layout.tp
     model = inventory(config)
     times = []
-    for stage in pipeline_stages(config, layout.pp):
+    for stage in pipeline_stages(config, layout.pp, seq_len, layout.schedule):
         training = sum(model.depth_flops(depth, seq_len) for depth in stage.depths)
         forward = tokens * (training + (model.head.flops if stage.last else 0)) / 3 / rate  # a third: the forward
         times.append((forward, (3 if layout.recompute else 2) * forward))
@@ -294,19 +319,36 @@ def plan(
     max_pp: int = 1,
     model: str = "",
     tensors: list[ParameterTensor] | None = None,
+    notes: list[str] | None = None,
 ) -> list[Estimate]:
     """Every candidate layout of `config` on `gpus` GPUs: the ones that fit first, fastest first, then the rest by
-    memory. `tensors`: `parameter_tensors(config)`, when the caller has them already.
+    memory. `tensors`: `parameter_tensors(config)`, when the caller has them already. A pipeline is sized with the
+    split the trainer runs (`balanced_split`), and only where the trainer has one.
 
     The work is bounded: `gpus`, `max_tp` and `max_pp` by `MAX_GPUS` (`InputError` beyond), the model's sizes by
-    its config's validation, and a layout costs one pass over the model's stored blocks and pipeline stages."""
+    its config's validation, a layout costs one pass over the model's stored blocks and pipeline stages, and each
+    pipeline shape's split is searched once, if that search takes at most `MAX_SPLIT_STEPS` steps (a line appended to
+    `notes` says which pipelines are left out)."""
     for name, value in (("gpus", gpus), ("max_tp", max_tp), ("max_pp", max_pp)):
         check_int(name, value, 1, MAX_GPUS)
     blocks = _Blocks.of(parameter_tensors(config) if tensors is None else tensors, config)
-    estimates = [
-        _estimate(config, layout, workload, hardware, blocks, model)
-        for layout in candidate_layouts(config, gpus, hardware, max_tp, max_pp)
-    ]
+    estimates, unsized = [], set()
+    for layout in candidate_layouts(config, gpus, hardware, max_tp, max_pp):
+        if layout.pp > 1:
+            stages = layout.pp * get_schedule(layout.schedule).stages_per_process(VIRTUAL_STAGES)
+            cuts = len(allowed_cuts(config)) + 1
+            if stages > cuts:  # the trainer has no split: fewer blocks than stages (a `sequence` pseudo model)
+                continue
+            if stages * cuts**2 > MAX_SPLIT_STEPS:
+                unsized.add(stages)
+                continue
+        estimates.append(_estimate(config, layout, workload, hardware, blocks, model))
+    if unsized and notes is not None:
+        notes.append(
+            f"{model or 'the'} model: pipelines of {min(unsized)} stages or more not sized (the trainer's split of "
+            f"{config.num_hidden_layers} layers into that many stages is a search of more than {MAX_SPLIT_STEPS:.0e} "
+            "steps)"
+        )
     estimates = [e for e in estimates if runnable(e.layout, e.microbatches)]
     return sorted(estimates, key=lambda e: (not e.fits, e.step_seconds if e.fits else e.memory.total))
 
@@ -479,7 +521,7 @@ def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware)
     return micro_batches * traffic / hardware.pcie_bandwidth + numel / cpu_rate
 
 
-def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precision: str = "mixed", config=None) -> str:
+def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precision: str = "mixed", split=()) -> str:
     if layout.pp > 1:
         # The trainer's fields (scripts/train.py --config, launched with torchrun): its batch per pipeline,
         # `per_device_batch_size`, is split into `num_microbatches` micro-batches of `micro_batch` sequences.
@@ -490,9 +532,8 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
             f"per_device_batch_size: {microbatches * micro_batch}",
             "gradient_accumulation_steps: 1",  # the micro-batches are the accumulation
         ]
-        if config is not None:  # the split sized here (equal layers), instead of the trainer's FLOP-balanced one
-            per_stage = config.num_hidden_layers // layout.pp
-            fields.append(f"pipeline_split: [{','.join([str(per_stage)] * layout.pp)}]")
+        if split:  # the split sized here: the one the trainer balances itself, written out
+            fields.append(f"pipeline_split: [{','.join(map(str, split))}]")
         if layout.dp > 1:
             fields.append(f"data_parallel_size: {layout.dp}")
             if layout.zero == 3:  # FSDP2 in each stage over the data-parallel pipelines
@@ -502,11 +543,10 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
         if precision == "fp32":
             fields.append('mixed_precision: "no"')  # quoted: YAML reads a bare no as false
         # What `TrainArguments` refuses with a pipeline so far: such layouts are sized, not run.
-        sharded_2bw = layout.dp > 1 and layout.zero == 3 and layout.schedule == "2bw"
-        refused = ["FSDP2-sharded stages under 2BW"] if sharded_2bw else []
+        schedule = get_schedule(layout.schedule)
+        sharded = layout.dp > 1 and layout.zero == 3 and schedule.shard_refusal
+        refused = [f"FSDP2-sharded stages under {schedule.title}"] if sharded else []
         refused += ["mixed precision (stages run in fp32)"] if precision != "fp32" else []
-        if config is not None and _cuts_a_block(config, layout.pp):
-            refused.append("a stage starting inside a block of a sequence pseudo model")
         return ", ".join(fields) + (
             f"; sizing only: the trainer refuses {' and '.join(refused)} yet" if refused else ""
         )
@@ -521,15 +561,6 @@ def _engine(layout: Layout, microbatches: int = 1, micro_batch: int = 1, precisi
     if layout.zero in (1, 2):
         return f"deepspeed_zero2.yaml (zero_stage: {layout.zero})"
     return "fsdp2_offload.yaml or deepspeed_zero3_offload.yaml" if layout.offload else "fsdp2.yaml"
-
-
-def _cuts_a_block(config: P2RConfig, pp: int) -> bool:
-    """Whether equal stages start inside a stored block of a `sequence` pseudo model (whose depths must stay on one
-    stage: `hf_p2r.distributed.pipeline.check_split` refuses such a `pipeline_split`)."""
-    if not (config.share_layers and config.sharing_pattern == "sequence"):
-        return False
-    order, per_stage = config.block_of_depth, config.num_hidden_layers // pp
-    return any(order[start] == order[start - 1] for start in range(per_stage, config.num_hidden_layers, per_stage))
 
 
 def _divisors(n: int) -> list[int]:

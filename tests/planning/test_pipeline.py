@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import pytest
 
+from hf_p2r.distributed.pipeline.schedules import SCHEDULES, get_schedule
 from hf_p2r.distributed.simulate import StageCost, simulate_schedule
 from hf_p2r.planning import PRECISIONS, Hardware, Layout, Workload, estimate, parameter_tensors, plan
 from hf_p2r.planning.memory import (
@@ -115,11 +116,13 @@ def test_stage_seconds_add_up_to_the_planners_compute_time():
 
 
 def test_schedules_that_need_m_at_least_d_are_not_offered_below():
+    """Every schedule the trainer runs is sized (the registry's), those that need m >= d only with m >= d."""
     config, hardware = tiny_config(), Hardware(gpus_per_node=4)
     few = [e.layout for e in plan(config, 4, workload(microbatches=2), hardware, max_pp=4) if e.layout.pp == 4]
-    assert {layout.schedule for layout in few} == {"gpipe"}
+    any_m = {name for name in SCHEDULES if not get_schedule(name).microbatches_at_least_stages}
+    assert {layout.schedule for layout in few} == any_m == {"gpipe", "interleaved_1f1b", "zero_bubble"}
     enough = [e.layout for e in plan(config, 4, workload(microbatches=4), hardware, max_pp=4) if e.layout.pp == 4]
-    assert {layout.schedule for layout in enough} == {"gpipe", "1f1b", "2bw"}
+    assert {layout.schedule for layout in enough} == set(SCHEDULES)
     assert all(layout.tp == 1 and layout.offload == 0 for layout in enough)
 
 
@@ -138,7 +141,7 @@ def test_pipeline_layouts_name_the_trainer_fields_that_run_them():
         sharded = e.layout.zero == 3  # FSDP2 in each stage over the data-parallel pipelines
         assert fields.get("data_parallel_shard") == ("true" if sharded else None)
         # The trainer refuses mixed precision in a pipeline so far, and sharded stages under 2BW: sized, not run.
-        refused = "FSDP2-sharded stages under 2BW and " if sharded and e.layout.schedule == "2bw" else ""
+        refused = "FSDP2-sharded stages under PipeDream-2BW and " if sharded and e.layout.schedule == "2bw" else ""
         assert e.engine.endswith(f"sizing only: the trainer refuses {refused}mixed precision (stages run in fp32) yet")
 
 
@@ -183,26 +186,88 @@ def test_the_trainer_accepts_what_plan_prints(tmp_path, schedule, dp, zero):
     assert (run.train.pipeline_parallel_size, run.train.pipeline_schedule) == (STAGES, schedule)
     microbatches = MICROBATCHES // dp  # the batch is split over the data-parallel pipelines
     assert (run.train.num_microbatches, run.train.per_device_batch_size) == (microbatches, microbatches * MICRO_BATCH)
-    assert run.train.pipeline_split == [2, 2, 2, 2]  # the equal split the planner sized
+    assert run.train.pipeline_split == [2, 2, 2, 2]  # the trainer's balanced split, which the planner sized
     assert run.train.gradient_accumulation_steps == 1
     assert run.model.activation_checkpointing and run.train.mixed_precision == "no"
     assert (run.train.data_parallel_size, run.train.data_parallel_shard) == (dp, zero == 3)
 
 
-@pytest.mark.parametrize("blocks,sized_only", [(4, False), (2, True), (3, True), (None, False)])
-def test_a_sequence_pseudo_model_is_not_cut_inside_a_block(blocks, sized_only):
-    """8 depths, 4 equal stages of 2: the trainer refuses a stage that starts inside a `sequence` block, so does the
-    planner. 4 blocks of 2 depths: cuts between blocks; 2 blocks of 4, or 3 of 3, 3 and 2: depth 2 starts a stage
-    inside block 0; a real model (None): any cut."""
+@pytest.mark.parametrize("blocks,splittable", [(4, True), (2, False), (3, False), (None, True)])
+def test_a_sequence_pseudo_model_is_not_cut_inside_a_block(blocks, splittable):
+    """8 depths in 4 stages: the trainer never starts a stage inside a `sequence` block, so neither does the planner.
+    4 blocks of 2 depths: one block per stage; 2 blocks of 4, or 3 of 3, 3 and 2: fewer blocks than stages, no split
+    (the trainer refuses it, the planner leaves it out); a real model (None): any cut."""
     shared = {"share_layers": True, "num_unique_layers": blocks, "sharing_pattern": "sequence"} if blocks else {}
     config = tiny_config(**shared)
     fp32 = dataclasses.replace(workload(), precision=PRECISIONS["fp32"])
-    engine = estimate(config, Layout(dp=1, pp=STAGES, schedule="1f1b"), fp32, Hardware()).engine
-    assert ("inside a block of a sequence pseudo model" in engine) == sized_only
+    layout = Layout(dp=1, pp=STAGES, schedule="1f1b")
     from hf_p2r.distributed.pipeline import check_split
 
-    if sized_only:
+    if splittable:
+        engine = estimate(config, layout, fp32, Hardware()).engine
+        assert "sizing only" not in engine and "pipeline_split: [2,2,2,2]" in engine
+        check_split(config, [2, 2, 2, 2], STAGES)
+    else:
+        with pytest.raises(ValueError, match="4 stages need at least as many blocks"):
+            estimate(config, layout, fp32, Hardware())
+        assert not [e for e in plan(config, 4, workload(), Hardware(), max_pp=4) if e.layout.pp == STAGES]
         with pytest.raises(ValueError, match="starts a stage inside a shared block"):
             check_split(config, [2, 2, 2, 2], STAGES)
-    else:
-        check_split(config, [2, 2, 2, 2], STAGES)
+
+
+# Models whose balanced split is not always the equal one: a heavy head (large vocabulary), a sequence pseudo model
+# (cut between blocks only) with a heavy head, a tied head; each under every schedule (interleaved ones: two stages
+# per process).
+SPLIT_MODELS = {
+    "heavy head": dict(vocab_size=2000),
+    "sequence, 4 blocks": dict(share_layers=True, num_unique_layers=4, sharing_pattern="sequence", vocab_size=1500),
+    "cycle, tied": dict(share_layers=True, num_unique_layers=2, tie_word_embeddings=True, num_hidden_layers=6),
+}
+
+
+def trainer_stages(rank: int, world: int) -> dict:
+    """Each process's depths in the trainer's pipeline (`build_pipeline`, automatic split) for every model and
+    schedule, gathered on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_p2r import P2RForCausalLM
+    from hf_p2r.distributed.pipeline import build_pipeline
+
+    out = {}
+    for name, fields in SPLIT_MODELS.items():
+        for schedule in SCHEDULES:
+            torch.manual_seed(0)
+            model = P2RForCausalLM(tiny_config(**fields))
+            pipeline = build_pipeline(
+                model,
+                schedule=schedule,
+                num_microbatches=2,
+                seq_len=SEQ,
+                optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0),
+            )
+            depths = [list(module.depths) for module in pipeline.modules]
+            gathered = [None] * world
+            dist.all_gather_object(gathered, depths)
+            out[f"{name}/{schedule}"] = {"split": list(pipeline.split), "depths": gathered}
+    return out
+
+
+def test_the_planner_sizes_the_split_the_trainer_runs(tmp_path):
+    """For every schedule, the planner's processes run the depths the trainer's pipeline gives them."""
+    from ..distributed import spawn
+
+    built = spawn.run(trainer_stages, 2, tmp_path)
+    for name, fields in SPLIT_MODELS.items():
+        config = tiny_config(**fields)
+        for schedule in SCHEDULES:
+            planned = pipeline_stages(config, 2, SEQ, schedule)
+            trainer = built[f"{name}/{schedule}"]
+            assert [[list(depths) for _, depths in stage.parts] for stage in planned] == trainer["depths"], (
+                name,
+                schedule,
+            )
+            split = [len(depths) for _, depths in sorted(part for stage in planned for part in stage.parts)]
+            assert split == trainer["split"]
+    uneven = {key: value["split"] for key, value in built.items() if len(set(value["split"])) > 1}
+    assert uneven, "some split is not the equal one"

@@ -43,6 +43,7 @@ tests/models/test_inventory_p2r.py holds the names, shapes and order equal to th
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 
 from .sharing_p2r import block_of_depth, sparse_depths
@@ -117,20 +118,21 @@ class Tensor:
 
 
 class _Totals:
-    """Parameters (all, and those one token uses) and tensors on disk, summed over the parts of a whole."""
+    """Parameters (all, and those one token uses) and tensors on disk, summed over the parts of a whole once (a
+    split's search asks for them many times)."""
 
     def _parts(self):  # a piece's tensors, a model's pieces
         raise NotImplementedError
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(part.numel for part in self._parts())
 
-    @property
+    @cached_property
     def active_numel(self) -> float:
         return sum(part.active_numel for part in self._parts())
 
-    @property
+    @cached_property
     def disk_count(self) -> int:
         """How many tensors `save_pretrained` writes (a MoE layer's experts one per expert and projection)."""
         return sum(part.disk_count for part in self._parts())
