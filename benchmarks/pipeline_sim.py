@@ -322,7 +322,7 @@ def sweep(model_name: str, stages: int, microbatches: int) -> dict:
     head = head_activation_bytes(config, seq, precision) + logits_bytes(config, seq, precision)
     times = stage_seconds(config, tensors, Layout(dp=1, pp=stages), workload, Hardware())
     costs = []
-    for stage, (forward, backward) in zip(pipeline_stages(config, stages), times["stages"]):
+    for stage, (forward, backward) in zip(pipeline_stages(config, stages, seq), times["stages"]):
         weights = model_state_bytes(stage_tensors(tensors, stage, False), Layout(dp=1), precision).weights
         activations = len(stage.depths) * layer + (8 * seq if stage.first else 0) + (head if stage.last else 0)
         costs.append(StageCost(forward, backward, weights=weights, activations=activations))

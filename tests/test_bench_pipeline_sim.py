@@ -13,11 +13,12 @@ def bench():
 
 
 def test_2bw_beats_the_flush_schedules_by_their_bubble(bench):
-    """At m = d every schedule fits the 2.7B model on 8 GPUs; GPipe and 1F1B run the same time (same bubble), and
+    """At m = d every schedule fits the 2.7B model on 8 GPUs; GPipe and 1F1B run about the same time (the same flush
+    bubble: equal for equal stages, within 1% on the trainer's balanced split, whose last stage is lighter), and
     2BW's steady state has none, so it is faster by at least the busiest stage's flush bubble."""
     rows = bench.at_scale("gpt-2.7B", 8, 8)
     assert all(row["fits"] and not row["recompute"] for row in rows.values())
-    assert rows["gpipe"]["step_s"] == pytest.approx(rows["1f1b"]["step_s"])
+    assert rows["gpipe"]["step_s"] == pytest.approx(rows["1f1b"]["step_s"], rel=1e-2)
     assert rows["2bw"]["bubble"] == pytest.approx(0, abs=1e-9)
     gain = rows["2bw"]["sequences_per_s"] / rows["1f1b"]["sequences_per_s"]
     assert gain == pytest.approx(1 / (1 - rows["1f1b"]["bubble"]), rel=1e-9)
