@@ -1,12 +1,13 @@
 """The import graph of hf_p2r, read with `ast` (no third-party tool): no cycles, imports only point down the layers,
 and no module reaches into another's private names.
 
-The layers, from the bottom (STYLE.md: "import direction is architecture"): `errors` and `compat` (the one place for
-private reads of other libraries) import nothing of hf_p2r; `models` (the model files know nothing of checkpoints,
-parallelism or training) and `ops` (compute kernels in plain torch); `checkpoint` (every tensor read and write); `hub` (pushes folders; the card is rendered by
-`checkpoint`); `distributed` (parallelism applied to a model from outside); `planning` (sizes layouts from what the
-models and `distributed` say); `training` (the loop and its engines); the command lines (`cli`, `commands`, the
-trainer's entry point). The package's `__init__` is its facade and may name anything. Every import counts, at module
+The layers, from the bottom (STYLE.md: "import direction is architecture"): `errors`, `compat` (the one place for
+private reads of other libraries) and `lazy` import nothing of hf_p2r; `models` (the model files know nothing of
+checkpoints, parallelism or training) and `ops` (compute kernels in plain torch); `checkpoint` (every tensor read and
+write, and the model card); `hub` (pushes folders); `distributed` (parallelism applied to a model from outside);
+`planning` (sizes layouts from what the models and `distributed` say); `training` (the loop and its engines); the
+command lines (`cli`, `commands`, the trainer's entry point `train`). The package's `__init__` is its facade and may
+name anything. Every import counts, at module
 level or inside a function: a deferred import is still an arrow.
 """
 
