@@ -93,7 +93,17 @@ def test_every_readme_command_is_run_or_excused():
 def _workspace(tmp_path: Path) -> Path:
     """A fresh folder that looks like the repository to the commands (its configs, scripts, Makefile and .venv), so
     every output they write (runs/...) lands in it."""
-    for name in ("configs", "scripts", "Makefile", "pyproject.toml", "requirements", "README.md"):
+    for name in (
+        "configs",
+        "scripts",
+        "Makefile",
+        "pyproject.toml",
+        "requirements",
+        "README.md",
+        "hf_p2r",
+        "benchmarks",
+        "tests",
+    ):
         (tmp_path / name).symlink_to(REPO / name)
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     return tmp_path
