@@ -175,6 +175,7 @@ def _worker(rank: int, world: int, port: int, preset: dict, rounds: int, steps: 
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
+    gc.collect()  # cycles holding gloo's objects go now, not at exit (where gloo aborts)
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ scale to reproduce PipeDream-2BW's comparison (arXiv 2006.09503) of 2BW, GPipe a
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -152,6 +153,7 @@ def worker(args: argparse.Namespace) -> None:
             "two_bw_update_s": [rank_["update_s"] for rank_ in gathered],
         }
         Path(args.worker_out).write_text(json.dumps(result))
+    gc.collect()  # cycles holding gloo's objects go now, not at exit (where gloo aborts)
     dist.destroy_process_group()
 
 

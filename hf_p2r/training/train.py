@@ -65,15 +65,23 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blo
 
 def train(config: TrainConfig) -> int:
     """Run the schedule of `config`; returns the exit code (see the module docstring)."""
+    # The engine: its Accelerator (what it cannot run is refused now), later the model it places and parallelises.
+    engine = engine_for(config)
+    try:
+        return run(config, engine)
+    finally:
+        engine.close()  # every way out (done, stopped by a signal, an error) releases what it built and ends the run
+
+
+def run(config: TrainConfig, engine: Engine) -> int:
+    """The run itself, top to bottom, on `engine`; returns the exit code."""
     args = config.train
     started_run = time.perf_counter()
     output_dir = Path(args.output_dir)
     depth = config.model.num_hidden_layers
     delink_steps = [step for step, _ in config.delink_schedule()]
 
-    # Build: the engine (its Accelerator; what it cannot run is refused now), where the run starts, the data, the
-    # model, placed and parallelised by the engine; then resume.
-    engine = engine_for(config)
+    # Build: where the run starts, the data, the model (placed and parallelised by the engine); then resume.
     accelerator = engine.accelerator
     checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
@@ -154,7 +162,6 @@ def train(config: TrainConfig) -> int:
     if accelerator.is_main_process:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {engine.title()}"
         finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code)
-    engine.close()
     return 0
 
 

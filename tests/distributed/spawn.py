@@ -1,5 +1,6 @@
 """Run a test body in several local processes joined by gloo on a free loopback port (no GPU, no network)."""
 
+import gc
 import json
 import os
 import socket
@@ -65,4 +66,7 @@ def _worker(rank: int, body, world_size: int, port: int, result: str) -> None:
         if rank == 0:
             Path(result).write_text(json.dumps(output))
     finally:
+        # Cycles that hold gloo's objects (a pipeline and its schedule) collected now, not during the interpreter's
+        # exit, where gloo aborts the process (SIGABRT, "terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()

@@ -197,6 +197,11 @@ class PipelineEngine(Engine):
     def title(self) -> str:
         return f"{self.args.pipeline_schedule} x{self.args.pipeline_parallel_size}"
 
+    def release(self) -> None:
+        self.pipeline = None
+        super().release()
+
     def close(self) -> None:
-        if not self.joined:
+        self.release()
+        if not self.joined:  # a caller's process group (tests) is left to the caller
             self.accelerator.end_training()
