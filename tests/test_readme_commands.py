@@ -65,14 +65,15 @@ def excuse(command: str) -> str | None:
 
 
 def shortened(command: str) -> str:
-    """`command` with the smoke fields appended where it trains (`make demo` through ARGS, the others after
-    scripts/train.py's own arguments)."""
+    """`command` with the smoke fields appended where it trains (`make demo` through ARGS; `scripts/train.py`,
+    `hf-p2r train` and `-m hf_p2r.train` after their own arguments)."""
     words = shlex.split(command)
     if words[:2] == ["make", "demo"]:
         given = next((word.split("=", 1)[1] for word in words if word.startswith("ARGS=")), "")
         rest = [word for word in words if not word.startswith("ARGS=")]
         return shlex.join([*rest, f"ARGS={given} {SMOKE}".strip()])
-    if "scripts/train.py" in words and "--help" not in words:
+    trains = "scripts/train.py" in words or "hf_p2r.train" in words or words[:2] == ["hf-p2r", "train"]
+    if trains and "--help" not in words:
         return f"{command} {SMOKE}"
     return command
 
@@ -128,3 +129,15 @@ def test_every_readme_command_runs(tmp_path):
             failures.append(f"{command}\n  exit {done.returncode}: {output[-1500:]}")
     assert not failures, "\n".join(failures)
     assert (workspace / "runs/demo/real/model.safetensors").is_file()
+
+
+def test_every_training_command_is_shortened():
+    """The smoke fields reach every command that trains, whichever entry point it uses."""
+    for command in readme_commands():
+        words = shlex.split(command)
+        trains = {"scripts/train.py", "hf_p2r.train"} & set(words) or words[:2] in (
+            ["hf-p2r", "train"],
+            ["make", "demo"],
+        )
+        if trains and "--help" not in words and excuse(command) is None:
+            assert SMOKE in shortened(command), command
