@@ -4,7 +4,8 @@ Each read is written for every release pyproject.toml allows; tests/test_compat.
 and on the newest releases (.ci/run's compatibility pass), so a private name that moves breaks here, with a test,
 instead of somewhere in a training run. No torch at import: the converter's fast path imports this module.
 
-By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`), Accelerate
+By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
+`causal_lm_tp_plan`), Accelerate
 (`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
 `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
 `initialize_pipeline_stage`). A new read goes beside its library's, with a test.
@@ -13,11 +14,13 @@ By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_reg
 import importlib
 
 __all__ = [
+    "causal_lm_tp_plan",
     "defer_auto_registration",
     "forget_preparation",
     "in_backward",
     "initialize_pipeline_stage",
     "local_tensor",
+    "mark_auto_class",
     "parse_size_to_int",
     "pipeline_order",
     "prepared_models",
@@ -48,6 +51,19 @@ def defer_auto_registration(mapping, entries: dict[str, str]) -> None:
     if not isinstance(extra, _DeferredEntries):
         extra = mapping._extra_content = _DeferredEntries(extra, by_class=any(":" in key for key in entries))
     extra.pending.update((key, value) for key, value in entries.items() if extra.find(key) is None)
+
+
+def mark_auto_class(obj, auto_class: str) -> None:
+    """Set the `_auto_class` that transformers' `register_for_auto_class` sets on a class, on `obj` alone (a config,
+    or a stand-in instance of a model class): `custom_object_save` and `config.save_pretrained` then copy the defining
+    modules and write `auto_map` for it, for this save only."""
+    object.__setattr__(obj, "_auto_class", auto_class)
+
+
+def causal_lm_tp_plan(model_class) -> dict[str, str]:
+    """The tensor-parallel plan a causal LM class adds for its own modules (the head), before the base model's: the
+    class attribute `_tp_plan` that transformers' `init_parallel_plans` reads ({} when it has none)."""
+    return dict(getattr(model_class, "_tp_plan", None) or {})
 
 
 def _load(path: str):

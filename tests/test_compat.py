@@ -119,3 +119,36 @@ def test_accelerate_lists_prepared_models_and_forgets_a_preparation():
     assert not getattr(prepared, "_is_accelerate_prepared", False)
     accelerator.free_memory()
     assert prepared_models(accelerator) == []
+
+
+def test_mark_auto_class_is_what_register_for_auto_class_sets_and_what_save_reads(tmp_path):
+    """`custom_object_save` copies a class's code when the object carries `_auto_class`, as registering sets it."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from hf_p2r import P2RConfig, P2RForCausalLM
+    from hf_p2r.compat import mark_auto_class
+
+    config = P2RConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2)
+    stand_in = P2RForCausalLM.__new__(P2RForCausalLM)
+    mark_auto_class(stand_in, "AutoModelForCausalLM")
+    mark_auto_class(config, "AutoConfig")
+    custom_object_save(stand_in, tmp_path, config=config)
+    assert config.auto_map["AutoModelForCausalLM"].endswith("modeling_p2r.P2RForCausalLM")
+    assert (
+        (tmp_path / "modeling_p2r.py").is_file()
+        and not hasattr(P2RForCausalLM, "_auto_class")
+        or (P2RForCausalLM._auto_class is None)
+    )
+    config.save_pretrained(tmp_path)
+    assert (tmp_path / "configuration_p2r.py").is_file()
+
+
+def test_causal_lm_tp_plan_is_the_head_plan_transformers_assembles():
+    from hf_p2r import P2RConfig, P2RForCausalLM
+    from hf_p2r.compat import causal_lm_tp_plan
+
+    config = P2RConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2)
+    model = P2RForCausalLM(config)
+    plan = causal_lm_tp_plan(P2RForCausalLM)
+    assert plan and plan.items() <= model.tp_plan.items()
+    assert causal_lm_tp_plan(object) == {}

@@ -15,6 +15,7 @@ from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, Pre
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
+from ..compat import mark_auto_class
 from .headers import parse_size
 from .io import atomic_directory
 from .writer import write_checkpoint
@@ -97,6 +98,6 @@ def _save_code(model_class: type[PreTrainedModel], config: PreTrainedConfig, fol
     # model, so that neither the model nor its class is changed.
     stand_in = model_class.__new__(model_class)
     auto_class = "AutoModelForCausalLM" if issubclass(model_class, GenerationMixin) else "AutoModel"
-    object.__setattr__(stand_in, "_auto_class", auto_class)
+    mark_auto_class(stand_in, auto_class)
     custom_object_save(stand_in, folder, config=config)
-    config._auto_class = "AutoConfig"  # config.save_pretrained then copies configuration_*.py and adds AutoConfig
+    mark_auto_class(config, "AutoConfig")  # config.save_pretrained then copies configuration_*.py and adds AutoConfig

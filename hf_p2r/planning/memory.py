@@ -16,6 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..compat import causal_lm_tp_plan
 from ..distributed.pipeline.schedules import SCHEDULES, get_schedule
 from ..distributed.pipeline.split import balanced_split, stage_depths
 from ..models.p2r import P2RConfig, P2RMoeConfig
@@ -76,7 +77,7 @@ def tp_plan(config: P2RConfig) -> dict[str, str]:
     the Auto registry's for the config's type. tests/planning/test_memory.py holds it equal to the built model's."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    head = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_tp_plan", None) or {}
+    head = causal_lm_tp_plan(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
     base = {"embed_tokens": "embedding_rowwise", **(config.base_model_tp_plan or {})}
     return {**head, **{f"model.{name}": style for name, style in base.items()}}
 
