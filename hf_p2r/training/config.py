@@ -222,6 +222,28 @@ class TrainArguments:
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    optimizer: Literal["adamw", "muon"] = field(
+        default="adamw",
+        metadata={
+            "help": "adamw, or muon: torch.optim.Muon for the blocks' matrices (an MoE model's experts one expert at a "
+            "time), AdamW for the embeddings, norms, head and biases (hf_p2r.training.optim.MuonAdamW)."
+        },
+    )
+    muon_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak Muon learning rate, on the same schedule (default: learning_rate; with match_rms_adamw, Muon "
+            "takes AdamW's rate and weight decay, arXiv 2502.16982)."
+        },
+    )
+    muon_momentum: float = field(default=0.95, metadata={"help": "Muon momentum (torch.optim.Muon's default)."})
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = field(
+        default="match_rms_adamw",
+        metadata={
+            "help": "torch.optim.Muon's learning-rate adjustment per matrix shape: match_rms_adamw (0.2 sqrt(max(A, "
+            "B)): updates of AdamW's RMS, Moonshot's) or original (sqrt(max(1, A/B)), Keller Jordan's)."
+        },
+    )
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0: off)."})
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field(
         default=None, metadata={"help": "Default: what `accelerate config` / `accelerate launch` says."}
@@ -258,6 +280,14 @@ class TrainArguments:
     pipeline_schedule: Literal[SCHEDULES] = field(  # the registry's names (hf_p2r.distributed.pipeline.schedules)
         default="1f1b",
         metadata={"help": "Pipeline schedule: torch's gpipe, 1f1b, interleaved_1f1b, zero_bubble, or PipeDream-2BW."},
+    )
+    pipeline_delay_correction: Literal["none", "error_feedback"] = field(
+        default="none",
+        metadata={
+            "help": "2bw: error_feedback adds to each delayed update the error of the one before it (the update "
+            "computed one step later minus the update applied; hf_p2r.distributed.pipeline.pipedream), for either "
+            "optimizer; none: the plain delayed update."
+        },
     )
     num_microbatches: int | None = field(
         default=None,
@@ -304,6 +334,16 @@ class TrainArguments:
         check_range("adam_beta1", self.adam_beta1, low=0.0, high=1.0, strict_high=True)
         check_range("adam_beta2", self.adam_beta2, low=0.0, high=1.0, strict_high=True)
         check_range("adam_epsilon", self.adam_epsilon, low=0.0, strict_low=True)
+        check_range("muon_learning_rate", self.muon_learning_rate, low=0.0, strict_low=True)
+        check_range("muon_momentum", self.muon_momentum, low=0.0, high=1.0, strict_high=True)
+        if self.pipeline_delay_correction != "none" and (
+            self.pipeline_parallel_size == 1 or self.pipeline_schedule != "2bw"
+        ):
+            raise ConfigError(
+                "pipeline_delay_correction: corrects PipeDream-2BW's one-step delay (pipeline_schedule: 2bw with "
+                f"pipeline_parallel_size > 1); this run has {self.pipeline_schedule} x{self.pipeline_parallel_size}, "
+                "whose updates are not delayed"
+            )
         check_range("max_grad_norm", self.max_grad_norm, low=0.0)
         if self.pseudo_steps + self.real_steps == 0:
             raise ConfigError("real_steps: pseudo_steps + real_steps must be at least 1")
