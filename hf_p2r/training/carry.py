@@ -1,7 +1,7 @@
 """The optimizer-state carry across a delink: the one rule every engine applies (a whole model under Accelerate, FSDP2
 shards, a pipeline's stages).
 
-How the Adam state of a block's copies starts (`optimizer_carry`):
+How the optimizer state of a block's copies starts (`optimizer_carry`):
 
 - `reset`: fresh state, as if the copies were new parameters (Adam's bias correction restarts for them).
 - `copy`: each copy takes the shared parameter's `exp_avg`, `exp_avg_sq` and `step`.
@@ -9,6 +9,16 @@ How the Adam state of a block's copies starts (`optimizer_carry`):
   the copy runs at n'. A shared parameter's gradient is the sum of its n per-depth gradients, so each copy's own
   gradient is about r times the shared one; scaling keeps Adam's moments on the scale of the gradients to come
   (for a full delink, r = 1 / n). Adam's update m / sqrt(v) is unchanged at the first step.
+
+Muon (`optimizer: muon`, `hf_p2r.training.optim.MuonAdamW`) keeps one `momentum_buffer` B per matrix, torch's
+B <- mu B + (1 - mu) g, a running mean of past gradients, linear in them; its update is the orthogonalized
+(Newton–Schulz) mu B + (1 - mu) g (Nesterov). The same three rules follow: `reset` starts B at zero for the copies
+(Muon has no step count or bias correction to restart); `copy` gives each copy the shared matrix's B; `scale` gives it
+B * r with the same r = n' / n, because each copy's own gradient is about r times the shared one and B is linear in
+the gradients: the copies' first update then mixes the carried momentum and their new gradient in the proportion of
+a step without a delink (`copy` weighs the carried momentum 1/r times more). Orthogonalization discards the overall
+scale, so the update's size does not depend on the rule. AdamW's part of a `MuonAdamW` (embeddings, norms, head)
+follows Adam's rules.
 
 Parameters outside the transformer blocks (embeddings, final norm, head) keep their state in every mode.
 
@@ -103,8 +113,9 @@ def to_device(value, param: nn.Parameter):
 
 
 def scaled_state(state: dict, ratio: float, param: nn.Parameter) -> dict:
-    """A copy of one parameter's Adam state with the first moment times `ratio`, the second times `ratio**2`."""
-    factors = {"exp_avg": ratio, "exp_avg_sq": ratio**2, "max_exp_avg_sq": ratio**2}
+    """A copy of one parameter's state with Adam's first moment and Muon's momentum buffer times `ratio`, Adam's
+    second moment times `ratio**2`."""
+    factors = {"exp_avg": ratio, "momentum_buffer": ratio, "exp_avg_sq": ratio**2, "max_exp_avg_sq": ratio**2}
     return {
         key: to_device(value * factors[key] if key in factors and ratio != 1.0 else value.clone(), param)
         for key, value in state.items()

@@ -1,4 +1,5 @@
-"""The optimizer (AdamW) and the learning-rate schedule of a P2R run.
+"""The optimizer (AdamW, or Muon for the blocks' matrices with AdamW for the rest) and the learning-rate schedule of
+a P2R run.
 
 The learning rate is a pure function of the step (and of the delink steps), set on the optimizer before every
 update: nothing to save or rebuild when the optimizer is replaced at a delink, and a resumed run gets it right.
@@ -10,12 +11,14 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_wsd_schedule
 
 from .carry import block_of
-from .config import TrainArguments
+from .config import ConfigError, TrainArguments
 from .offload import GranularOffload
 
 
@@ -25,29 +28,177 @@ def build_optimizer(
     offload: GranularOffload | None = None,
     lr_scales: dict[int, float] | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; weight decay on matrices and embeddings, not on norms and biases.
+    """The run's optimizer over the trainable parameters of `model` (a P2R model, or a pipeline's stages: anything
+    with the model's parameter names); weight decay on matrices and embeddings, not on norms and biases.
 
-    The single place where the optimizer is made: at the start, at every delink and when resuming. With granular
-    `offload`, the offloaded blocks' part of each group steps on the CPU (`GranularOffload.build_optimizer`).
-    torch's fused AdamW is used wherever it applies (not on FSDP2's DTensor shards), with or without offload, so
-    the two give the same updates. Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared
-    block's by the depths it runs at): the training loop sets each group's rate to the schedule's times it.
-    `lr_scales` ({id(parameter): factor}) replaces the model's own where `model` holds a part of it (pipeline stages).
+    `optimizer: adamw`: torch's AdamW. `optimizer: muon`: one `MuonAdamW`, torch's Muon for the blocks' matrices
+    (`muon_parameters`), torch's AdamW for the rest. The single place where the optimizer is made: at the start, at
+    every delink and when resuming. With granular `offload`, the offloaded blocks' part of each group steps on the CPU
+    on their host masters (`GranularOffload.build_optimizer`; Muon's Newton–Schulz too). torch's fused AdamW is used
+    wherever it applies (not on FSDP2's DTensor shards), with or without offload, so the two give the same updates.
+    Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared block's by the depths it runs
+    at; a Muon group's also carries `muon_learning_rate / learning_rate`): the training loop sets each group's rate to
+    the schedule's times it. `lr_scales` ({id(parameter): factor}) replaces the model's own where `model` holds a part
+    of it (pipeline stages).
     """
     scale_of = shared_lr_scales(model, args) if lr_scales is None else lr_scales
-    buckets: dict[tuple[bool, float], list[nn.Parameter]] = {}
-    for param in model.parameters():
+    muon = muon_parameters(model) if args.optimizer == "muon" else set()
+    muon_ratio = (args.muon_learning_rate or args.learning_rate) / args.learning_rate
+    buckets: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
+    for _, param in model.named_parameters():
         if param.requires_grad:
-            buckets.setdefault((param.ndim >= 2, scale_of.get(id(param), 1.0)), []).append(param)
+            algorithm = "muon" if id(param) in muon else "adamw"
+            buckets.setdefault((algorithm, param.ndim >= 2, scale_of.get(id(param), 1.0)), []).append(param)
     groups = [
-        {"params": params, "weight_decay": args.weight_decay if decay else 0.0, "lr_scale": scale}
-        for (decay, scale), params in sorted(buckets.items(), key=lambda item: (not item[0][0], -item[0][1]))
+        {
+            "params": params,
+            "weight_decay": args.weight_decay if decay else 0.0,
+            "lr_scale": scale * (muon_ratio if algorithm == "muon" else 1.0),
+            **({"algorithm": algorithm} if muon else {}),
+        }
+        for (algorithm, decay, scale), params in sorted(
+            buckets.items(), key=lambda item: (item[0][0] != "muon", not item[0][1], -item[0][2])
+        )
     ]
     options = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    if offload is not None:
-        return offload.build_optimizer(groups, **options, fused=True)
+    if muon:
+        options |= dict(momentum=args.muon_momentum, adjust_lr_fn=args.muon_adjust_lr_fn)
     fused = not any(isinstance(p, DTensor) for group in groups for p in group["params"])
-    return torch.optim.AdamW(groups, **options, fused=fused or None)
+    optimizer_cls = MuonAdamW if muon else torch.optim.AdamW
+    if offload is not None:
+        return offload.build_optimizer(groups, optimizer_cls=optimizer_cls, **options, fused=True)
+    return optimizer_cls(groups, **options, fused=fused or None)
+
+
+def muon_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters `optimizer: muon` gives to Muon: the blocks' matrices (attention and MLP projections,
+    an MoE block's router) and an MoE block's 3-D expert tensors (one matrix per expert). Embeddings, the head, norms
+    and biases stay on AdamW. `model`: anything with the model's parameter names (a P2R model or a pipeline)."""
+    return {id(param) for name, param in model.named_parameters() if block_of(name) is not None and param.ndim >= 2}
+
+
+def check_optimizer_supported(accelerator: Accelerator, args: TrainArguments) -> None:
+    """Raise `ConfigError` up front where `optimizer: muon` cannot run: its Newton–Schulz step needs each matrix
+    whole, and FSDP (FSDP2's DTensor rows) and DeepSpeed's ZeRO (flat partitions) hand the optimizer shards. Gathering
+    each matrix for its step is not implemented: the refusal says so in one line."""
+    kind = accelerator.distributed_type
+    if args.optimizer == "muon" and kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError(f"optimizer: muon {MUON_NEEDS_WHOLE} ({kind.value}); use optimizer: adamw there")
+
+
+MUON_NEEDS_WHOLE = "orthogonalizes each matrix whole (Newton-Schulz), and this engine hands the optimizer shards of it"
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer holding Muon groups and AdamW groups: each group's `algorithm` ("muon" or "adamw") says which of
+    torch's implementations steps it (`torch.optim.Muon`, `torch.optim.AdamW`, called on this optimizer's own groups
+    and `state`), so Accelerate's `prepare`, checkpoints, the delink's carry, offload and the pipelined schedules see
+    one optimizer whose `state_dict` round-trips exactly.
+
+    A Muon group takes 2-D matrices, and 3-D tensors whose first dimension indexes independent matrices (an MoE
+    block's experts, (experts, out, in)): each expert is orthogonalized and scaled on its own, exactly as
+    `torch.optim.Muon` over one parameter per expert, its state one `momentum_buffer` shaped like the tensor. Muon
+    keeps one buffer per matrix (B <- mu B + g), AdamW two moments per parameter.
+
+    `lr`, `weight_decay` are both algorithms' (a group overrides them); `betas`, `eps`, `fused` are AdamW's;
+    `momentum`, `nesterov`, `ns_coefficients`, `ns_steps`, `adjust_lr_fn` are Muon's (its Newton–Schulz epsilon is
+    torch's default).
+
+    >>> muon = [p for n, p in model.named_parameters() if ".layers." in n and p.ndim >= 2]
+    >>> rest = [p for p in model.parameters() if all(p is not q for q in muon)]
+    >>> optimizer = MuonAdamW([{"params": muon, "algorithm": "muon"}, {"params": rest}], lr=3e-4)
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        fused: bool | None = None,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] | None = None,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+    ):
+        probe = [torch.zeros(1, 1, requires_grad=True)]
+        adamw = torch.optim.AdamW(probe, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused)
+        muon_options = dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        if ns_coefficients is not None:
+            muon_options["ns_coefficients"] = ns_coefficients
+        muon = torch.optim.Muon(probe, lr=lr, weight_decay=weight_decay, **muon_options)
+        self._inner = {"adamw": adamw, "muon": muon}
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        filled = []
+        for group in groups:
+            algorithm = group.get("algorithm", "adamw")
+            if algorithm not in self._inner:
+                raise ValueError(f"MuonAdamW: a group's algorithm must be muon or adamw, got {algorithm!r}")
+            filled.append({**self._inner[algorithm].defaults, **group, "algorithm": algorithm})
+        super().__init__(filled, {"lr": lr, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                for param in group["params"]:
+                    _check_muon_parameter(param)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for algorithm, inner in self._inner.items():
+            groups = [group for group in self.param_groups if group["algorithm"] == algorithm]
+            if not groups:
+                continue
+            if algorithm == "adamw":
+                inner.param_groups, inner.state = groups, self.state
+            else:
+                inner.param_groups, inner.state = self._muon_matrices(groups)
+            inner.step()
+        return loss
+
+    def _muon_matrices(self, groups: list[dict]) -> tuple[list[dict], dict]:
+        """torch's Muon's groups and state for this step: a 2-D parameter as itself (its state this optimizer's), a
+        3-D one as one view per expert, of the parameter, its gradient and its momentum buffer (Muon updates all three
+        in place, so the parameter and this optimizer's buffer get them)."""
+        state, matrices = {}, []
+        for group in groups:
+            params = []
+            for param in group["params"]:
+                _check_muon_parameter(param)
+                if param.grad is None:
+                    continue
+                if param.ndim == 2:
+                    state[param] = self.state[param]
+                    params.append(param)
+                    continue
+                own = self.state[param]
+                if "momentum_buffer" not in own:
+                    own["momentum_buffer"] = torch.zeros_like(param)
+                weight = param.detach()
+                for expert in range(param.shape[0]):
+                    view = weight[expert]
+                    view.grad = param.grad[expert]
+                    state[view] = {"momentum_buffer": own["momentum_buffer"][expert]}
+                    params.append(view)
+            matrices.append({**group, "params": params})
+        return matrices, state
+
+
+def _check_muon_parameter(param: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        raise ConfigError(f"optimizer: muon {MUON_NEEDS_WHOLE} (an FSDP2 DTensor); use optimizer: adamw there")
+    if param.ndim not in (2, 3):
+        raise ConfigError(
+            f"optimizer: muon takes matrices (2-D, or 3-D experts), got a {param.ndim}-D tensor {tuple(param.shape)}: "
+            f"Muon {MUON_NEEDS_WHOLE} (DeepSpeed's ZeRO flattens them)"
+        )
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
