@@ -19,7 +19,7 @@ from ..config import TrainArguments, TrainConfig
 from ..delink import check_delink_supported, delink_in_training
 from ..moe import RouterLoad
 from ..offload import apply_offload, measure_offload_activations
-from ..optim import build_optimizer
+from ..optim import build_optimizer, check_optimizer_supported
 from ..run import say
 from .base import Engine
 
@@ -41,6 +41,7 @@ class AccelerateEngine(Engine):
         )
         if config.delink_schedule():
             check_delink_supported(accelerator, args)
+        check_optimizer_supported(accelerator, args)  # optimizer: muon needs whole matrices
         if args.offload is not None and (
             accelerator.num_processes > 1 or accelerator.distributed_type != DistributedType.NO
         ):
