@@ -7,14 +7,18 @@ allocation when the compute device is CUDA, so their copies are asynchronous; th
 every other parameter stays on the compute device. While the model
 runs, each offloaded block is copied to the compute device just before it is needed (on a side stream, `prefetch`
 positions ahead in execution order, so the copy overlaps compute) and its device copy is released after use;
-gradients go back to CPU on another side stream as soon as autograd has accumulated them. The optimizer step of the
-offloaded parameters runs on the CPU, after the device step of the resident ones has been launched.
+gradients go back to CPU on another side stream as soon as autograd has accumulated them, and a worker thread adds
+each to the parameter's CPU gradient while the backward goes on (the backward waits for a copy only while more than
+`max_inflight_bytes` of gradients are in flight, and at its end for the last ones). Each offloaded gradient's norm is
+taken on the compute device as it leaves (of a sum over micro-batches, by the worker that sums it), so
+`clip_grad_norm_` makes no pass over CPU gradients to measure them. The optimizer step of the offloaded parameters
+runs on the CPU, after the device step of the resident ones has been launched.
 
     offload = GranularOffload(model, layers=0.5, device="cuda")   # or [1, 3, 5, 7], or "auto" with a budget
     optimizer = offload.build_optimizer(lr=3e-4, weight_decay=0.1)
     for batch in batches:
         model(**batch).loss.backward()              # offloaded .grad are CPU tensors after backward
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        offload.clip_grad_norm_(model.parameters(), 1.0)   # torch's clip_grad_norm_, offloaded norms already taken
         optimizer.step()
         optimizer.zero_grad()
     offload.remove()                                # hooks gone, every parameter back where it was
@@ -39,8 +43,9 @@ between steps are not seen by the `compute_dtype` copies (use `p.copy_` or an op
 
 import math
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -369,6 +374,8 @@ class GranularOffload:
             the parameter's dtype.
         budget_bytes, activation_bytes: for `layers="auto"` (see `select_layers`); on CUDA the budget defaults to
             85% of the device's memory.
+        max_inflight_bytes: gradient bytes whose copy to the host may be in flight before the backward waits for the
+            oldest (CUDA; default: the largest offloaded block's gradients).
 
     Apply it after the model has its final structure and placement (after `accelerator.prepare(model)`, after
     `delink`); do not move the model while it is applied (`remove()` first). Build the optimizer after applying it.
@@ -386,6 +393,7 @@ class GranularOffload:
         compute_dtype: torch.dtype | None = None,
         budget_bytes: int | None = None,
         activation_bytes: int = 0,
+        max_inflight_bytes: int | None = None,
     ):
         _check_supported(model)
         self.model = model
@@ -396,6 +404,8 @@ class GranularOffload:
             raise ValueError(f"offload: compute device must be cpu or cuda, got {self.device}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"offload: prefetch must be a non-negative integer, got {prefetch!r}")
+        if max_inflight_bytes is not None and (not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
+            raise ValueError(f"offload: max_inflight_bytes must be a non-negative integer, got {max_inflight_bytes!r}")
         if layers == "auto" and budget_bytes is None and self.device.type == "cuda":
             budget_bytes = int(DEFAULT_BUDGET_FRACTION * torch.cuda.get_device_properties(self.device).total_memory)
         self.prefetch, self.compute_dtype = prefetch, compute_dtype
@@ -429,11 +439,22 @@ class GranularOffload:
         self._bpos: int | None = None  # schedule position of the backward running now
         self._recomputed = False  # a recomputation at `_bpos` has run (see `_recompute_position`)
         self._freed: torch.Event | None = None  # CUDA: compute stream point after the last released block's use
-        self._sent: torch.Event | None = None  # CUDA: gradient copies issued before the previous backward position
         self._warned_autocast = False
         self._grads: dict[nn.Parameter, torch.Tensor] = {}  # CPU gradients accumulated before this backward
-        # Gradients waiting in their staging buffer, with (CUDA) the event that ends their copy there.
-        self._pending: dict[nn.Parameter, torch.Event | None] = {}
+        # The gradient path: each gradient copied into its staging buffer on the side stream (CUDA), then added to its
+        # CPU gradient by one worker thread while the backward goes on. `_pending`: the worker's task per parameter
+        # (its staging buffer is busy until it is done); `_inflight`: copies not yet known to be done, with their bytes
+        # (device gradients are kept alive until then: the backward waits only when they exceed `max_inflight_bytes`).
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-p2r-offload")
+        self._pending: dict[nn.Parameter, Future] = {}
+        self._inflight: deque[tuple[torch.Event, int]] = deque()
+        self._inflight_bytes = 0
+        largest = max((sum(w.numel() * w.element_size() for w in b.works) for b in self._blocks.values()), default=0)
+        self.max_inflight_bytes = largest if max_inflight_bytes is None else max_inflight_bytes
+        # Gradient norms (see `clip_grad_norm_`): this backward's, per parameter, as the worker leaves them; then, for
+        # the `.grad` they describe, (norm, that gradient, its version counter when measured).
+        self._part_norms: dict[nn.Parameter, torch.Tensor] = {}
+        self._norms: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor, int]] = {}
         # Bytes copied so far, for benchmarks and tests: weights to the device, gradients to the host.
         self.copied_bytes = {"to_device": 0, "to_host": 0}
 
@@ -498,9 +519,10 @@ class GranularOffload:
     def remove(self) -> None:
         """Remove every hook and put every parameter and buffer back on the device it came from (same objects)."""
         self._end()
+        self._worker.shutdown()
         for handle in self._handles:
             handle.remove()
-        self._handles, self._host = [], {}
+        self._handles, self._host, self._norms = [], {}, {}
         while self._blocks:  # block by block: each slab is freed before the next block is copied out
             _, block = self._blocks.popitem()
             for p, master, origin in zip(block.params, block.masters, block.origins):
@@ -549,6 +571,31 @@ class GranularOffload:
             kwargs["fused"] = True
         return optimizer_cls(resident + host, **kwargs)
 
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` (2-norm) over `parameters`, without a pass over offloaded gradients to
+        measure them: each offloaded gradient's norm was taken as it left the device (or, for a sum of several
+        backwards' parts, by the worker that summed it, during the backward). A gradient changed since (its version
+        counter moved: unscaled, clipped, zeroed) is measured again. The total is the 2-norm of the per-tensor norms in
+        parameter order, as torch computes it, and the gradients are scaled by `clip_grads_with_norm_`; on one device
+        (the CPU) the result is torch's bit for bit. Returns the total norm, on the compute device.
+        """
+        params = [p for p in parameters if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        norms = []
+        for p in params:
+            norm, grad, version = self._norms.get(p, (None, None, None))
+            if grad is not p.grad or version != tensor_version(p.grad):
+                norm = torch.linalg.vector_norm(p.grad)
+            norms.append(norm.to(self.device, non_blocking=True))
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"offload: the total norm of the gradients is {total.item()}")
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
     # ------------------------------------------------------------------------------------------- copies and memory
 
     def _fetch(self, block: _Block) -> None:
@@ -595,16 +642,17 @@ class GranularOffload:
         if self._h2d is not None:  # the next fetch waits for this point of the compute stream (see `_fetch`)
             self._freed = torch.cuda.current_stream(self.device).record_event()
 
-    def _limit_gradients(self) -> None:
-        """CUDA, at each new backward position: wait (on the CPU) for the gradient copies issued before the previous
-        position. Gradients are freed with `record_stream` (autograd allocates them on the compute stream), so their
-        memory is reused only after their copy; without this wait a CPU running ahead of the GPU would keep every
-        block's gradients allocated. The GPU still has the previous position's backward queued: it does not idle."""
-        if self._d2h is None:
-            return
-        if self._sent is not None:
-            self._sent.synchronize()
-        self._sent = self._d2h.record_event()
+    def _bound_inflight(self, event: torch.Event, nbytes: int) -> None:
+        """CUDA: count a gradient copy in flight; wait (on the CPU) for the oldest ones only while more than
+        `max_inflight_bytes` are. Gradients are freed with `record_stream` (autograd allocates them on the compute
+        stream), so their memory is reused only after their copy: without a bound a CPU running ahead of the GPU would
+        keep every block's gradients allocated. Below it the backward never waits for a copy."""
+        self._inflight.append((event, nbytes))
+        self._inflight_bytes += nbytes
+        while self._inflight and (self._inflight_bytes > self.max_inflight_bytes or self._inflight[0][0].query()):
+            done, size = self._inflight.popleft()
+            done.synchronize()
+            self._inflight_bytes -= size
 
     def _advance(self, pos: int | None, current: int) -> None:
         """Block `current` is about to run at schedule position `pos`: keep/fetch the offloaded blocks of positions
@@ -625,7 +673,7 @@ class GranularOffload:
     def _begin(self, module: nn.Module, args) -> None:
         self._end()  # a forward whose backward never ran (evaluation with grad enabled, an exception)
         self._window, self._backward, self._finish_queued, self._pos = True, False, False, 0
-        self._bpos, self._recomputed, self._sent = None, False, None
+        self._bpos, self._recomputed = None, False
         self._training = torch.is_grad_enabled()
         self._schedule = self._order + self._order[::-1] if self._training else list(self._order)
         self._check_autocast()
@@ -640,9 +688,10 @@ class GranularOffload:
                 if source is not master and (self._stale or block.versions[i] != tensor_version(p)):
                     source.copy_(master)
                     block.versions[i] = tensor_version(p)
-                if p.grad is not None:  # accumulated on the CPU; this backward's gradient is added at its end
+                if p.grad is not None:  # accumulated on the CPU; this backward's gradient is added to it
                     self._grads[p] = p.grad
                     p.grad = None
+                self._norms.pop(p, None)
                 p.data = work
         self._stale = False
         for index in dict.fromkeys(self._schedule[: self.prefetch]):
@@ -713,38 +762,48 @@ class GranularOffload:
         self._queue_finish()  # from the outermost backward: a reentrant checkpoint's inner backward ends earlier
         self._backward = True
         if pos is not None and pos != self._bpos:
-            self._limit_gradients()
             self._bpos = pos
         self._advance(pos, index)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         """Autograd has accumulated `p`'s gradient: once per backward after its last use, or with reentrant
-        checkpointing once per inner backward that uses it."""
+        checkpointing once per inner backward that uses it. Its norm is taken where it is (the compute device) when it
+        is the first part of `p`'s gradient; it is copied to `p`'s staging buffer (CUDA: on the side stream) and the
+        worker adds it to `p`'s CPU gradient, while the backward goes on."""
         self._queue_finish()
         grad, p.grad = p.grad, None
-        if p in self._pending:  # an earlier part of this backward's gradient still occupies the staging buffer
-            self._collect(p)
-        host = self._host[p][1]
-        self.copied_bytes["to_host"] += grad.numel() * grad.element_size()
+        if (earlier := self._pending.pop(p, None)) is not None:  # the staging buffer still holds an earlier part
+            earlier.result()
+        master, host = self._host[p]
+        nbytes = grad.numel() * grad.element_size()
+        self.copied_bytes["to_host"] += nbytes
+        # The norm of what `.grad` will hold (in the master's dtype); of a sum of parts the worker takes it instead.
+        norm = None if p in self._grads else torch.linalg.vector_norm(grad, dtype=master.dtype)
+        event = None
         if self._d2h is None:
             host.copy_(grad)
-            self._pending[p] = None
-            return
-        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._d2h):
-            host.copy_(grad, non_blocking=True)
-            grad.record_stream(self._d2h)  # freed on the compute stream now, reused only after the copy
-            self._pending[p] = self._d2h.record_event()
+        else:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(grad, non_blocking=True)
+                grad.record_stream(self._d2h)  # freed on the compute stream now, reused only after the copy
+                event = self._d2h.record_event()
+            self._bound_inflight(event, nbytes)
+        self._pending[p] = self._worker.submit(self._collect, p, event, norm)
 
-    def _collect(self, p: nn.Parameter) -> None:
-        """Add the gradient in `p`'s staging buffer to its CPU gradient, in one pass: the first is copied out in the
-        master's dtype, later ones are added with type promotion (the same float32 sums as adding a converted copy,
-        bit for bit)."""
-        event = self._pending.pop(p)
+    def _collect(self, p: nn.Parameter, event: torch.Event | None, norm: torch.Tensor | None) -> None:
+        """The worker: once the copy into `p`'s staging buffer is done, add it to `p`'s CPU gradient in one pass: the
+        first is copied out in the master's dtype, later ones are added with type promotion (the same float32 sums as
+        adding a converted copy, bit for bit). `norm` is the first part's; a sum's norm is taken here, on the CPU but
+        off the critical path (overlapping the rest of the backward)."""
         if event is not None:
             event.synchronize()
         (master, host), total = self._host[p], self._grads.get(p)
-        self._grads[p] = host.to(master.dtype, copy=True) if total is None else total.add_(host)
+        if total is None:
+            self._grads[p] = host.to(master.dtype, copy=True)
+            self._part_norms[p] = norm
+        else:
+            self._part_norms[p] = torch.linalg.vector_norm(total.add_(host))
 
     def _queue_finish(self) -> None:
         if not self._finish_queued:
@@ -759,14 +818,19 @@ class GranularOffload:
         self._window = False
         if self._h2d is not None:
             self._h2d.synchronize()  # a prefetch still reading a master must finish before the optimizer writes it
-        for p in list(self._pending):
-            self._collect(p)
+        pending, self._pending = self._pending, {}
+        for task in pending.values():
+            task.result()
+        self._inflight.clear()
+        self._inflight_bytes = 0
         for block in self._blocks.values():
             self._release(block)
             for p, master in zip(block.params, block.masters):
                 p.data = master
                 if (grad := self._grads.pop(p, None)) is not None:
                     p.grad = grad
+                    if (norm := self._part_norms.pop(p, None)) is not None:
+                        self._norms[p] = (norm, grad, tensor_version(grad))
 
 
 def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activation_bytes: int = 0):

@@ -615,9 +615,9 @@ def test_low_precision_gradients_accumulate_into_the_masters_dtype_exactly(monke
     parts = {}
     collect = offload._collect
 
-    def spy(p):
+    def spy(p, event, norm):
         parts.setdefault(p, []).append(offload._host[p][1].clone())
-        collect(p)
+        collect(p, event, norm)
 
     monkeypatch.setattr(offload, "_collect", spy)
     for batch in _batches(3):
@@ -629,6 +629,92 @@ def test_low_precision_gradients_accumulate_into_the_masters_dtype_exactly(monke
         for g in parts[p][1:]:
             expected = expected + g.float()
         assert torch.equal(p.grad, expected)
+
+
+# -------------------------------------------------------------------------------------------- gradient clipping
+
+
+def _measured_in_clip(monkeypatch, offload, clip):
+    """Run `clip()`; returns the gradients whose norm it measured (`torch.linalg.vector_norm` calls on them)."""
+    measured, norm = [], torch.linalg.vector_norm
+
+    def spy(tensor, *args, **kwargs):
+        measured.append(tensor)
+        return norm(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", spy)
+    try:
+        total = clip()
+    finally:
+        monkeypatch.setattr(torch.linalg, "vector_norm", norm)
+    offloaded = {id(p.grad) for p in offload.offloaded_parameters}
+    return total, [t for t in measured if id(t) in offloaded]
+
+
+@pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
+@pytest.mark.parametrize("checkpointing", [None, True], ids=["plain", "reentrant"])
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clipped", "unclipped"])
+def test_clip_norm_equals_torch_without_measuring_offloaded_gradients(
+    monkeypatch, overrides, checkpointing, accumulation, max_norm
+):
+    """The norm `GranularOffload.clip_grad_norm_` returns and the gradients it leaves are torch's `clip_grad_norm_`
+    over the same model without offload, bit for bit on one device, and it measures no offloaded gradient: each was
+    measured as it left the device (one backward) or by the worker that summed the backwards' parts (accumulation;
+    a pseudo model's shared block under reentrant checkpointing sums parts within one backward too)."""
+    models = [tiny_model(**overrides).train() for _ in range(2)]
+    if checkpointing is not None:
+        for model in models:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
+    offload = GranularOffload(models[0], 0.5)
+    for batch in _batches(accumulation):
+        for model in models:
+            model(input_ids=batch, labels=batch).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(models[1].parameters(), max_norm)
+    total, measured = _measured_in_clip(
+        monkeypatch, offload, lambda: offload.clip_grad_norm_(models[0].parameters(), max_norm)
+    )
+    assert measured == []
+    assert torch.equal(total, expected)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_clip_measures_gradients_changed_since_they_left_the_device(monkeypatch):
+    """A gradient scaled (fp16's unscaling), replaced or set after backward is measured again, not taken from the
+    norm recorded when it left the device."""
+    model = tiny_model().train()
+    offload = GranularOffload(model, [1, 3])
+    batch = _batches(1)[0]
+    model(input_ids=batch, labels=batch).loss.backward()
+    offloaded = offload.offloaded_parameters
+    offloaded[0].grad.mul_(0.5)  # in place: its version counter moves
+    offloaded[1].grad = offloaded[1].grad * 2.0  # a new tensor
+    reference = [p.grad.clone() for p in model.parameters()]
+    expected = torch.nn.utils.get_total_norm(reference)
+    total, measured = _measured_in_clip(monkeypatch, offload, lambda: offload.clip_grad_norm_(model.parameters(), 1e6))
+    assert [id(t) for t in measured] == [id(offloaded[0].grad), id(offloaded[1].grad)]
+    assert torch.equal(total, expected)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_clip_norm_under_bf16_equals_torch_over_the_fp32_gradients(monkeypatch, accumulation):
+    """Offloaded blocks in bf16 (autocast, `compute_dtype`): their gradients leave the device in bf16 and their norm
+    is taken there in fp32; it equals torch's norm of the fp32 `.grad` they are accumulated into (within fp32
+    rounding), and no offloaded gradient is measured by the clip."""
+    model = tiny_model().train()
+    offload = GranularOffload(model, 0.5, compute_dtype=torch.bfloat16)
+    for batch in _batches(accumulation):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=batch, labels=batch).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert all(p.grad.dtype == torch.float32 for p in offload.offloaded_parameters)
+    expected = torch.nn.utils.get_total_norm(grads)
+    total, measured = _measured_in_clip(monkeypatch, offload, lambda: offload.clip_grad_norm_(model.parameters(), 0.05))
+    assert measured == []
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    for p, grad in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, grad * (0.05 / (expected + 1e-6)), rtol=1e-6, atol=1e-9)
 
 
 # --------------------------------------------------------------------------------------------------------- GPU
