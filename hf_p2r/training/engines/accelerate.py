@@ -97,7 +97,11 @@ class AccelerateEngine(Engine):
     def optimizer_step(self) -> torch.Tensor | None:
         # The last accumulate() synchronised the gradients: clip, then step.
         max_norm = self.args.max_grad_norm
-        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm) if max_norm else None
+        if max_norm and self.offload is not None:  # offloaded gradients' norms were taken as they left the device
+            self.accelerator.unscale_gradients()  # fp16's loss scale (changed gradients are measured again)
+            norm = self.offload.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm) if max_norm else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
