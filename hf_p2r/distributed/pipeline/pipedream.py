@@ -17,6 +17,22 @@ batch t+1 will run on, while batch t's in-flight micro-batches keep W(t-1) in th
 versions of a weight (`live_versions` counts them from the autograd graphs), and the update needs no third copy: the
 optimizer's state follows its parameter from one set to the other.
 
+The delay correction (`delay_correction="error_feedback"`, the trainer's `pipeline_delay_correction`), after the
+error-feedback idea of arXiv 2606.30634 (section 3, "Staleness Mitigation"), for any optimizer: let d(t) be the
+update the optimizer makes at step t (W after its step minus W before, weight decay included) from the stale gradient
+grad f_t(W(t-1)). The update applied at step t-1 was d(t-1), but the update computed one step later, d(t), is the
+better estimate of what step t-1 should have applied (it saw one more step of the trajectory); their difference
+e(t-1) = d(t) - d(t-1) is the error of the update applied, and it is fed back into the next one:
+
+    W(t+1) = W(t) + d(t) + (d(t) - d(t-1)),     W(1) = W(0) + d(0)  (no update before the first: no error).
+
+The corrections telescope (their sum up to t is d(t) - d(0)): the weights run one update ahead of the plain delayed
+trajectory, W(t+1) = W(0) + d(0) + ... + d(t) + d(t) - d(0), which compensates the step the gradient lags behind. It
+costs one weight-sized buffer per parameter (d(t-1), kept by the schedule beside the optimizer's state, in its
+checkpoint, and copied to a block's copies at a delink: each copy received the shared block's last update), and one
+subtraction and two additions per update. Caveat: the paper's section 3 formula was not available to this
+implementation (only its abstract and summaries were); the rule is the one above, stated and tested here.
+
 `drain()` finishes the in-flight micro-batches and applies the last batch's update, without changing the rule (the
 next batch still runs on W(t-1)): call it before a checkpoint, a delink, the end of training, and before anything
 else sends between the same processes (a gradient still on its way would be taken for that other message). Sends
@@ -56,9 +72,16 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         *,
         finish_gradients: Callable[[dict[str, nn.Parameter]], None],
         optimizer: Callable[[], torch.optim.Optimizer],
+        delay_correction: str = "none",
     ):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         get_schedule("2bw").check_microbatches(n_microbatches, stage.num_stages)
+        if delay_correction not in DELAY_CORRECTIONS:
+            raise ValueError(
+                f"pipeline_delay_correction: {delay_correction!r} is not one of {', '.join(DELAY_CORRECTIONS)}"
+            )
+        self.delay_correction = delay_correction
+        self.previous_update: dict[str, torch.Tensor] = {}  # d(t-1) by stage name (error_feedback)
         self.m, self.stage, self.loss_fn = n_microbatches, stage, loss_fn
         self.finish_gradients, self._optimizer = finish_gradients, optimizer
         # Micro-batch g uses the stage's infrastructure slot g mod 2m (fewer than m are ever in flight).
@@ -184,7 +207,19 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         self._point_optimizer_at(batch % 2)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.delay_correction == "error_feedback":
+            self._feed_back_error(updated, newest)
         self.updated = batch + 1
+
+    def _feed_back_error(self, updated: dict[str, nn.Parameter], before: dict[str, nn.Parameter]) -> None:
+        """Add e(t-1) = d(t) - d(t-1) to the update just applied, d(t) = updated - before (see the module docstring)."""
+        with torch.no_grad():
+            for name, param in updated.items():
+                update = param - before[name]
+                previous = self.previous_update.get(name)
+                if previous is not None:
+                    param.add_(update - previous)
+                self.previous_update[name] = update
 
     def _point_optimizer_at(self, index: int) -> None:
         """The optimizer steps set `index`: its parameter slots and per-parameter state move there."""
@@ -230,16 +265,21 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
             for name, source in mapping.items()
         }
         self.optimizer_set = installed
+        if self.previous_update:  # each copy received its block's last update
+            self.previous_update = {name: self.previous_update[source].clone() for name, source in mapping.items()}
 
     def state_dict(self, name_of: Callable[[str], str]) -> dict:
         """What a checkpoint keeps of the schedule beside the module's weights (after `drain()`): the other weight
         version (under `name_of` each stage name) and the batch counters."""
         other = self.versions[self.batches % 2]
-        return {
+        state = {
             "other_version": {name_of(name): param.detach() for name, param in other.items()},
             "batches": self.batches,
             "updated": self.updated,
         }
+        if self.delay_correction != "none":
+            state["previous_update"] = {name_of(name): update for name, update in self.previous_update.items()}
+        return state
 
     def load_state_dict(self, state: dict, name_of: Callable[[str], str]) -> None:
         """Restore `state_dict` into a schedule whose module already holds the saved (newest) weights and whose
@@ -252,6 +292,21 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         with torch.no_grad():
             for name, param in self.versions[1 - newest].items():
                 param.copy_(state["other_version"][name_of(name)])
+        if self.delay_correction != "none":
+            if "previous_update" not in state:
+                raise ValueError(
+                    "resume_from_checkpoint: the checkpoint was saved without pipeline_delay_correction; resume "
+                    "with the run's pipeline_delay_correction"
+                )
+            saved = state["previous_update"]
+            self.previous_update = {
+                name: saved[name_of(name)].to(param.device).clone()
+                for name, param in self.versions[newest].items()
+                if name_of(name) in saved
+            }
+
+
+DELAY_CORRECTIONS = ("none", "error_feedback")
 
 
 def _clone(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:

@@ -67,6 +67,7 @@ class Pipeline:
         mesh: DeviceMesh | None,
         sharded: bool,
         max_grad_norm: float | None = None,
+        delay_correction: str = "none",
     ):
         self.modules = modules
         self.stages = stages
@@ -78,6 +79,7 @@ class Pipeline:
         self.model_config = model.config
         self.model_class = type(model)  # what the gathered weights load into
         self.max_grad_norm = max_grad_norm  # the gradients are clipped to it before every update (None: never)
+        self.delay_correction = delay_correction  # 2BW's (pipedream.py): none or error_feedback
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         # Every pipeline's ranks (the same list on every process: rows of `mesh`, `pipeline_mesh`), this process's
@@ -243,6 +245,7 @@ def make_schedule(pipeline: Pipeline):
                 {pipeline.name_of(name): param for name, param in params.items()}, clip=True
             ),
             optimizer=lambda: pipeline.optimizer,
+            delay_correction=pipeline.delay_correction,
         )
     # Gradients are scaled by 1/m in `finish_gradients`, once per parameter: torch scales per stage, which would scale
     # a block shared by two virtual stages of one process twice.
@@ -330,6 +333,7 @@ def build_pipeline(
     device: torch.device | str = "cpu",
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     max_grad_norm: float | None = None,
+    delay_correction: str = "none",
 ) -> Pipeline:
     """This process's part of `model` as pipeline stages driven by `schedule` over the processes of `group`.
 
@@ -338,13 +342,18 @@ def build_pipeline(
     balances them (`balanced_split`) and logs the choice. Interleaved schedules run `virtual_stages` stages per
     process (stage s on process s mod size). `optimizer_factory` makes `Pipeline.optimizer` over the stages'
     parameters (or set it before the first `update`; a schedule that steps it itself, 2BW, needs it before its first
-    update); `max_grad_norm` clips before every update.
+    update); `max_grad_norm` clips before every update; `delay_correction` ("error_feedback") corrects 2BW's delayed
+    update (`pipedream.py`), and is refused for a schedule whose updates are not delayed.
 
     `mesh` (`pipeline_mesh`) runs data-parallel pipelines: this process's pipeline is its "pp" row (`group` is then
     ignored); `shard` makes each stage FSDP2 units over the "dp" column, else the column's replicas average their
     gradients (see the module docstring).
     """
     spec = get_schedule(schedule)
+    if delay_correction != "none" and spec.name != "2bw":
+        raise ValueError(
+            f"pipeline_delay_correction: corrects PipeDream-2BW's delayed update; {schedule}'s updates are not delayed"
+        )
     config = model.config
     if getattr(config, "num_experts", 0):
         raise ValueError("pipeline_parallel_size: mixture-of-experts P2R models are not supported in a pipeline yet")
@@ -377,7 +386,18 @@ def build_pipeline(
         PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices, strict=True)
     ]
     pipeline = Pipeline(
-        model, modules, stages, group, split, spec, num_microbatches, stage_config, mesh, shard, max_grad_norm
+        model,
+        modules,
+        stages,
+        group,
+        split,
+        spec,
+        num_microbatches,
+        stage_config,
+        mesh,
+        shard,
+        max_grad_norm,
+        delay_correction,
     )
     pipeline.explanation = explanation
     if optimizer_factory is not None:

@@ -90,17 +90,20 @@ class PipelineEngine(Engine):
             mesh=mesh,
             shard=args.data_parallel_shard,
             max_grad_norm=args.max_grad_norm or None,
+            delay_correction=args.pipeline_delay_correction,
         )
         self.pipeline.optimizer = self.new_optimizer(self.pipeline.parameters())
         self.data_rank = self.pipeline.data_rank
         say(accelerator, self.pipeline.explanation)
 
     def new_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        """AdamW over `params` of this process's stages, a shared block's rate divided by the depths of the whole model
-        running it under `shared_lr_scale: depth` (by the stages' own parameters, sharded or not)."""
-        return build_optimizer(
-            nn.ParameterList(params), self.args, lr_scales=shared_lr_scales(self.pipeline, self.args)
-        )
+        """The run's optimizer (`build_optimizer`: AdamW, or Muon for the blocks' matrices) over `params`, this
+        process's stages' parameters (`pipeline.parameters()`, named by the pipeline: which are the blocks' matrices),
+        a shared block's rate divided by the depths of the whole model running it under `shared_lr_scale: depth` (by
+        the stages' own parameters, sharded or not)."""
+        if {id(param) for param in params} != {id(param) for param in self.pipeline.parameters()}:
+            raise ValueError("new_optimizer: params must be the pipeline's stages' parameters")
+        return build_optimizer(self.pipeline, self.args, lr_scales=shared_lr_scales(self.pipeline, self.args))
 
     def load(self, checkpoint: Path, state: TrainState) -> None:
         part = checkpoint / f"stage-{dist.get_rank()}.pt"
