@@ -251,6 +251,16 @@ class TrainArguments:
     cpu: bool | None = field(
         default=None, metadata={"help": "Train on CPU (gloo for several processes). Default: when no accelerator."}
     )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "Compile each decoder block with torch.compile (fullgraph; one graph for every depth and block of "
+            "a shape, kept through delinks; hf_p2r.training.compile), hooks and activation checkpointing outside it."
+        },
+    )
+    compile_backend: str = field(
+        default="inductor", metadata={"help": "torch.compile backend for compile (aot_eager: to debug or test)."}
+    )
     logging_steps: int = field(default=10, metadata={"help": "Write a metrics.jsonl record every N steps."})
     eval_steps: int = field(default=50, metadata={"help": "Validation loss every N steps (0: only at the end)."})
     eval_blocks: int = field(default=64, metadata={"help": "Validation blocks per evaluation, spread over the split."})
@@ -321,6 +331,8 @@ class TrainArguments:
         if self.cpu:
             self.check_offload_budget("cpu")
         check_range("offload_prefetch", self.offload_prefetch, low=0)
+        if self.compile:
+            _check_compile_backend(self.compile_backend)
         for name in ("pseudo_steps", "real_steps", "warmup_steps", "eval_steps", "save_steps"):
             check_range(name, getattr(self, name), low=0)
         for name in ("rewarm_steps", "per_device_batch_size", "gradient_accumulation_steps", "logging_steps"):
@@ -382,6 +394,7 @@ class TrainArguments:
             ("offload", self.offload is not None, "granular offload runs in one process"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps != 1, "num_microbatches splits the batch"),
             ("mixed_precision", self.mixed_precision not in (None, "no"), "stages run in fp32 so far"),
+            ("compile", self.compile, "stages run eagerly so far"),
         ]
         for name, bad, why in refused:
             if bad:
@@ -422,6 +435,15 @@ class TrainArguments:
                 f"offload: auto plans for a device's memory, and this run computes on {device_type}: set "
                 "offload_budget_gb (the memory the resident part may use), or give a ratio or block indices"
             )
+
+
+def _check_compile_backend(backend: str) -> None:
+    """`ConfigError` naming the field unless `backend` is one of torch.compile's registered backends."""
+    import torch  # (at the check: the configuration's other readers need no torch)
+
+    if backend not in torch.compiler.list_backends(exclude_tags=()):  # debugging backends (aot_eager, eager) included
+        known = ", ".join(["aot_eager", "eager", *torch.compiler.list_backends()])
+        raise ConfigError(f"compile_backend: {backend!r} is not a torch.compile backend ({known})")
 
 
 def offload_text(value: Any) -> Any:
