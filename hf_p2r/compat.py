@@ -5,22 +5,29 @@ and on the newest releases (.ci/run's compatibility pass), so a private name tha
 instead of somewhere in a training run. No torch at import: the converter's fast path imports this module.
 
 By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
-`causal_lm_tp_plan`), Accelerate
+`causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
+`forward_without_checkpointing`), torch.compile (`dynamo_counters`), Accelerate
 (`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
 `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
 `initialize_pipeline_stage`). A new read goes beside its library's, with a test.
 """
 
 import importlib
+from collections.abc import Callable
+from contextlib import contextmanager
 
 __all__ = [
+    "active_output_collector",
     "causal_lm_tp_plan",
     "defer_auto_registration",
+    "dynamo_counters",
+    "forward_without_checkpointing",
     "forget_preparation",
     "in_backward",
     "initialize_pipeline_stage",
     "local_tensor",
     "mark_auto_class",
+    "output_capture_for_compiled_code",
     "parse_size_to_int",
     "pipeline_order",
     "prepared_models",
@@ -64,6 +71,68 @@ def causal_lm_tp_plan(model_class) -> dict[str, str]:
     """The tensor-parallel plan a causal LM class adds for its own modules (the head), before the base model's: the
     class attribute `_tp_plan` that transformers' `init_parallel_plans` reads ({} when it has none)."""
     return dict(getattr(model_class, "_tp_plan", None) or {})
+
+
+def active_output_collector() -> dict | None:
+    """What transformers' output capturing (`capture_outputs`: hidden states, attentions, MoE router logits) is
+    recording now: {key: list of recorded tensors}, or None outside a capturing forward (`_active_collector`)."""
+    from transformers.utils import output_capturing
+
+    return output_capturing._active_collector.get()
+
+
+@contextmanager
+def output_capture_for_compiled_code(outer: dict | None, keep: bool = True):
+    """Let transformers' output-capturing hooks run inside code that torch.compile traces while the model around it
+    runs eagerly (a decoder block compiled alone), and keep what they record in `outer` (`active_output_collector()`
+    read before).
+
+    `capture_outputs` records through forward hooks that read the active collector from a `ContextVar`, which dynamo
+    cannot trace (a graph break; an error under `fullgraph=True`). transformers' collector
+    (`output_capturing._active_collector`, a `CompileableContextVar`) reads a plain attribute instead (`global_var`)
+    when its `compiling` flag is set, as `set` does when the whole model is being compiled. Inside this context the
+    flag is set and the attribute holds a fresh collector: `outer`'s keys, each record's list empty, so that the
+    compiled code's guards see the same lengths at every call (`outer`'s lists grow by one entry per depth: guarding
+    on their lengths would recompile at every depth). At the exit what the hooks appended is added to `outer`'s
+    lists, in order, unless `keep` is false (an activation-checkpointed block recomputed in the backward records its
+    outputs a second time), and the collector is put back as it was. A hook that reads what earlier calls recorded
+    (transformers' hidden-states hook counts the entries) must sit outside the compiled code: the block's own hooks
+    do, as `nn.Module.__call__` runs them around `forward`.
+    """
+    from transformers.utils import output_capturing
+
+    collector = output_capturing._active_collector
+    # The records are the lists under public keys ("_hidden_states_layers" is a selection of indices, not a record).
+    recorded = [key for key, value in (outer or {}).items() if isinstance(value, list) and not key.startswith("_")]
+    fresh = None if outer is None else {**outer, **{key: [] for key in recorded}}
+    saved = collector.compiling, collector.global_var
+    collector.compiling, collector.global_var = True, fresh
+    try:
+        yield
+    finally:
+        collector.compiling, collector.global_var = saved
+    if keep:
+        for key in recorded:
+            outer[key].extend(fresh[key])
+
+
+def forward_without_checkpointing(layer_class: type) -> Callable:
+    """The `forward` a transformers `GradientCheckpointingLayer` subclass defines, without the activation-checkpointing
+    wrappers that `GradientCheckpointingLayer.__init_subclass__` puts around it (one per subclass: FSDP2's
+    `FSDP<Layer>` class adds a second). Other decorators stay. A class that is not such a layer: its `forward`."""
+    forward = layer_class.forward
+    while getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
+        forward = forward.__wrapped__
+    return forward
+
+
+def dynamo_counters() -> dict[str, dict[str, int]]:
+    """torch.compile's (dynamo's) event counters since the last `torch._dynamo.reset()` (or `counters.clear()`), as
+    plain dicts: "stats" holds "unique_graphs" (graphs compiled) and "calls_captured"; "graph_break" {reason: count};
+    "recompiles" and "frames" where present (`torch._dynamo.utils.counters`)."""
+    from torch._dynamo.utils import counters
+
+    return {name: dict(counter) for name, counter in counters.items()}
 
 
 def _load(path: str):
