@@ -1,5 +1,7 @@
 """hf_p2r.compat: each private read works on the releases installed (.ci/run runs this on the floors and the newest)."""
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -149,3 +151,61 @@ def test_causal_lm_tp_plan_is_the_head_plan_transformers_assembles():
     plan = causal_lm_tp_plan(P2RForCausalLM)
     assert plan and plan.items() <= model.tp_plan.items()
     assert causal_lm_tp_plan(object) == {}
+
+
+def test_output_collector_is_what_capture_outputs_records_into_and_compiled_code_appends_to_it():
+    """`active_output_collector` is the dict a capturing forward records into (None outside one); inside
+    `output_capture_for_compiled_code` transformers' hooks read the fresh collector (the `compiling` path), and what
+    they append reaches the outer lists at the exit, unless `keep` is false."""
+    from transformers.utils.output_capturing import _active_collector
+
+    from hf_p2r.compat import active_output_collector, output_capture_for_compiled_code
+
+    assert active_output_collector() is None
+    outer = {"hidden_states": [torch.zeros(1)], "_hidden_states_layers": [0, 1]}
+    token = _active_collector.context_var.set(outer)
+    try:
+        assert active_output_collector() is outer
+        for keep in (True, False):
+            with output_capture_for_compiled_code(active_output_collector(), keep=keep):
+                inner = _active_collector.get()  # what a hook reads
+                assert inner is not outer and inner == {"hidden_states": [], "_hidden_states_layers": [0, 1]}
+                inner["hidden_states"].append(torch.ones(1))
+            assert _active_collector.compiling is False and _active_collector.global_var is None
+    finally:
+        _active_collector.context_var.reset(token)
+    assert [t.item() for t in outer["hidden_states"]] == [0.0, 1.0]
+
+
+def test_forward_without_checkpointing_is_the_forward_the_layer_class_defines():
+    from torch.distributed.fsdp import FSDPModule
+
+    from hf_p2r.compat import forward_without_checkpointing
+    from hf_p2r.models.p2r.modeling_p2r import P2RDecoderLayer
+
+    defined = P2RDecoderLayer.__dict__["forward"]  # (transformers wraps it in place, at the class's creation)
+    while defined.__code__.co_name != "forward":  # P2R's cache-name decorator stays: it is part of the forward
+        defined = defined.__wrapped__
+    fsdp_class = type("FSDPP2RDecoderLayer", (FSDPModule, P2RDecoderLayer), {})  # what fully_shard makes
+    for layer_class in (P2RDecoderLayer, fsdp_class):
+        assert layer_class.forward.__code__.co_name == "forward_with_checkpointing"
+        forward = forward_without_checkpointing(layer_class)
+        assert forward.__code__.co_name != "forward_with_checkpointing"
+        assert inspect.unwrap(forward) is inspect.unwrap(defined)
+    assert forward_without_checkpointing(nn.Linear) is nn.Linear.forward
+
+
+def test_dynamo_counters_count_compiled_graphs_and_graph_breaks():
+    from hf_p2r.compat import dynamo_counters
+
+    def broken(x):
+        x = x + 1
+        print("a graph break")
+        return x * 2
+
+    torch.compiler.reset()
+    before = dynamo_counters()
+    torch.compile(broken, backend="eager")(torch.ones(2))
+    after = dynamo_counters()
+    assert after["stats"]["unique_graphs"] - before.get("stats", {}).get("unique_graphs", 0) == 2
+    assert sum(after["graph_break"].values()) > sum(before.get("graph_break", {}).values())
