@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...distributed import gather_shared_once
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
+from ..compile import compile_blocks
 from ..config import TrainArguments, TrainConfig
 from ..delink import check_delink_supported, delink_in_training
 from ..moe import RouterLoad
@@ -56,6 +57,8 @@ class AccelerateEngine(Engine):
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
         accelerator, args = self.accelerator, self.args
+        if args.compile:  # before sharding, as torchtitan orders it (the compiled forward is found at each call)
+            compile_blocks(model, args.compile_backend)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
         self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
         self.offload = apply_offload(model, args, accelerator, self.activation_bytes)
@@ -81,7 +84,8 @@ class AccelerateEngine(Engine):
     def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
         extra = {"output_router_logits": True} if self.router_load is not None else {}
         with self.accelerator.accumulate(self.model):
-            outputs = self.model(input_ids=input_ids, labels=input_ids, **extra)
+            # No KV cache in training: its update would build one (and, compiled, specialise each block on its depth).
+            outputs = self.model(input_ids=input_ids, labels=input_ids, use_cache=False, **extra)
             loss = outputs.loss
             self.accelerator.backward(loss)
         if self.router_load is not None:
@@ -119,6 +123,8 @@ class AccelerateEngine(Engine):
             self.offload,
             self.activation_bytes,
         )
+        if self.args.compile:  # the new blocks (FSDP2 and DeepSpeed build a new model) run the compiled forward
+            compile_blocks(self.accelerator.unwrap_model(self.model), self.args.compile_backend)
         return {"offloaded_blocks": self.offload.layers} if self.offload is not None else {}
 
     def delink_note(self) -> str:
@@ -165,7 +171,7 @@ def evaluate(accelerator: Accelerator, model, blocks, args: TrainArguments) -> f
     total = torch.zeros((), device=accelerator.device)
     for index, indices in enumerate(batches + padding):
         ids = blocks[indices]["input_ids"].to(accelerator.device)
-        loss = model(input_ids=ids, labels=ids).loss.float()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss.float()
         if index < len(batches):
             total += loss * len(ids)
     model.train()

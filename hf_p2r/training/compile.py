@@ -1,0 +1,76 @@
+"""Regional compilation (trainer field `compile`): each decoder block's forward compiled by `torch.compile`, from
+outside the model (the model file knows nothing of it).
+
+Why per block: a pseudo model runs k blocks at L depths, and the blocks of one class and shape are the same code.
+Dynamo keeps compiled code on the code object, with guards on what the code reads (the block's class and structure,
+its parameters' shapes, dtypes and `requires_grad`, grad mode, autocast), not on which block runs it: one graph serves
+a shared block at every depth, every block of a real model, and the blocks a delink makes. The training forwards pass
+`use_cache=False`: a KV cache's update takes the depth as its slot, which would specialise the graph on the depth
+(a recompilation per depth, and an error at torch's recompile limit of 8 under `fullgraph=True`).
+
+What is compiled is the forward the block's class defines, with `fullgraph=True` (a graph break is an error, not a
+silent split); `nn.Module.__call__` still runs the block's hooks around it, eagerly: granular offload's fetch and
+release (`offload.py`), FSDP2's all-gather and reshard and `gather_shared_once`'s switch, transformers' hidden-state
+capture. Activation checkpointing stays outside the compiled code too: the compiled forward is what
+`torch.utils.checkpoint` runs and recomputes (transformers' checkpointing wrapper is left out of what dynamo traces,
+`hf_p2r.compat.forward_without_checkpointing`), because an MoE block's router records its logits by a hook inside the
+block, a side effect dynamo refuses inside its checkpoint operator. The forward is looked up on the block's class at
+every call, so FSDP2's `fully_shard`, which gives each block a subclass, may come before or after `compile_blocks`
+(torchtitan compiles, then shards); a delink's new blocks get the compiled forward from `compile_blocks` again (the
+engines call it after each delink) and reuse the graph already compiled.
+
+```python
+>>> compile_blocks(model)                                     # inductor; or backend="aot_eager" to debug
+>>> model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+```
+"""
+
+import functools
+from collections.abc import Callable
+from types import MethodType
+
+import torch
+from torch import nn
+
+from ..compat import active_output_collector, forward_without_checkpointing, output_capture_for_compiled_code
+
+__all__ = ["compile_blocks"]
+
+
+def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> nn.Module:
+    """Compile the forward of every decoder block of `model` (`model.base_model.layers`), in place; returns `model`.
+
+    Each block's `forward` becomes an instance attribute that runs its class's `forward` compiled by
+    `torch.compile(fullgraph=True, backend=backend)`: one compiled function per class forward and backend, shared by
+    every block. Calling it again (after a delink) is harmless.
+    """
+    for block in model.base_model.layers:
+        block.forward = MethodType(functools.partial(_compiled_forward, backend), block)
+    return model
+
+
+def _compiled_forward(backend, block: nn.Module, *args, **kwargs):
+    compiled = _compiled(forward_without_checkpointing(type(block)), backend)
+    outer = active_output_collector()  # read eagerly, before the compiled code runs
+    calls = 0
+
+    def run(*args):
+        nonlocal calls
+        calls += 1  # a second call is the checkpoint's recompute: what it records was recorded by the first
+        with output_capture_for_compiled_code(outer, keep=calls == 1):
+            return compiled(block, *args, **kwargs)
+
+    if not torch.is_grad_enabled():
+        # Without grad, whether an input requires it changes nothing, but dynamo guards on it: the embeddings' output
+        # does under activation checkpointing (transformers' `enable_input_require_grads`), the next depths' do not.
+        args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    elif getattr(block, "gradient_checkpointing", False) and block.training:
+        # As transformers' wrapper does: a recomputed block must not write a cache a second time.
+        kwargs.update(use_cache=False, **{name: None for name in ("cache", "past_key_values") if name in kwargs})
+        return block._gradient_checkpointing_func(run, *args)
+    return run(*args)
+
+
+@functools.cache
+def _compiled(forward: Callable, backend: str | Callable) -> Callable:
+    return torch.compile(forward, fullgraph=True, backend=backend)
