@@ -310,6 +310,18 @@ class TrainArguments:
         metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85%% of it; needed on a CPU run)."},
     )
     offload_prefetch: int = field(default=1, metadata={"help": "Offloaded blocks copied ahead of their use."})
+    offload_optimizer: Literal["host", "device_chunked"] = field(
+        default="host",
+        metadata={
+            "help": "Where the offloaded blocks' optimizer step runs: host (the CPU, over CPU state) or device_chunked "
+            "(the compute device, offload_chunk_mb at a time, the state kept in pinned host memory: Megatron-Core's "
+            "chunked optimizer-state offload)."
+        },
+    )
+    offload_chunk_mb: float = field(
+        default=256.0,
+        metadata={"help": "device_chunked: MiB of parameters, gradients and optimizer state stepped at a time."},
+    )
     pipeline_parallel_size: int = field(
         default=1,
         metadata={"help": "Pipeline stages (processes) the model is split into by depth (hf_p2r.distributed)."},
@@ -358,6 +370,7 @@ class TrainArguments:
         if self.cpu:
             self.check_offload_budget("cpu")
         check_range("offload_prefetch", self.offload_prefetch, low=0)
+        check_range("offload_chunk_mb", self.offload_chunk_mb, low=0.0, strict_low=True)
         if self.compile:
             _check_compile_backend(self.compile_backend)
         for name in ("pseudo_steps", "real_steps", "warmup_steps", "eval_steps", "save_steps"):
