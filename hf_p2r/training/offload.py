@@ -12,7 +12,9 @@ each to the parameter's CPU gradient while the backward goes on (the backward wa
 `max_inflight_bytes` of gradients are in flight, and at its end for the last ones). Each offloaded gradient's norm is
 taken on the compute device as it leaves (of a sum over micro-batches, by the worker that sums it), so
 `clip_grad_norm_` makes no pass over CPU gradients to measure them. The optimizer step of the offloaded parameters
-runs on the CPU, after the device step of the resident ones has been launched.
+runs on the CPU, after the device step of the resident ones has been launched (`optimizer_step="host"`), or on the
+compute device a bounded chunk at a time, their optimizer state kept in pinned host memory and copied in and out with
+each chunk (`optimizer_step="device_chunked"`, Megatron-Core's chunked optimizer-state offload).
 
     offload = GranularOffload(model, layers=0.5, device="cuda")   # or [1, 3, 5, 7], or "auto" with a budget
     optimizer = offload.build_optimizer(lr=3e-4, weight_decay=0.1)
@@ -42,6 +44,7 @@ between steps are not seen by the `compute_dtype` copies (use `p.copy_` or an op
 """
 
 import math
+import types
 import warnings
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -75,6 +78,14 @@ __all__ = [
 # Fraction of the device's memory that `layers="auto"` plans for when no budget is given: the estimate leaves out
 # the allocator's fragmentation, CUDA context and the peak of one block's recomputation.
 DEFAULT_BUDGET_FRACTION = 0.85
+
+# Where the offloaded parameters' optimizer step runs (`GranularOffload(optimizer_step=...)`): "host", on the CPU over
+# the CPU masters and CPU optimizer state (ZeRO-Offload's cut); "device_chunked", on the compute device, a chunk of
+# parameters at a time: each chunk's masters, gradients and optimizer state are copied in, stepped, copied back
+# (Megatron-Core's chunked optimizer-state offload; the state lives in pinned host memory).
+OPTIMIZER_STEPS = ("host", "device_chunked")
+# The bound on one chunk of "device_chunked": its parameters, their gradients and their optimizer state, in bytes.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 LayerSpec = str | float | Sequence[int] | None
 
@@ -376,6 +387,9 @@ class GranularOffload:
             85% of the device's memory.
         max_inflight_bytes: gradient bytes whose copy to the host may be in flight before the backward waits for the
             oldest (CUDA; default: the largest offloaded block's gradients).
+        optimizer_step: where `build_optimizer`'s optimizer steps the offloaded parameters: "host" (the CPU) or
+            "device_chunked" (the compute device, `chunk_bytes` of parameters, gradients and state at a time; see
+            `step_in_chunks`). The pinned state of "device_chunked" is not in `estimate_host_bytes`.
 
     Apply it after the model has its final structure and placement (after `accelerator.prepare(model)`, after
     `delink`); do not move the model while it is applied (`remove()` first). Build the optimizer after applying it.
@@ -394,6 +408,8 @@ class GranularOffload:
         budget_bytes: int | None = None,
         activation_bytes: int = 0,
         max_inflight_bytes: int | None = None,
+        optimizer_step: str = "host",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ):
         _check_supported(model)
         self.model = model
@@ -406,6 +422,13 @@ class GranularOffload:
             raise ValueError(f"offload: prefetch must be a non-negative integer, got {prefetch!r}")
         if max_inflight_bytes is not None and (not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0):
             raise ValueError(f"offload: max_inflight_bytes must be a non-negative integer, got {max_inflight_bytes!r}")
+        if optimizer_step not in OPTIMIZER_STEPS:
+            raise ValueError(
+                f"offload: optimizer_step must be one of {', '.join(OPTIMIZER_STEPS)}, got {optimizer_step!r}"
+            )
+        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"offload: chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+        self.optimizer_step, self.chunk_bytes = optimizer_step, chunk_bytes
         if layers == "auto" and budget_bytes is None and self.device.type == "cuda":
             budget_bytes = int(DEFAULT_BUDGET_FRACTION * torch.cuda.get_device_properties(self.device).total_memory)
         self.prefetch, self.compute_dtype = prefetch, compute_dtype
@@ -479,8 +502,9 @@ class GranularOffload:
                 block.sources.append(source)
                 block.versions.append(tensor_version(p))
             self._blocks[i] = block
-        # {parameter: (master, staging buffer)} for the gradient path.
+        # {parameter: (master, staging buffer)} for the gradient path; {parameter: (block, index)}.
         self._host = {p: (m, s) for b in self._blocks.values() for p, m, s in zip(b.params, b.masters, b.staging)}
+        self._where = {p: (b, i) for b in self._blocks.values() for i, p in enumerate(b.params)}
         for p in _unique(self.model.parameters()):
             if id(p) not in offloaded and p.device != self.device:
                 self._moved.append((p, p.device))
@@ -522,7 +546,7 @@ class GranularOffload:
         self._worker.shutdown()
         for handle in self._handles:
             handle.remove()
-        self._handles, self._host, self._norms = [], {}, {}
+        self._handles, self._host, self._norms, self._where = [], {}, {}, {}
         while self._blocks:  # block by block: each slab is freed before the next block is copied out
             _, block = self._blocks.popitem()
             for p, master, origin in zip(block.params, block.masters, block.origins):
@@ -546,7 +570,8 @@ class GranularOffload:
         **kwargs,
     ) -> torch.optim.Optimizer:
         """A plain `optimizer_cls` over `params` (default: all of the model's) whose step runs on each parameter's
-        device: resident parameters on the compute device, offloaded ones on the CPU.
+        device: resident parameters on the compute device, offloaded ones on the CPU (`optimizer_step="host"`) or, with
+        `optimizer_step="device_chunked"`, on the compute device a chunk at a time (`step_in_chunks`).
 
         Each parameter group is split into its resident and its offloaded part (same options), resident parts first:
         torch optimizers step group by group, so the device kernels are all launched (asynchronously) before the CPU
@@ -569,7 +594,116 @@ class GranularOffload:
                     part.append({**options, "params": chosen})
         if issubclass(optimizer_cls, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs:
             kwargs["fused"] = True
-        return optimizer_cls(resident + host, **kwargs)
+        optimizer = optimizer_cls(resident + host, **kwargs)
+        if self.optimizer_step == "device_chunked":
+            step = optimizer.step  # the class's step (with torch's step hooks), bound to this optimizer
+
+            def step_in_chunks(optimizer: torch.optim.Optimizer, closure=None):
+                return self.step_in_chunks(optimizer, step, closure)
+
+            optimizer.step = types.MethodType(step_in_chunks, optimizer)  # a method still: LR schedulers wrap it
+        return optimizer
+
+    def step_in_chunks(self, optimizer: torch.optim.Optimizer, step, closure=None):
+        """`optimizer_step="device_chunked"`: `step` (the optimizer's own) first over the resident parameters, then
+        once per chunk of offloaded parameters with a gradient, each with its master, gradient and optimizer state
+        copied to the compute device and back after. A chunk holds parameters in optimizer order up to `chunk_bytes`
+        of parameters, gradients and state (a larger parameter is a chunk alone).
+
+        Each call sees gradients on only the parameters it steps (the others' `.grad` are set aside, and every torch
+        optimizer skips a parameter without one), so any optimizer class whose update of a parameter reads only that
+        parameter, its gradient, its state and its group steps as it would in one call. The state returns to host
+        memory (pinned on CUDA, one allocation per chunk), in the dtype and shape the optimizer made it; a `step`
+        count stays where torch's `load_state_dict` keeps it (on the CPU unless the group is fused or capturable).
+        With `compute_dtype`, the copies the next forward sends are cast on the device and copied back too. Returns
+        when the host has every result (CUDA: the compute stream is synchronised once, after the last chunk).
+        """
+        offloaded = [
+            (p, group)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p in self._host and p.grad is not None
+        ]
+        grads = {p: p.grad for p, _ in offloaded}
+        stale = self._stale  # an optimizer stepped offloaded masters before this step (see `_stepped`)
+        for p in grads:
+            p.grad = None
+        try:
+            loss = step(closure)  # the resident parameters, on the compute device
+            for group in optimizer.param_groups:  # each call after it steps one chunk of offloaded parameters
+                for p in group["params"]:
+                    if p.grad is not None:
+                        grads[p], p.grad = p.grad, None
+            chunk, size = [], 0
+            for p, group in offloaded:
+                tensors = sum(
+                    isinstance(v, torch.Tensor) and v.numel() == p.numel() for v in optimizer.state.get(p, {}).values()
+                )
+                nbytes = p.numel() * p.element_size() * (2 + (tensors or 2))  # parameter, gradient, state (AdamW: 2)
+                if chunk and size + nbytes > self.chunk_bytes:
+                    self._step_chunk(optimizer, step, chunk, grads)
+                    chunk, size = [], 0
+                chunk.append((p, group))
+                size += nbytes
+            if chunk:
+                self._step_chunk(optimizer, step, chunk, grads)
+        finally:
+            for p, grad in grads.items():
+                p.grad = grad
+        if self._h2d is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._stale = stale  # every offloaded master stepped here has fresh copies to send
+        return loss
+
+    def _step_chunk(self, optimizer: torch.optim.Optimizer, step, chunk: list, grads: dict) -> None:
+        state, device, pin = optimizer.state, self.device, self._h2d is not None
+
+        def stays(key: str, group: dict) -> bool:  # torch's `load_state_dict` policy for a step count
+            return key == "step" and not (group.get("fused") or group.get("capturable"))
+
+        moved = []
+        try:
+            for p, group in chunk:
+                master, host_state = p.data, state.get(p, {})
+                moved.append((p, group, master, host_state))
+                p.data = master.to(device, copy=True, non_blocking=True)
+                p.grad = grads[p].to(device, copy=True, non_blocking=True)
+                if host_state:
+                    state[p] = {
+                        k: v.to(device, copy=True, non_blocking=True)
+                        if isinstance(v, torch.Tensor) and not stays(k, group)
+                        else v
+                        for k, v in host_state.items()
+                    }
+            step()  # only this chunk's parameters have gradients
+        finally:
+            fresh = []  # (state dict, key, device tensor) needing new host memory
+            for p, group, master, host_state in moved:
+                master.copy_(p.data, non_blocking=True)
+                block, i = self._where[p]
+                if (source := block.sources[i]) is not master:  # the copy the next forward sends, cast here
+                    source.copy_(p.data.to(source.dtype), non_blocking=True)
+                returned = {}
+                for k, v in state.get(p, {}).items():
+                    if not isinstance(v, torch.Tensor) or stays(k, group) or v.device != device:
+                        returned[k] = v
+                    elif (
+                        (old := host_state.get(k)) is not None
+                        and (old.shape, old.dtype) == (v.shape, v.dtype)
+                        and (old.is_pinned() or not pin)
+                    ):
+                        returned[k] = old.copy_(v, non_blocking=True)
+                    else:
+                        fresh.append((returned, k, v))
+                if p in state:
+                    state[p] = returned
+                p.grad = None
+                p.data = master
+                block.versions[i] = tensor_version(p)
+            if fresh:
+                _, tensors = _slab([(v.shape, v.dtype) for _, _, v in fresh], pin)
+                for (returned, k, v), host in zip(fresh, tensors):
+                    returned[k] = host.copy_(v, non_blocking=True)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, error_if_nonfinite: bool = False
@@ -852,6 +986,8 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision),
         budget_bytes=budget,
         activation_bytes=activation_bytes,
+        optimizer_step=args.offload_optimizer,
+        chunk_bytes=max(1, int(args.offload_chunk_mb * 2**20)),
     )
 
 

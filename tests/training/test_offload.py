@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from hf_p2r.compat import tensor_version
 from hf_p2r.training.offload import (
     GranularOffload,
     decoder_layers,
@@ -629,6 +630,141 @@ def test_low_precision_gradients_accumulate_into_the_masters_dtype_exactly(monke
         for g in parts[p][1:]:
             expected = expected + g.float()
         assert torch.equal(p.grad, expected)
+
+
+# ------------------------------------------------------------------------------- the optimizer step on the device
+
+
+def _step_calls(optimizer) -> list[int]:
+    """Parameters with a gradient at each call of the optimizer's own step (its step hooks fire per call)."""
+    calls = []
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: calls.append(sum(p.grad is not None for g in opt.param_groups for p in g["params"]))
+    )
+    return calls
+
+
+@pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("chunk_bytes", [1, 40_000, 2**30], ids=["per-tensor", "chunks", "one-chunk"])
+def test_device_chunked_step_equals_training_without_offload(overrides, accumulation, chunk_bytes):
+    """The offloaded parameters stepped on the compute device, a chunk at a time (on the CPU the copies in and out are
+    CPU copies): the same weights as without offload, bit for bit, with the optimizer state back in host memory."""
+    expected, _ = _train(tiny_model(**overrides), accumulation=accumulation)
+    got, offload = _train(
+        tiny_model(**overrides),
+        0.5,
+        accumulation=accumulation,
+        optimizer_step="device_chunked",
+        chunk_bytes=chunk_bytes,
+    )
+    assert offload.layers and offload.copied_bytes["to_host"] > 0
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_device_chunked_steps_each_chunk_alone_within_the_bound():
+    model = tiny_model().train()
+    offload = GranularOffload(model, [1, 3], optimizer_step="device_chunked", chunk_bytes=30_000)
+    optimizer = offload.build_optimizer(lr=1e-2)
+    calls = _step_calls(optimizer)
+    offloaded = offload.offloaded_parameters
+    for batch in _batches(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        assert all(p.grad is not None and p.device.type == "cpu" for p in offloaded)  # as after any step
+        optimizer.zero_grad()
+    resident = sum(1 for p in model.parameters()) - len(offloaded)
+    # Per step: the resident parameters, then chunks of offloaded ones in order, each within 30,000 bytes of
+    # parameters, gradients and two AdamW moments (16 bytes per fp32 element), a larger tensor alone.
+    sizes = [16 * p.numel() for p in offloaded]
+    chunks, size = [0], 0
+    for nbytes in sizes:
+        if chunks[-1] and size + nbytes > 30_000:
+            chunks.append(0)
+            size = 0
+        chunks[-1] += 1
+        size += nbytes
+    assert len(chunks) > 2 and max(sizes) > 30_000  # several chunks, one tensor alone
+    assert calls == ([resident, *chunks]) * 2
+    for p in offloaded:
+        assert {k: v.device.type for k, v in optimizer.state[p].items()} == {
+            "exp_avg": "cpu",
+            "exp_avg_sq": "cpu",
+            "step": "cpu",
+        }
+
+
+@pytest.mark.parametrize(
+    ("optimizer_cls", "options"),
+    [
+        (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+        (torch.optim.Adam, dict(lr=1e-2, foreach=False)),
+        (torch.optim.AdamW, dict(lr=1e-2, foreach=True)),
+        (torch.optim.RMSprop, dict(lr=1e-3, momentum=0.5)),
+        (torch.optim.Adagrad, dict(lr=1e-2)),
+        (torch.optim.NAdam, dict(lr=1e-2)),
+    ],
+    ids=lambda value: getattr(value, "__name__", ""),
+)
+@pytest.mark.parametrize("optimizer_step", ["host", "device_chunked"])
+def test_any_torch_optimizer_through_build_optimizer_equals_it_without_offload(optimizer_cls, options, optimizer_step):
+    model, reference = tiny_model().train(), tiny_model().train()
+    offload = GranularOffload(model, 0.5, optimizer_step=optimizer_step, chunk_bytes=40_000)
+    optimizer = offload.build_optimizer(optimizer_cls=optimizer_cls, **options)
+    plain = optimizer_cls(reference.parameters(), **options)
+    assert type(optimizer) is optimizer_cls
+    for batch in _batches(3):
+        for m, opt in ((model, optimizer), (reference, plain)):
+            m(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    assert all(v.device.type == "cpu" for p in offload.offloaded_parameters for v in optimizer.state[p].values())
+
+
+def test_device_chunked_casts_the_copies_to_send_on_the_device():
+    """With `compute_dtype`, the bf16 copies the next forward sends are made from the stepped chunk (on the device)
+    and match the fp32 masters rounded; the next forward has nothing to convert on the host."""
+    model = tiny_model().train()
+    offload = GranularOffload(model, 1.0, compute_dtype=torch.bfloat16, optimizer_step="device_chunked", chunk_bytes=1)
+    optimizer = offload.build_optimizer(lr=1e-2)
+    batch = _batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    assert not offload._stale
+    for block in offload._blocks.values():
+        for p, master, source, version in zip(block.params, block.masters, block.sources, block.versions):
+            assert source.dtype == torch.bfloat16 and torch.equal(source, master.bfloat16())
+            assert version == tensor_version(p)
+
+
+def test_device_chunked_state_round_trips_through_a_state_dict():
+    """A resumed optimizer (its state loaded as plain CPU tensors) continues exactly like the one it was saved from."""
+    runs = []
+    for resume in (False, True):
+        model = tiny_model().train()
+        offload = GranularOffload(model, 0.5, optimizer_step="device_chunked", chunk_bytes=40_000)
+        optimizer = offload.build_optimizer(lr=1e-2, weight_decay=0.1)
+        for i, batch in enumerate(_batches(4)):
+            if resume and i == 2:
+                saved = copy.deepcopy(optimizer.state_dict())
+                optimizer = offload.build_optimizer(lr=1e-2, weight_decay=0.1)
+                optimizer.load_state_dict(saved)
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_bad_optimizer_step_and_chunk_bytes_name_the_argument():
+    with pytest.raises(ValueError, match="^offload: optimizer_step must be one of host, device_chunked, got 'gpu'"):
+        GranularOffload(tiny_model(), 0.5, optimizer_step="gpu")
+    with pytest.raises(ValueError, match="^offload: chunk_bytes must be a positive integer, got 0"):
+        GranularOffload(tiny_model(), 0.5, chunk_bytes=0)
 
 
 # -------------------------------------------------------------------------------------------- gradient clipping

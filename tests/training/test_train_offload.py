@@ -2,6 +2,7 @@
 at the delink (the pseudo model fits, the real one needs it). Without CUDA the compute device is the CPU: the same
 code path runs, with CPU-to-CPU copies."""
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,47 @@ def test_offloaded_training_equals_plain_training(plain_run, tmp_path):
     assert all(torch.equal(offloaded[k], plain[k]) for k in plain)
     delinks = [r for r in read_metrics(output_dir / "metrics.jsonl") if r.get("event") == "delink"]
     assert [r["offloaded_blocks"] for r in delinks] == [[1], [1, 3]]  # half of 2 blocks, then of 4
+
+
+@pytest.fixture(scope="module")
+def chunked_run(tmp_path_factory):
+    """Offload 0.5 with the offloaded blocks' optimizer step on the compute device, in chunks small enough that each
+    step takes several, and a checkpoint every step."""
+    output_dir = tmp_path_factory.mktemp("chunked") / "run"
+    argv = tiny_argv(output_dir, **SCHEDULE, **CHUNKED, save_steps=1)
+    assert train(parse_config(argv)) == 0
+    return output_dir
+
+
+CHUNKED = dict(offload="0.5", offload_optimizer="device_chunked", offload_chunk_mb=0.01)
+
+
+def test_device_chunked_training_equals_plain_training(plain_run, chunked_run):
+    """Through both delinks (the optimizer rebuilt and its state carried each time) and 0.01 MiB chunks (10 KiB: a
+    block of the tiny model is several): every loss, learning rate and gradient norm, and the final weights, bit for
+    bit as without offload."""
+    assert trajectory(chunked_run) == trajectory(plain_run)
+    chunked, plain = _final_weights(chunked_run), _final_weights(plain_run)
+    assert all(torch.equal(chunked[k], plain[k]) for k in plain)
+
+
+@pytest.mark.parametrize("resume_step", [3, 5])  # after the partial delink (2 blocks), after the real delink
+def test_device_chunked_resumes_exactly(chunked_run, tmp_path, resume_step):
+    output_dir = tmp_path / "run"
+    shutil.copytree(chunked_run, output_dir)
+    checkpoint = output_dir / "checkpoints" / f"checkpoint-{resume_step}"
+    argv = tiny_argv(output_dir, **SCHEDULE, **CHUNKED, save_steps=1, resume_from_checkpoint=checkpoint)
+    assert train(parse_config(argv)) == 0
+    assert trajectory(output_dir) == trajectory(chunked_run)
+
+
+def test_bad_offload_optimizer_names_the_field(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"offload_optimizer.*invalid choice: 'gpu' \(choose from 'host', 'device_chunked'\)"
+    ):
+        parse_config(tiny_argv(tmp_path, offload="0.5", offload_optimizer="gpu"))
+    with pytest.raises(ValueError, match="^offload_chunk_mb: must satisfy 0.0 < offload_chunk_mb, got 0"):
+        parse_config(tiny_argv(tmp_path, offload="0.5", offload_chunk_mb="0"))
 
 
 def test_offload_auto_switches_on_at_delink(plain_run, tmp_path):
