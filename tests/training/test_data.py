@@ -1,8 +1,12 @@
 """Data: the byte-level tokenizer, the built-in corpus, JSON files with a tokenizer of one's own, packing, the
 validation split and the block order."""
 
+import hashlib
 import json
+import os
 import subprocess
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,7 +175,66 @@ def test_the_script_refuses_binary_data_in_one_line_and_keeps_the_earlier_run(tm
     lines = [line for line in result.stderr.splitlines() if "error" in line.lower() or "fail" in line.lower()]
     assert lines == [
         f"train.py: error: train_files: {data[0]} is not UTF-8 text (byte 0x80 at offset 128): a binary file? give "
-        "text (.txt, .md, .py, .rst) or JSON lines (.json, .jsonl) files"
+        "text (.txt, .md, .py, .rst), JSON lines (.json, .jsonl) or Parquet (.parquet) files"
     ], result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     assert (output_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+class CountingTokenizer:
+    """The byte-level tokenizer; each call appends the calling process's rank to `marker` (a file both share)."""
+
+    def __init__(self, marker: str):
+        self.tokenizer, self.marker = byte_level_tokenizer(), marker
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["tokenizer"], name)
+
+    def __call__(self, texts):
+        with open(self.marker, "a") as marker:
+            marker.write(os.environ["RANK"] + "\n")
+        return self.tokenizer(texts)
+
+
+def tokenize_on_two_processes(folder: str, rank: int, world_size: int) -> dict:
+    """Each source built by both processes, the main one first (as the trainer does): which ranks tokenized, and a
+    digest of the blocks each process got."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    files = []
+    for i in range(30):
+        path = Path(folder) / f"doc{i}.txt"
+        if rank == 0:
+            path.write_text(f"document {i} " * 30)
+        files.append(str(path))
+    state.wait_for_everyone()
+    out = {}
+    sources = {
+        "built-in corpus": dict(corpus_max_bytes=30_000),
+        "built-in corpus, other block_size": dict(corpus_max_bytes=30_000, block_size=16),
+        "text files": dict(train_files=files),
+    }
+    for name, fields in sources.items():
+        marker = Path(folder) / f"{name}.calls"
+        args = DataArguments(**{"block_size": 32, "cache_dir": f"{folder}/cache", **fields})
+        with state.main_process_first():
+            train_blocks, validation = build_blocks(args, CountingTokenizer(str(marker)), seed=0)
+        blocks = torch.cat([train_blocks[:]["input_ids"], validation[:]["input_ids"]])
+        digests = [None] * world_size
+        torch.distributed.all_gather_object(digests, hashlib.sha256(blocks.numpy().tobytes()).hexdigest())
+        state.wait_for_everyone()
+        out[name] = {"callers": sorted(set(marker.read_text().split())), "digests": digests, "blocks": len(blocks)}
+    return out
+
+
+def test_a_map_style_corpus_is_tokenized_once_by_the_main_process(tmp_path):
+    """Two gloo processes build the blocks of each source: only rank 0 ever calls the tokenizer (the built-in corpus,
+    held in memory, once tokenized by every process), the other reads its cache file and gets the same blocks; a
+    change of block_size names another cache file (tokenized again, by rank 0)."""
+    from ..distributed import spawn
+
+    built = spawn.run(partial(tokenize_on_two_processes, str(tmp_path)), 2, tmp_path)
+    for name, result in built.items():
+        assert result["callers"] == ["0"], name
+        assert result["digests"][0] == result["digests"][1] and result["blocks"] > 10, name
