@@ -63,6 +63,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     num_blocks: int = 1  # blocks of the model now
     blocks_consumed: int = 0  # data position: training blocks used so far, over all processes
+    stream_states: list = dataclasses.field(default_factory=list)  # a streaming source's: each process's, by index
     train_time_s: float = 0.0  # wall time spent in training steps (no evaluation, no saving)
     log_loss_sum: float = 0.0  # training loss summed over the steps since the last metrics record
     log_steps: int = 0
@@ -279,10 +280,13 @@ def read_trainer_state(path: str | Path) -> tuple[TrainState, str | None, dict]:
         raise InputError(f'{path}: "config" is {_short(saved)}, expected a JSON object')
     if not isinstance(fields, dict):
         raise InputError(f'{path}: "state" is {_short(fields)}, expected a JSON object')
-    _check_keys(path, "state.", fields, {field.name for field in dataclasses.fields(TrainState)})
+    names = {field.name for field in dataclasses.fields(TrainState)}
+    _check_keys(path, "state.", fields, names - {"stream_states"}, optional={"stream_states"})  # (a map-style run's)
     values = {}
     for field in dataclasses.fields(TrainState):
-        value, least = fields[field.name], 1 if field.name == "num_blocks" else 0
+        value, least = fields.get(field.name, []), 1 if field.name == "num_blocks" else 0
+        if field.name == "stream_states" and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            raise InputError(f'{path}: "state.stream_states" is {_short(value)}, expected a list of JSON objects')
         if field.type is int and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
             raise InputError(f'{path}: "state.{field.name}" is {_short(value)}, expected an integer >= {least}')
         if field.type is float:
