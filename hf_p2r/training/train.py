@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from .checkpointing import TrainState, read_state, resolve_checkpoint
 from .config import TrainConfig
-from .data import BlockOrder, build_blocks, load_tokenizer
+from .data import BlockOrder, BlockStream, build_blocks, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
 from .metrics import METRICS_FILE
 from .optim import learning_rate_at, set_learning_rate
@@ -89,10 +89,17 @@ def run(config: TrainConfig, engine: Engine) -> int:
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
-    with accelerator.main_process_first():
-        train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
+    if not config.data.streaming:
+        with accelerator.main_process_first():  # the main process tokenizes, the others read its cache file
+            train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
     num_blocks = engine.model_blocks(state)
     engine.build(build_model(config, tokenizer, num_blocks), num_blocks)
+    if config.data.streaming:  # split by the engine's data layout (a pipelined engine's is known once built)
+        train_blocks, validation_blocks = stream_blocks(
+            config.data, tokenizer, engine.data_rank, engine.data_size, args.eval_blocks
+        )
+        if checkpoint:
+            train_blocks.resume(state.stream_states, accelerator.process_index, accelerator.num_processes, checkpoint)
     if checkpoint:
         engine.load(checkpoint, state)
         say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
@@ -100,7 +107,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
     if args.report_to != "none":
         accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
 
-    order = BlockOrder(len(train_blocks), args.seed)
+    order = None if config.data.streaming else BlockOrder(len(train_blocks), args.seed)
     log = StepLog(accelerator, state, args, engine.tokens_per_step, depth, output_dir / METRICS_FILE)
     if checkpoint is None and args.eval_steps:
         log.record(val_loss=engine.evaluate(validation_blocks))
@@ -144,6 +151,8 @@ def run(config: TrainConfig, engine: Engine) -> int:
             if measure:
                 log.record(**measure)
             if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
+                if config.data.streaming:  # every process's stream position, by process index
+                    state.stream_states = gather_object([train_blocks.state_dict()])
                 saved = engine.training_state()
                 check_finite(accelerator, output_dir, state, depth, "checkpoint", saved)
                 engine.save_checkpoint(output_dir, state, saved)
@@ -165,13 +174,17 @@ def run(config: TrainConfig, engine: Engine) -> int:
     return 0
 
 
-def next_batch(blocks, order: BlockOrder, state: TrainState, engine: Engine) -> torch.Tensor:
-    """This process's slice of the next global micro-batch (`engine.data_rank` of `engine.data_size`); advances the
-    data position by the global batch."""
+def next_batch(blocks, order: BlockOrder | None, state: TrainState, engine: Engine) -> torch.Tensor:
+    """This process's slice of the next global micro-batch (`engine.data_rank` of `engine.data_size`; a stream is
+    already this process's share); advances the data position by the global batch."""
     size = engine.args.per_device_batch_size
-    start = state.blocks_consumed + engine.data_rank * size
+    if isinstance(blocks, BlockStream):
+        batch = blocks.take(size)
+    else:
+        start = state.blocks_consumed + engine.data_rank * size
+        batch = blocks[order.indices(start, size)]["input_ids"]
     state.blocks_consumed += size * engine.data_size
-    return blocks[order.indices(start, size)]["input_ids"].to(engine.accelerator.device)
+    return batch.to(engine.accelerator.device)
 
 
 __all__ = ["NonFiniteLossError", "build_model", "next_batch", "train"]
