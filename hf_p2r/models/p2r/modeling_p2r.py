@@ -524,6 +524,12 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
     _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     base_model_class = P2RModel  # what `self.model` is (the MoE model's differs)
+    # The loss from the last hidden states and the head, instead of logits and `loss_function`, when labels are given:
+    # `(hidden_states, lm_head, labels, **kwargs) -> loss` (kwargs as `loss_function` gets them: `num_items_in_batch`,
+    # `ignore_index`, `shift_labels`). A trainer sets it on the instance to compute the loss without full-vocabulary
+    # logits (a chunked or fused linear cross-entropy); the output's `logits` is then None. Default: logits and
+    # `loss_function`.
+    loss_from_hidden_states: Callable | None = None
 
     def __init__(self, config: P2RConfig):
         super().__init__(config)
@@ -564,13 +570,8 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        hidden_states = outputs.last_hidden_state
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits, loss = self.head_and_loss(hidden_states, labels, **kwargs)
 
         return CausalLMOutputWithPast(
             loss=loss,
@@ -579,6 +580,17 @@ class P2RForCausalLM(P2RPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
         )
+
+    def head_and_loss(self, hidden_states: torch.Tensor, labels: torch.LongTensor | None, **kwargs):
+        """(logits, loss) of the last `hidden_states`: the head's logits and `loss_function`'s loss (None without
+        labels), or, with labels and `loss_from_hidden_states` set, (None, its loss)."""
+        if labels is not None and self.loss_from_hidden_states is not None:
+            return None, self.loss_from_hidden_states(hidden_states, self.lm_head, labels, **kwargs)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return logits, loss
 
 
 __all__ = ["P2RForCausalLM", "P2RModel", "P2RPreTrainedModel"]
