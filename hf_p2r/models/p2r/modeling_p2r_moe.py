@@ -263,13 +263,8 @@ class P2RMoeForCausalLM(P2RMoePreTrainedModel, P2RForCausalLM):
             **kwargs,
         )
 
-        hidden_states = outputs.last_hidden_state
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits, loss = self.head_and_loss(hidden_states, labels, **kwargs)
 
         aux_loss = None
         if output_router_logits:
