@@ -126,9 +126,27 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
     train_files: list[str] = field(
         default_factory=list,
-        metadata={"help": "Local .txt/.md/.py (one document per file) or .json/.jsonl files, or folders of them."},
+        metadata={
+            "help": "Local .txt/.md/.py (one document per file), .json/.jsonl or .parquet files, or folders of them."
+        },
     )
-    text_column: str = field(default="text", metadata={"help": "Column holding the text (JSON and Hub datasets)."})
+    text_column: str = field(
+        default="text", metadata={"help": "Column holding the text (JSON, Parquet and Hub datasets)."}
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream dataset_name or train_files (.jsonl/.parquet/text shards): read, split per process, "
+            "tokenized and packed on the fly, resumed exactly from the position each checkpoint keeps."
+        },
+    )
+    validation_files: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "A streaming run's held-out files (default: the Hub dataset's validation split); each evaluation "
+            "reads their first eval_blocks blocks."
+        },
+    )
     corpus_max_bytes: int = field(
         default=2_000_000, metadata={"help": "Size of the built-in standard-library corpus, in bytes."}
     )
@@ -150,6 +168,15 @@ class DataArguments:
         check_range("preprocessing_num_workers", self.preprocessing_num_workers, low=1)
         if self.dataset_name and self.train_files:
             raise ConfigError("train_files: give either dataset_name (Hub) or train_files (local), not both")
+        if self.streaming and not (self.dataset_name or self.train_files):
+            raise ConfigError("streaming: give dataset_name or train_files to stream (the built-in corpus is not)")
+        if self.validation_files and not self.streaming:
+            raise ConfigError(
+                "validation_files: read by a streaming run only (streaming: true); a map-style run holds out "
+                "validation_fraction of its blocks"
+            )
+        if self.streaming and self.train_files and not self.validation_files:
+            raise ConfigError("validation_files: a streaming run of train_files needs held-out files to evaluate on")
 
 
 @dataclass
@@ -291,6 +318,18 @@ class TrainArguments:
         metadata={"help": "Device memory offload: auto plans for (default on CUDA: 85%% of it; needed on a CPU run)."},
     )
     offload_prefetch: int = field(default=1, metadata={"help": "Offloaded blocks copied ahead of their use."})
+    offload_optimizer: Literal["host", "device_chunked"] = field(
+        default="host",
+        metadata={
+            "help": "Where the offloaded blocks' optimizer step runs: host (the CPU, over CPU state) or device_chunked "
+            "(the compute device, offload_chunk_mb at a time, the state kept in pinned host memory: Megatron-Core's "
+            "chunked optimizer-state offload)."
+        },
+    )
+    offload_chunk_mb: float = field(
+        default=256.0,
+        metadata={"help": "device_chunked: MiB of parameters, gradients and optimizer state stepped at a time."},
+    )
     pipeline_parallel_size: int = field(
         default=1,
         metadata={"help": "Pipeline stages (processes) the model is split into by depth (hf_p2r.distributed)."},
@@ -339,6 +378,7 @@ class TrainArguments:
         if self.cpu:
             self.check_offload_budget("cpu")
         check_range("offload_prefetch", self.offload_prefetch, low=0)
+        check_range("offload_chunk_mb", self.offload_chunk_mb, low=0.0, strict_low=True)
         if self.compile:
             _check_compile_backend(self.compile_backend)
         for name in ("pseudo_steps", "real_steps", "warmup_steps", "eval_steps", "save_steps"):
