@@ -2,9 +2,10 @@
 above `errors`/`compat` is imported here).
 
 - `linear_cross_entropy`: the causal-LM loss from the last hidden states and the head's weight, computed a chunk of
-  tokens at a time so that full-vocabulary logits never exist (or Liger-Kernel's fused kernel on CUDA).
+  tokens at a time so that full-vocabulary logits never exist (or Liger-Kernel's fused kernel on CUDA); `HeadLoss`, the
+  same as a model's `loss_from_hidden_states`.
 """
 
-from .linear_cross_entropy import linear_cross_entropy
+from .linear_cross_entropy import HeadLoss, linear_cross_entropy
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["HeadLoss", "linear_cross_entropy"]

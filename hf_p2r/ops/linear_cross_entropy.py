@@ -15,20 +15,17 @@ sum divided by `num_items_in_batch` when given (gradient accumulation over micro
 matmul dtype, then upcast to fp32 for the softmax. A batch where every token is ignored has loss NaN under the mean
 (0 / 0, as `F.cross_entropy` gives) and zero gradients; with `num_items_in_batch` its loss is 0.
 
-How an engine calls it. P2RForCausalLM's forward applies `lm_head` to every position it keeps (`logits_to_keep=0`
-keeps all of them), so the loss is taken from the decoder's output instead:
+How the trainer calls it (trainer field `loss_kernel`): through the model's forward, with `HeadLoss` as the model's
+`loss_from_hidden_states` (P2RForCausalLM's hook), so that DDP's and FSDP2's root hooks run around it and, under FSDP2
+(`fully_shard_p2r` puts the embeddings, the final norm and the head in the root unit) or ZeRO-3, the head's weight is
+whole where it is read:
 
 ```python
->>> hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
->>> loss = linear_cross_entropy(hidden, model.lm_head.weight, labels)  # == model(input_ids, labels=labels).loss
->>> loss.backward()  # gradients reach lm_head.weight (and embed_tokens.weight when tied) and the decoder
+>>> model.loss_from_hidden_states = HeadLoss("auto")
+>>> loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss  # == the plain loss; logits: None
 ```
 
-That is right where every process holds whole parameters (one process, DDP, ZeRO-1/2). Under FSDP2
-(`fully_shard_p2r` puts the embeddings, the final norm and the head in the root unit) or ZeRO-3, those parameters are
-gathered only inside the root module's forward: there the call belongs inside `P2RForCausalLM.forward`, in place of
-`self.lm_head(...)` and `self.loss_function(...)`. Tensor parallelism that splits the head over the vocabulary needs a
-vocabulary-parallel loss, which this is not.
+Tensor parallelism that splits the head over the vocabulary needs a vocabulary-parallel loss, which this is not.
 
 Backends: `"chunked"` (pure torch, any device), `"liger"` (Liger-Kernel's fused Triton kernel, CUDA tensors, needs
 `pip install liger-kernel`), `"auto"` (Liger when it is installed and the tensors are on CUDA, chunked otherwise).
@@ -41,7 +38,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["HeadLoss", "linear_cross_entropy"]
 
 BACKENDS = ("auto", "chunked", "liger")
 
@@ -121,6 +118,42 @@ def linear_cross_entropy(
             hidden_2d, weight, bias, targets, num_items_in_batch, ignore_index, chunk_size, compute_dtype, (0, 0, 0)
         )
         return loss
+
+
+class HeadLoss:
+    """`linear_cross_entropy` as a model's `loss_from_hidden_states` (P2RForCausalLM's hook: called inside the
+    model's forward, where FSDP2's root unit and ZeRO-3 hold the head's whole weight, with the head and the keyword
+    arguments transformers' `loss_function` gets).
+
+    ```python
+    >>> model.loss_from_hidden_states = HeadLoss("chunked")
+    >>> model(input_ids=ids, labels=ids).loss  # the same loss, no tokens x vocab logits (outputs.logits is None)
+    ```
+    """
+
+    def __init__(self, backend: Backend = "auto", chunk_size: int | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"linear_cross_entropy: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.backend, self.chunk_size = backend, chunk_size
+
+    def __call__(
+        self, hidden_states, head, labels, *, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
+        shift = shift_labels is None  # transformers' `shift_labels`: targets already shifted (packed sequences)
+        return linear_cross_entropy(
+            hidden_states,
+            head.weight,
+            labels if shift else shift_labels,
+            bias=head.bias,
+            num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index,
+            shift=shift,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
+        )
+
+    def __repr__(self) -> str:
+        return f"HeadLoss({self.backend!r})"
 
 
 def _check(hidden_states, weight, labels, bias, chunk_size, backend) -> None:

@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType
 from transformers import PreTrainedTokenizerBase
 
 from ...distributed import gather_shared_once
+from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
 from ..compile import compile_blocks
 from ..config import TrainArguments, TrainConfig
@@ -57,8 +58,7 @@ class AccelerateEngine(Engine):
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
         accelerator, args = self.accelerator, self.args
-        if args.compile:  # before sharding, as torchtitan orders it (the compiled forward is found at each call)
-            compile_blocks(model, args.compile_backend)
+        self.shape_model(model)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
         self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
         self.offload = apply_offload(model, args, accelerator, self.activation_bytes)
@@ -76,6 +76,20 @@ class AccelerateEngine(Engine):
         # logged.
         if self.config.model.num_experts:
             self.router_load = RouterLoad(accelerator.unwrap_model(self.model).config)
+
+    def shape_model(self, model: torch.nn.Module) -> None:
+        """What the run changes in how the model computes, from outside it: compiled blocks (`compile`, before
+        sharding, as torchtitan orders it; the compiled forward is found at each call) and the loss from the hidden
+        states (`loss_kernel`: the model's `loss_from_hidden_states` hook, inside its forward, so DDP's and FSDP2's
+        root hooks run around it). Applied to the first model and to the model of every delink."""
+        args = self.args
+        if args.compile:
+            compile_blocks(model, args.compile_backend)
+        if args.loss_kernel != "plain":
+            device = self.accelerator.device.type
+            if args.loss_kernel == "liger" and device != "cuda":
+                raise ValueError(f"loss_kernel: liger runs on CUDA, this run computes on {device}; use chunked or auto")
+            model.loss_from_hidden_states = HeadLoss(args.loss_kernel)
 
     def load(self, checkpoint: Path, state: TrainState) -> None:
         with loading_checkpoint(self.accelerator, checkpoint):
@@ -123,8 +137,7 @@ class AccelerateEngine(Engine):
             self.offload,
             self.activation_bytes,
         )
-        if self.args.compile:  # the new blocks (FSDP2 and DeepSpeed build a new model) run the compiled forward
-            compile_blocks(self.accelerator.unwrap_model(self.model), self.args.compile_backend)
+        self.shape_model(self.accelerator.unwrap_model(self.model))  # FSDP2 and DeepSpeed build a new model
         return {"offloaded_blocks": self.offload.layers} if self.offload is not None else {}
 
     def delink_note(self) -> str:
