@@ -44,7 +44,7 @@ HELP = "memory per GPU and estimated step time of parallel layouts (DDP, ZeRO, F
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..planning.assumptions import PRECISIONS, Hardware  # torch-free: --help and argument errors answer at once
+    from ..planning.assumptions import OPTIMIZERS, PRECISIONS, Hardware  # torch-free: --help and errors answer at once
 
     assumptions = ", ".join(f"{f.name}={f.default:g}" for f in dataclasses.fields(Hardware) if f.name not in _FLAGS)
     parser = subparsers.add_parser(
@@ -76,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--precision",
         choices=sorted(PRECISIONS),
         help="; ".join(f"{p.name}: {p.description}" for p in PRECISIONS.values()) + " (default: YAML, else mixed)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="the trainer's optimizer: adamw (two moments per element) or muon (one buffer per element of the blocks' "
+        "matrices, AdamW's two elsewhere) (default: YAML, else adamw)",
     )
     parser.add_argument("--num-unique-layers", type=int, help="k of the pseudo model when --config is a real model")
     parser.add_argument("--max-tp", type=int, help="largest tensor-parallel degree (default: GPUs per node)")
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batch=micro_batch,
         global_batch=args.global_batch or args.gpus * micro_batch * found.gradient_accumulation_steps,
         precision=PRECISIONS[args.precision or found.precision or "mixed"],
+        optimizer=args.optimizer or found.optimizer or "adamw",
     )
     max_tp = args.max_tp or hardware.gpus_per_node
     models = {"pseudo": pseudo, "real": real}
@@ -178,6 +185,7 @@ def read_plan_input(path: str | os.PathLike) -> "PlanInput":
         micro_batch=run.train.per_device_batch_size,
         gradient_accumulation_steps=run.train.gradient_accumulation_steps,
         precision={"bf16": "amp", "fp16": "amp", "no": "fp32"}.get(run.train.mixed_precision),
+        optimizer=run.train.optimizer,
         recompute=run.model.activation_checkpointing,
         notes=notes,
     )

@@ -21,13 +21,19 @@ MAX_BATCH = 1 << 30  # sequences per micro-batch or per step
 MAX_RATE = 1e30  # FLOP/s, bytes/s and updates/s assumed
 
 
+# The trainer's optimizers (its `optimizer` field): what a parameter's optimizer state is sized as.
+OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element of a training recipe.
 
     `optimizer` counts every optimizer byte per parameter element, including an fp32 master copy when the weights
     are kept in low precision; `optimizer_per_tensor` is AdamW's `step` counter (one fp32 scalar per parameter
-    tensor in torch's AdamW; Megatron and DeepSpeed keep one per group, so 0 there).
+    tensor in torch's AdamW; Megatron and DeepSpeed keep one per group, so 0 there); `moment` is one of Adam's two
+    moments per element (Muon keeps one buffer of that size per matrix element and no step counter, so a Muon
+    matrix costs `optimizer - moment` per element).
     """
 
     name: str
@@ -37,15 +43,16 @@ class Precision:
     optimizer_per_tensor: int
     activation: int
     description: str
+    moment: int
 
 
 PRECISIONS = {
     p.name: p
     for p in (
-        Precision("mixed", 2, 4, 12, 0, 2, "bf16 weights, fp32 grads, fp32 master + Adam (Megatron, DeepSpeed)"),
-        Precision("amp", 4, 4, 8, 4, 2, "fp32 weights and Adam, bf16 compute (Accelerate bf16, FSDP2 fp32 shards)"),
-        Precision("fp32", 4, 4, 8, 4, 4, "fp32 everything (torch AdamW)"),
-        Precision("bf16", 2, 2, 4, 4, 2, "bf16 everything, Adam moments in bf16 (torch AdamW)"),
+        Precision("mixed", 2, 4, 12, 0, 2, "bf16 weights, fp32 grads, fp32 master + Adam (Megatron, DeepSpeed)", 4),
+        Precision("amp", 4, 4, 8, 4, 2, "fp32 weights and Adam, bf16 compute (Accelerate bf16, FSDP2 fp32 shards)", 4),
+        Precision("fp32", 4, 4, 8, 4, 4, "fp32 everything (torch AdamW)", 4),
+        Precision("bf16", 2, 2, 4, 4, 2, "bf16 everything, Adam moments in bf16 (torch AdamW)", 2),
     )
 }
 

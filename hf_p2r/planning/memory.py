@@ -224,11 +224,17 @@ class Memory:
 
 
 def model_state_bytes(
-    tensors: list[ParameterTensor], layout: Layout, precision: Precision, offload_blocks: set[int] = frozenset()
+    tensors: list[ParameterTensor],
+    layout: Layout,
+    precision: Precision,
+    offload_blocks: set[int] = frozenset(),
+    optimizer: str = "adamw",
 ) -> Memory:
     """Weights, gradients and optimizer state on one GPU holding `tensors` (one stage), by tensor.
 
     Tensors of the blocks in `offload_blocks` (every tensor when `layout.offloads_everything`) count as CPU memory.
+    `optimizer`: the trainer's (`adamw`, or `muon`: one momentum buffer per element of a block's matrix and no step
+    counter, `is_muon_matrix`; AdamW's two moments for the rest).
     """
     memory = Memory()
     for tensor in tensors:
@@ -236,14 +242,23 @@ def model_state_bytes(
         shard = dp_shard_numel(tensor.tp_shape(layout.tp), layout.dp)
         weights = precision.weight * (shard if layout.zero >= 3 else numel)
         grads = precision.grad * (shard if layout.zero >= 2 else numel)
-        optimizer = precision.optimizer * (shard if layout.zero >= 1 else numel) + precision.optimizer_per_tensor
+        per_element, per_tensor = precision.optimizer, precision.optimizer_per_tensor
+        if optimizer == "muon" and is_muon_matrix(tensor):
+            per_element, per_tensor = precision.optimizer - precision.moment, 0
+        optimizer_bytes = per_element * (shard if layout.zero >= 1 else numel) + per_tensor
         if layout.offloads_everything or tensor.block in offload_blocks:
-            memory.cpu += weights + grads + optimizer
+            memory.cpu += weights + grads + optimizer_bytes
         else:
             memory.weights += weights
             memory.grads += grads
-            memory.optimizer += optimizer
+            memory.optimizer += optimizer_bytes
     return memory
+
+
+def is_muon_matrix(tensor: ParameterTensor) -> bool:
+    """Whether `optimizer: muon` steps `tensor` with Muon (`hf_p2r.training.optim.muon_parameters`: a block's matrix,
+    or an MoE block's 3-D experts)."""
+    return tensor.block is not None and len(tensor.shape) >= 2
 
 
 def layer_activation_bytes(config: P2RConfig, tokens: int, tp: int, precision: Precision) -> int:
@@ -311,6 +326,7 @@ __all__ = [
     "VIRTUAL_STAGES",
     "dp_shard_numel",
     "head_activation_bytes",
+    "is_muon_matrix",
     "layer_activation_bytes",
     "logits_bytes",
     "model_state_bytes",

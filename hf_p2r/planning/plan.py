@@ -44,7 +44,7 @@ from ..errors import InputError, read_json
 from ..models.p2r import P2RConfig, P2RMoeConfig
 from ..models.p2r.inventory_p2r import Inventory, inventory
 from ..models.p2r.sharing_p2r import validate_layout, validate_moe
-from .assumptions import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Hardware, check_int
+from .assumptions import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, OPTIMIZERS, Hardware, check_int
 from .memory import (
     PIPELINE_SCHEDULES,
     VIRTUAL_STAGES,
@@ -71,14 +71,18 @@ MAX_SPLIT_STEPS = 2_000_000
 
 @dataclass(frozen=True)
 class Workload:
-    """One optimizer step: `global_batch` sequences of `seq_len` tokens, `micro_batch` per GPU per forward."""
+    """One optimizer step: `global_batch` sequences of `seq_len` tokens, `micro_batch` per GPU per forward, under the
+    trainer's `optimizer` (adamw, or muon: one state buffer per element of the blocks' matrices)."""
 
     seq_len: int
     micro_batch: int
     global_batch: int
     precision: Precision
+    optimizer: str = "adamw"
 
     def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         check_int("seq_len", self.seq_len, 1, MAX_SEQ_LEN)
         check_int("micro_batch", self.micro_batch, 1, MAX_BATCH)
         check_int("global_batch", self.global_batch, 1, MAX_BATCH)
@@ -166,7 +170,8 @@ def _estimate(
     stages = blocks.stages(config, layout, workload.seq_len)  # the trainer's split
     num_stages = sum(len(stage.parts) for stage in stages)
     order = config.block_of_depth  # a property that builds the list: once
-    kinds = {kind: model_state_bytes(held, layout, p) for kind, held in blocks.example.items()}
+    optimizer = workload.optimizer
+    kinds = {kind: model_state_bytes(held, layout, p, optimizer=optimizer) for kind, held in blocks.example.items()}
     kind_numel = {kind: sum(math.prod(t.tp_shape(layout.tp)) for t in held) for kind, held in blocks.example.items()}
     layer = layer_activation_bytes(config, tokens, layout.tp, p)
     per_depth = tokens * a * hidden if layout.recompute else layer
@@ -178,7 +183,7 @@ def _estimate(
         held = stage_tensors(blocks.others, stage, config.tie_word_embeddings)  # and the blocks of `stage.blocks`
         uses = Counter(order[d] for d in stage.depths)  # depths of this process running each block
         offloaded = set(stage.blocks[: round(layout.offload * len(stage.blocks))])
-        stage_memory = model_state_bytes(held, layout, p, offloaded)
+        stage_memory = model_state_bytes(held, layout, p, offloaded, workload.optimizer)
         units = _unit_numels(held, layout.tp)
         for block in stage.blocks:
             states, units[block] = kinds[blocks.kind[block]], kind_numel[blocks.kind[block]]
@@ -212,6 +217,8 @@ def _estimate(
     compute = _compute_seconds(blocks.model, layout, workload.seq_len, tokens_per_step, hardware) / (1 - bubble)
     split = [len(depths) for _, depths in sorted(part for stage in stages for part in stage.parts)]
     engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, split)
+    if workload.optimizer == "muon" and (layout.zero >= 1 or layout.tp > 1):
+        engine += "; sizing only: optimizer: muon needs each matrix whole, this layout shards them (use adamw)"
     return Estimate(
         model,
         layout,
@@ -363,6 +370,7 @@ class PlanInput:
     micro_batch: int | None = None
     gradient_accumulation_steps: int = 1
     precision: str | None = None
+    optimizer: str | None = None
     recompute: bool | None = None
     notes: list[str] = field(default_factory=list)
 
