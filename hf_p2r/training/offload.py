@@ -11,10 +11,12 @@ gradients go back to CPU on another side stream as soon as autograd has accumula
 each to the parameter's CPU gradient while the backward goes on (the backward waits for a copy only while more than
 `max_inflight_bytes` of gradients are in flight, and at its end for the last ones). Each offloaded gradient's norm is
 taken on the compute device as it leaves (of a sum over micro-batches, by the worker that sums it), so
-`clip_grad_norm_` makes no pass over CPU gradients to measure them. The optimizer step of the offloaded parameters
-runs on the CPU, after the device step of the resident ones has been launched (`optimizer_step="host"`), or on the
-compute device a bounded chunk at a time, their optimizer state kept in pinned host memory and copied in and out with
-each chunk (`optimizer_step="device_chunked"`, Megatron-Core's chunked optimizer-state offload).
+`clip_grad_norm_` makes no pass over CPU gradients to measure them. The optimizer step of the offloaded parameters runs
+on the CPU, after the device step of the resident ones has been launched (`optimizer_step="host"`; with `overlap_step`,
+block by block on the worker thread while the next forward runs, each block's fetch waiting for its own step, as the
+trainer runs it), or on the compute device a bounded chunk at a time, their optimizer state kept in pinned host memory
+and copied in and out with each chunk (`optimizer_step="device_chunked"`, Megatron-Core's chunked optimizer-state
+offload).
 
     offload = GranularOffload(model, layers=0.5, device="cuda")   # or [1, 3, 5, 7], or "auto" with a budget
     optimizer = offload.build_optimizer(lr=3e-4, weight_decay=0.1)
@@ -43,10 +45,11 @@ Limits: one process (no DDP/FSDP/tensor parallelism: they raise `ValueError`); w
 between steps are not seen by the `compute_dtype` copies (use `p.copy_` or an optimizer step, which are).
 """
 
+import copy
 import math
 import types
 import warnings
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -390,6 +393,11 @@ class GranularOffload:
         optimizer_step: where `build_optimizer`'s optimizer steps the offloaded parameters: "host" (the CPU) or
             "device_chunked" (the compute device, `chunk_bytes` of parameters, gradients and state at a time; see
             `step_in_chunks`). The pinned state of "device_chunked" is not in `estimate_host_bytes`.
+        overlap_step: "host" only: `build_optimizer`'s step returns once the resident part is launched and steps each
+            offloaded block on the worker thread, each block's next fetch waiting for its own step (`step_overlapped`;
+            `synchronize` before reading offloaded weights or optimizer state other than through a forward or
+            `state_dict`). `clip_grad_norm_` then leaves the offloaded gradients' scaling to that step. torch.optim
+            classes only; another class steps its offloaded part at once, as without it.
 
     Apply it after the model has its final structure and placement (after `accelerator.prepare(model)`, after
     `delink`); do not move the model while it is applied (`remove()` first). Build the optimizer after applying it.
@@ -410,6 +418,7 @@ class GranularOffload:
         max_inflight_bytes: int | None = None,
         optimizer_step: str = "host",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        overlap_step: bool = False,
     ):
         _check_supported(model)
         self.model = model
@@ -429,6 +438,7 @@ class GranularOffload:
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"offload: chunk_bytes must be a positive integer, got {chunk_bytes!r}")
         self.optimizer_step, self.chunk_bytes = optimizer_step, chunk_bytes
+        self.overlap_step = overlap_step and optimizer_step == "host"
         if layers == "auto" and budget_bytes is None and self.device.type == "cuda":
             budget_bytes = int(DEFAULT_BUDGET_FRACTION * torch.cuda.get_device_properties(self.device).total_memory)
         self.prefetch, self.compute_dtype = prefetch, compute_dtype
@@ -478,6 +488,12 @@ class GranularOffload:
         # the `.grad` they describe, (norm, that gradient, its version counter when measured).
         self._part_norms: dict[nn.Parameter, torch.Tensor] = {}
         self._norms: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # `overlap_step`: each offloaded block's optimizer step, on the worker, until its next fetch waits for it; the
+        # ids of the optimizers stepping them (their steps leave `_stale` alone); a clip's scale left to those steps.
+        self._steps: dict[int, Future] = {}
+        self._views: set[int] = set()
+        self._clip: tuple[torch.Tensor, dict] | None = None
+        self._overlapping = False  # the last optimizer `build_optimizer` made steps blocks on the worker
         # Bytes copied so far, for benchmarks and tests: weights to the device, gradients to the host.
         self.copied_bytes = {"to_device": 0, "to_host": 0}
 
@@ -533,15 +549,28 @@ class GranularOffload:
             handles.append(block.register_forward_hook(partial(self._post_forward, i)))
         for block in self._blocks.values():
             handles += [p.register_post_accumulate_grad_hook(self._grad_ready) for p in block.params]
+        if self.overlap_step:  # what reads or writes every weight waits for the steps still running
+            handles.append(self.model.register_state_dict_pre_hook(lambda *args: self.synchronize()))
+            handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self.synchronize()))
         if any(source is not master for b in self._blocks.values() for source, master in zip(b.sources, b.masters)):
             handles.append(register_optimizer_step_post_hook(self._stepped))
         return handles
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        self._stale = True
+        if id(optimizer) not in self._views:  # a block's step refreshes its own copies
+            self._stale = True
+
+    def synchronize(self) -> None:
+        """Wait for the offloaded blocks' optimizer steps still running (`overlap_step`). A block's next fetch, the
+        model's and the optimizer's `state_dict`/`load_state_dict`, the next step and `remove` wait by themselves; call
+        it before reading offloaded weights or optimizer state otherwise."""
+        while self._steps:
+            _, task = self._steps.popitem()
+            task.result()
 
     def remove(self) -> None:
         """Remove every hook and put every parameter and buffer back on the device it came from (same objects)."""
+        self.synchronize()
         self._end()
         self._worker.shutdown()
         for handle in self._handles:
@@ -595,6 +624,19 @@ class GranularOffload:
         if issubclass(optimizer_cls, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs:
             kwargs["fused"] = True
         optimizer = optimizer_cls(resident + host, **kwargs)
+        # `overlap_step` steps blocks through shallow copies of the optimizer: for torch's own classes, whose step
+        # reads only `param_groups` and `state`; another class (one with inner optimizers) steps its offloaded part
+        # at once, on the CPU, as without `overlap_step`.
+        self._overlapping = self.overlap_step and optimizer_cls.__module__.startswith("torch.optim.")
+        if self._overlapping:
+            step = optimizer.step
+
+            def step_overlapped(optimizer: torch.optim.Optimizer, closure=None):
+                return self.step_overlapped(optimizer, step, closure)
+
+            optimizer.step = types.MethodType(step_overlapped, optimizer)
+            optimizer.register_state_dict_pre_hook(lambda *args: self.synchronize())
+            optimizer.register_load_state_dict_pre_hook(lambda *args: self.synchronize())
         if self.optimizer_step == "device_chunked":
             step = optimizer.step  # the class's step (with torch's step hooks), bound to this optimizer
 
@@ -603,6 +645,77 @@ class GranularOffload:
 
             optimizer.step = types.MethodType(step_in_chunks, optimizer)  # a method still: LR schedulers wrap it
         return optimizer
+
+    def step_overlapped(self, optimizer: torch.optim.Optimizer, step, closure=None):
+        """`overlap_step`: `step` (the optimizer's own) over the resident parameters now, then each offloaded block's
+        part on the worker thread, blocks in the order the next forward needs them; returns without waiting for them.
+        Each block's next fetch waits for its step, so the CPU updates overlap the device's work that does not need
+        them (the rest of the step, the next forward up to that block).
+
+        A block is stepped by a shallow copy of the optimizer (`copy.copy`: its own empty hooks, no patched `step`)
+        whose groups hold the block's CPU masters (with the group's current options) and whose state maps each master
+        to its parameter's state dict, filled in place: the same update as one call for any optimizer whose update of
+        a parameter reads only that parameter, its gradient, its state and its group (every torch optimizer). The
+        offloaded gradients are handed to these steps: after `step` the offloaded parameters' `.grad` is None. A clip
+        by `clip_grad_norm_` just before scales them there too (once its device-side factor is known, on the worker).
+        """
+        self.synchronize()
+        offloaded = [
+            (p, group)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p in self._host and p.grad is not None
+        ]
+        grads = {p: p.grad for p, _ in offloaded}
+        for p in grads:
+            p.grad = None
+        stale = self._stale
+        try:
+            loss = step(closure)  # the resident parameters, on the compute device
+        except BaseException:
+            for p, grad in grads.items():
+                p.grad = grad
+            raise
+        self._stale = stale
+        coef, clipped = self._clip if self._clip is not None else (None, {})
+        self._clip = None
+        parts: dict[int, dict[int, tuple[dict, list]]] = {}  # block index -> {id(group): (group, [(p, master)])}
+        for p, group in offloaded:
+            block, i = self._where[p]
+            block.masters[i].grad = grads[p]
+            parts.setdefault(block.index, {}).setdefault(id(group), (group, []))[1].append((p, block.masters[i]))
+        for index in dict.fromkeys(self._order):
+            if index not in parts:
+                continue
+            view = copy.copy(optimizer)
+            view.param_groups = [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [m for _, m in pairs]}
+                for group, pairs in parts[index].values()
+            ]
+            pairs = [pair for _, pairs in parts[index].values() for pair in pairs]
+            view.state = defaultdict(dict, {master: optimizer.state[p] for p, master in pairs})
+            scaled = [master.grad for p, master in pairs if clipped.get(p) == (id(grads[p]), tensor_version(grads[p]))]
+            self._views.add(id(view))
+            self._steps[index] = self._worker.submit(self._step_block, self._blocks[index], view, scaled, coef)
+        return loss
+
+    def _step_block(self, block: _Block, view: torch.optim.Optimizer, scaled: list, coef: torch.Tensor | None) -> None:
+        """The worker: a block's deferred clip and its optimizer step on the CPU, then its copies to send."""
+        try:
+            if scaled:
+                factor = coef.to("cpu")  # waits for the norm on the device, here rather than in the step
+                for grad in scaled:
+                    grad.mul_(factor)  # as clip_grads_with_norm_ scales them
+            type(view).step(view)
+        finally:
+            for group in view.param_groups:
+                for master in group["params"]:
+                    master.grad = None
+            self._views.discard(id(view))
+        for i, (p, master, source) in enumerate(zip(block.params, block.masters, block.sources)):
+            if source is not master:
+                source.copy_(master)
+            block.versions[i] = tensor_version(p)
 
     def step_in_chunks(self, optimizer: torch.optim.Optimizer, step, closure=None):
         """`optimizer_step="device_chunked"`: `step` (the optimizer's own) first over the resident parameters, then
@@ -727,7 +840,15 @@ class GranularOffload:
         total = torch.linalg.vector_norm(torch.stack(norms))
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"offload: the total norm of the gradients is {total.item()}")
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        if not self._overlapping:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            return total
+        # Offloaded gradients are scaled by the overlapped step (`step_overlapped`), off the critical path: the same
+        # factor as `clip_grads_with_norm_`'s, for the gradients as they are now (a gradient changed before the step
+        # is left as it is then).
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p not in self._host], max_norm, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clip = coef, {p: (id(p.grad), tensor_version(p.grad)) for p in params if p in self._host}
         return total
 
     # ------------------------------------------------------------------------------------------- copies and memory
@@ -736,6 +857,8 @@ class GranularOffload:
         """Allocate the block's device tensors and start copying the masters in (on the side stream when CUDA)."""
         if block.fetched:
             return
+        if (step := self._steps.pop(block.index, None)) is not None:  # `overlap_step`: its update is done first
+            step.result()
         block.fetched = True
         self.copied_bytes["to_device"] += sum(s.numel() * s.element_size() for s in block.sources)
         if self._h2d is None:
@@ -819,7 +942,8 @@ class GranularOffload:
                         "offload: an offloaded parameter was moved or replaced while GranularOffload is applied "
                         "(model.to(), .half(), ...); call offload.remove() first and apply it again after"
                     )
-                if source is not master and (self._stale or block.versions[i] != tensor_version(p)):
+                stepping = block.index in self._steps  # its step refreshes its copies (`_step_block`)
+                if source is not master and not stepping and (self._stale or block.versions[i] != tensor_version(p)):
                     source.copy_(master)
                     block.versions[i] = tensor_version(p)
                 if p.grad is not None:  # accumulated on the CPU; this backward's gradient is added to it
@@ -988,6 +1112,7 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         activation_bytes=activation_bytes,
         optimizer_step=args.offload_optimizer,
         chunk_bytes=max(1, int(args.offload_chunk_mb * 2**20)),
+        overlap_step=True,  # the engine calls `synchronize` before it reads weights or optimizer state itself
     )
 
 

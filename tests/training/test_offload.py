@@ -6,6 +6,7 @@ recomputation), the gradient hooks and the CPU optimizer all run as on a GPU. GP
 """
 
 import copy
+import time
 import warnings
 
 import pytest
@@ -44,12 +45,14 @@ def _train(
     device="cpu",
     first_grads=None,
     host_optimizer=None,
+    offload_clip=False,
     **offload_kwargs,
 ):
     """AdamW (weight decay, clipping that bites) for `steps` optimizer steps; returns {name: parameter}.
 
     `first_grads`: a dict to fill with {name: gradient} of the first optimizer step, before clipping. `host_optimizer`:
-    options of another AdamW for the offloaded parameters (the resident ones keep fused AdamW)."""
+    options of another AdamW for the offloaded parameters (the resident ones keep fused AdamW). `offload_clip`: clip
+    with `GranularOffload.clip_grad_norm_` instead of torch's."""
     model.train()
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
@@ -73,9 +76,12 @@ def _train(
         if i % accumulation == 0:
             if first_grads is not None and i == accumulation:
                 first_grads.update({name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters()})
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            clip = offload.clip_grad_norm_ if offload_clip else torch.nn.utils.clip_grad_norm_
+            clip(model.parameters(), 0.05)
             optimizer.step()
             optimizer.zero_grad()
+    if offload is not None:
+        offload.synchronize()  # `overlap_step`: the last step's offloaded blocks may still be stepping
     params = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     return params, offload
 
@@ -724,6 +730,32 @@ def test_any_torch_optimizer_through_build_optimizer_equals_it_without_offload(o
     assert all(v.device.type == "cpu" for p in offload.offloaded_parameters for v in optimizer.state[p].values())
 
 
+@pytest.mark.parametrize(
+    "design",
+    [dict(overlap_step=True), dict(optimizer_step="device_chunked", chunk_bytes=30_000)],
+    ids=["host", "chunked"],
+)
+def test_the_trainers_muon_steps_offloaded_blocks_in_both_designs(design):
+    """The trainer's `optimizer: muon` (MuonAdamW: torch's Muon and AdamW as inner optimizers) through
+    `build_optimizer`: on the device in chunks, and on the host (at once: `overlap_step` copies only torch classes)."""
+    from hf_p2r.training.config import TrainArguments
+    from hf_p2r.training.optim import MuonAdamW, build_optimizer, set_learning_rate
+
+    args = TrainArguments(optimizer="muon", weight_decay=0.1, learning_rate=1e-2, muon_learning_rate=2e-2)
+    model, reference = tiny_model().train(), tiny_model().train()
+    offload = GranularOffload(model, [1, 3], **design)
+    optimizer = build_optimizer(model, args, offload)
+    assert isinstance(optimizer, MuonAdamW) and not offload._overlapping
+    for m, opt in ((model, optimizer), (reference, build_optimizer(reference, args))):
+        for batch in _batches(2):
+            set_learning_rate(opt, 1e-2)
+            m(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_device_chunked_casts_the_copies_to_send_on_the_device():
     """With `compute_dtype`, the bf16 copies the next forward sends are made from the stepped chunk (on the device)
     and match the fp32 masters rounded; the next forward has nothing to convert on the host."""
@@ -765,6 +797,66 @@ def test_bad_optimizer_step_and_chunk_bytes_name_the_argument():
         GranularOffload(tiny_model(), 0.5, optimizer_step="gpu")
     with pytest.raises(ValueError, match="^offload: chunk_bytes must be a positive integer, got 0"):
         GranularOffload(tiny_model(), 0.5, chunk_bytes=0)
+
+
+# ------------------------------------------------------------------------------------ the overlapped host step
+
+
+@pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("offload_clip", [False, True], ids=["torch-clip", "offload-clip"])
+def test_overlapped_host_step_equals_training_without_offload(overrides, accumulation, offload_clip):
+    """Each offloaded block stepped on the worker while the next forward runs (with the offload's clip, its scaling
+    of the offloaded gradients deferred to those steps): the same weights as without offload, bit for bit."""
+    expected, _ = _train(tiny_model(**overrides), accumulation=accumulation)
+    got, offload = _train(
+        tiny_model(**overrides), 0.5, accumulation=accumulation, overlap_step=True, offload_clip=offload_clip
+    )
+    assert offload.overlap_step and offload.layers
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
+    """A slowed-down worker (each block's step 30 ms late): `optimizer.step()` returns before the blocks are stepped,
+    each block's next forward starts only after its own step, `state_dict()` waits for all of them, and the result is
+    training without offload's."""
+    model, reference = tiny_model(**PSEUDO).train(), tiny_model(**PSEUDO).train()
+    offload = GranularOffload(model, 1.0, overlap_step=True)
+    optimizer = offload.build_optimizer(lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    events = []
+    step_block = offload._step_block
+
+    def slow(block, *args):
+        time.sleep(0.03)
+        step_block(block, *args)
+        events.append(("stepped", block.index))
+
+    monkeypatch.setattr(offload, "_step_block", slow)
+    for index, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda module, args, index=index: events.append(("forward", index)))
+    for i, batch in enumerate(_batches(3)):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        events.append(("returned", i))
+        assert all(p.grad is None for p in offload.offloaded_parameters)  # handed to the steps
+        optimizer.zero_grad()
+    for batch in _batches(3):
+        reference(input_ids=batch, labels=batch).loss.backward()
+        plain.step()
+        plain.zero_grad()
+    # Both blocks are stepped after step() returned, in the order the forward needs them (0 first), each before its
+    # first use (the forward of block 0 fetches block 1 ahead: it waits for both).
+    for i in range(2):
+        after = events[events.index(("returned", i)) :]
+        assert after[1:3] == [("stepped", 0), ("stepped", 1)]
+        assert after.index(("stepped", 0)) < after.index(("forward", 0))
+        assert after.index(("stepped", 1)) < after.index(("forward", 1))
+    saved = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    assert not offload._steps
 
 
 # -------------------------------------------------------------------------------------------- gradient clipping

@@ -45,35 +45,49 @@ def test_offloaded_training_equals_plain_training(plain_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def chunked_run(tmp_path_factory):
-    """Offload 0.5 with the offloaded blocks' optimizer step on the compute device, in chunks small enough that each
-    step takes several, and a checkpoint every step."""
-    output_dir = tmp_path_factory.mktemp("chunked") / "run"
-    argv = tiny_argv(output_dir, **SCHEDULE, **CHUNKED, save_steps=1)
-    assert train(parse_config(argv)) == 0
-    return output_dir
+def design_runs(tmp_path_factory):
+    """{offload_optimizer: output folder} of offload 0.5 with a checkpoint every step, each run on first use: host
+    (each offloaded block stepped on the CPU while the next forward runs, the clip's scaling deferred to it) and
+    device_chunked in chunks small enough that each step takes several."""
+    done = {}
+
+    def run(design: str):
+        if design not in done:
+            output_dir = tmp_path_factory.mktemp(design) / "run"
+            assert train(parse_config(tiny_argv(output_dir, **SCHEDULE, **DESIGNS[design], save_steps=1))) == 0
+            done[design] = output_dir
+        return done[design]
+
+    return run
 
 
-CHUNKED = dict(offload="0.5", offload_optimizer="device_chunked", offload_chunk_mb=0.01)
+DESIGNS = {
+    "host": dict(offload="0.5", offload_optimizer="host"),
+    "device_chunked": dict(offload="0.5", offload_optimizer="device_chunked", offload_chunk_mb=0.01),
+}
 
 
-def test_device_chunked_training_equals_plain_training(plain_run, chunked_run):
-    """Through both delinks (the optimizer rebuilt and its state carried each time) and 0.01 MiB chunks (10 KiB: a
-    block of the tiny model is several): every loss, learning rate and gradient norm, and the final weights, bit for
-    bit as without offload."""
-    assert trajectory(chunked_run) == trajectory(plain_run)
-    chunked, plain = _final_weights(chunked_run), _final_weights(plain_run)
-    assert all(torch.equal(chunked[k], plain[k]) for k in plain)
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_each_offload_design_trains_like_plain_training(plain_run, design_runs, design):
+    """Through both delinks (the optimizer rebuilt and its state carried each time; device_chunked in 0.01 MiB
+    chunks, 10 KiB: a block of the tiny model is several): every loss, learning rate and gradient norm, and the final
+    weights, bit for bit as without offload."""
+    output_dir = design_runs(design)
+    assert trajectory(output_dir) == trajectory(plain_run)
+    got, plain = _final_weights(output_dir), _final_weights(plain_run)
+    assert all(torch.equal(got[k], plain[k]) for k in plain)
 
 
 @pytest.mark.parametrize("resume_step", [3, 5])  # after the partial delink (2 blocks), after the real delink
-def test_device_chunked_resumes_exactly(chunked_run, tmp_path, resume_step):
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_each_offload_design_resumes_exactly(design_runs, tmp_path, design, resume_step):
+    full = design_runs(design)
     output_dir = tmp_path / "run"
-    shutil.copytree(chunked_run, output_dir)
+    shutil.copytree(full, output_dir)
     checkpoint = output_dir / "checkpoints" / f"checkpoint-{resume_step}"
-    argv = tiny_argv(output_dir, **SCHEDULE, **CHUNKED, save_steps=1, resume_from_checkpoint=checkpoint)
+    argv = tiny_argv(output_dir, **SCHEDULE, **DESIGNS[design], save_steps=1, resume_from_checkpoint=checkpoint)
     assert train(parse_config(argv)) == 0
-    assert trajectory(output_dir) == trajectory(chunked_run)
+    assert trajectory(output_dir) == trajectory(full)
 
 
 def test_bad_offload_optimizer_names_the_field(tmp_path):
