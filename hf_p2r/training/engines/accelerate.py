@@ -150,9 +150,13 @@ class AccelerateEngine(Engine):
         return evaluate(self.accelerator, self.model, blocks, self.args)
 
     def weights(self):
+        if self.offload is not None:
+            self.offload.synchronize()  # the offloaded blocks' optimizer steps may still run (overlap_step)
         return self.model.parameters()
 
     def training_state(self):
+        if self.offload is not None:
+            self.offload.synchronize()
         return [self.model.parameters(), self.optimizer.state]
 
     def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
