@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.convergence.analysis import band, offload_gain, value_at
 from benchmarks.convergence.report import times
-from benchmarks.convergence.sweeps import CORPORA, SWEEP_DEFAULTS, SWEEPS, TARGET, group_order
+from benchmarks.convergence.sweeps import CORPORA, SWEEP_DEFAULTS, SWEEP_OPTIMIZER, SWEEPS, TARGET, group_order
 from benchmarks.harness import pyplot, save_figure, write_text
 
 
@@ -153,14 +153,20 @@ def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
         f"Corpora: stdlib, {CORPORA['stdlib']}; prose, {CORPORA['prose']}.",
         "",
     ]
-    lines += _findings(sweeps)
+    adamw = {name: result for name, result in sweeps.items() if name not in SWEEP_OPTIMIZER}
+    lines += _findings(adamw)
+    lines += _muon_findings(sweeps)
     if "convergence" in plots:
         lines += ["", f"![loss vs step]({plots['convergence']})"]
     if "depth" in plots:
         lines += ["", f"![speed-up vs L]({plots['depth']})"]
     for name, result in sweeps.items():
         lines += ["", f"## Sweep: {name}", "", *_sweep_header(result), ""]
+        if name in SWEEP_OPTIMIZER:
+            lines += [f"Every run of this sweep trains with `optimizer: {SWEEP_OPTIMIZER[name]}`.", ""]
         lines += _group_table(result)
+        if name in SWEEP_OPTIMIZER:
+            continue  # the stage table sizes AdamW's state
         lines += [
             "",
             "Training state (fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter) and "
@@ -317,6 +323,49 @@ def _findings(sweeps: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _spread(row: dict) -> tuple[float, float]:
+    values = [x or 0.0 for x in row["speedup_steps_per_seed"]]
+    return min(values), max(values)
+
+
+def _muon_findings(sweeps: dict[str, dict]) -> list[str]:
+    """P2R's speed-up under Muon (the muon sweep) against the same configuration under AdamW (the best sweep), per
+    corpus: each against scratch with its own optimizer."""
+    if "muon" not in sweeps or "best" not in sweeps:
+        return []
+    adamw, parts, verdicts = _rows_by(sweeps["best"]), [], []
+    for (corpus, depth, scheduler), runs in _rows_by(sweeps["muon"]).items():
+        reference = adamw.get((corpus, depth, scheduler), {})
+        for name, row in runs.items():
+            if name == "scratch" or name not in reference:
+                continue
+            other = reference[name]
+            low, high = _spread(row)
+            other_low, other_high = _spread(other)
+            verdict = "grows" if low > other_high else "shrinks" if high < other_low else "holds (the seeds overlap)"
+            if not high and not other_high:
+                verdict = "no speed-up under either (scratch's final loss not reached)"
+            verdicts.append(f"{corpus} {verdict}")
+            parts.append(
+                f"{corpus} (L={depth}, {scheduler}, {name}): Muon {_per_seed(row)} (mean "
+                f"{times(row['speedup_steps_mean'])}; scratch ends at {runs['scratch']['final_val_loss_mean']:.3f}, "
+                f"P2R at {row['final_val_loss_mean']:.3f}) against AdamW {_per_seed(other)} (mean "
+                f"{times(other['speedup_steps_mean'])}; scratch {reference['scratch']['final_val_loss_mean']:.3f}, "
+                f"P2R {other['final_val_loss_mean']:.3f})"
+            )
+    if not parts:
+        return []
+    return [
+        "- **Under Muon** (`optimizer: muon`: Muon for the blocks' matrices, AdamW elsewhere, the same peak rate, "
+        "untuned; each P2R run against scratch with the same optimizer; the muon sweep against the best sweep's "
+        "AdamW runs): speed-up in steps to scratch's final loss, per seed: "
+        + "; ".join(parts)
+        + ". P2R's speed-up under Muon against AdamW's: "
+        + ", ".join(verdicts)
+        + "."
+    ]
+
+
 def _offload_gain(entry: dict) -> str:
     cells = []
     for corpus, row in sorted(entry["by_corpus"].items()):
@@ -389,7 +438,7 @@ def plot_sweeps(sweeps: dict[str, dict], out: Path) -> dict[str, str]:
     """convergence.png (validation loss vs step, per group of every sweep) and
     convergence_depth.png (speed-up vs L); {name: file} of those written."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or not sweeps:
         return {}
     written = {}
     groups = widest_groups(sweeps)
@@ -469,6 +518,6 @@ def write_sweep_report(out: Path) -> Path:
             sweeps[name] = json.loads(path.read_text(encoding="utf-8"))
     if not sweeps:
         raise FileNotFoundError(f"--report: no convergence_<sweep>.json in {out}; run --sweep first")
-    plots = plot_sweeps(sweeps, out)
+    plots = plot_sweeps({name: result for name, result in sweeps.items() if name not in SWEEP_OPTIMIZER}, out)
     write_text(out / "convergence.md", sweep_markdown(sweeps, plots))
     return out / "convergence.md"

@@ -22,7 +22,7 @@ from hf_p2r.training import parse_config
 
 # `--sweep NAME` runs one and writes convergence_NAME.json; `--report` builds convergence.md (findings, tables) and its
 # plots from every sweep file present.
-SWEEPS = ("schedule", "depth", "growth", "best")
+SWEEPS = ("schedule", "depth", "growth", "best", "muon")
 CORPORA = {
     "stdlib": "the standard library's Python sources (code; the trainer's built-in corpus)",
     "prose": "English prose made by the benchmark from Python's own documentation: pydoc's topics "
@@ -37,7 +37,12 @@ SWEEP_DEFAULTS = {
     "growth": {"schedulers": ["cosine"], "depths": [8], "fractions": [1 / 6, 1 / 3, 1 / 2]},
     # The recommended configuration (--only) at every seed, on both corpora: what the target is judged on.
     "best": {"schedulers": ["cosine"], "depths": [8], "fractions": [1 / 3]},
+    # The recommended configuration (growth from one block, last delink at a third, cosine) and scratch, both under
+    # `optimizer: muon` (issue 27): compared with the best sweep's AdamW runs of the same group.
+    "muon": {"schedulers": ["cosine"], "depths": [8], "fractions": [1 / 3]},
 }
+# The optimizer of every run of a sweep (the trainer's `optimizer` field); AdamW, the trainer's default, elsewhere.
+SWEEP_OPTIMIZER = {"muon": "muon"}
 TARGET = 1.5
 
 
@@ -128,6 +133,7 @@ def sweep_groups(sweep: str, preset: dict, corpora: list[str], options: dict) ->
                         # The delink point for k = L/4; growth from one block at a third of the run.
                         "growth": [(quarter, False)] + ([(1, True)] if abs(at - total / 3) <= 5 else []),
                         "best": [(quarter, False), (1, False), (1, True), (quarter, True)],
+                        "muon": [(1, True)],
                     }[sweep]
                     for k, grow in variants:
                         name, schedule = p2r_schedule(total, at, k, depth, grow)
@@ -138,13 +144,15 @@ def sweep_groups(sweep: str, preset: dict, corpora: list[str], options: dict) ->
                             short = round(total / TARGET)
                             name, schedule = p2r_schedule(short, round(at * short / total), k, depth, grow)
                             runs[f"{name}-of{short}"] = schedule
+                optimizer = SWEEP_OPTIMIZER.get(sweep)
                 groups.append(
                     {
-                        "name": f"{corpus}-L{depth}-{scheduler}",
+                        "name": f"{corpus}-L{depth}-{scheduler}" + (f"-{optimizer}" if optimizer else ""),
                         "corpus": corpus,
                         "depth": depth,
                         "scheduler": scheduler,
-                        "fields": {"num_hidden_layers": depth, "lr_scheduler": scheduler},
+                        "fields": {"num_hidden_layers": depth, "lr_scheduler": scheduler}
+                        | ({"optimizer": optimizer} if optimizer else {}),
                         "runs": runs,
                     }
                 )
