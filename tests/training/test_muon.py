@@ -267,3 +267,16 @@ def test_the_trainers_muon_run_differs_from_adamw(muon_run, tmp_path):
     assert train(parse_config(tiny_argv(tmp_path / "adamw", **SCHEDULE))) == 0
     losses = [[r["loss"] for r in trajectory(run) if "loss" in r] for run in (muon_run, tmp_path / "adamw")]
     assert losses[0][0] == losses[1][0] and losses[0][1:] != losses[1][1:]
+
+
+def test_an_moe_run_under_muon_delinks_and_resumes_exactly(tmp_path):
+    """MoE: the experts' 3-D tensors on Muon (one matrix per expert) through the trainer's delink, resumed bitwise."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.01)
+    fields = dict(**moe, optimizer="muon", num_unique_layers=2, pseudo_steps=2, real_steps=2, save_steps=1)
+    output_dir = tmp_path / "moe"
+    assert train(parse_config(tiny_argv(output_dir, **fields))) == 0
+    full = trajectory(output_dir)
+    assert [r["step"] for r in full if "loss" in r] == [1, 2, 3, 4]
+    resume = output_dir / "checkpoints" / "checkpoint-3"
+    assert train(parse_config(tiny_argv(output_dir, **fields, resume_from_checkpoint=resume))) == 0
+    assert trajectory(output_dir) == full
