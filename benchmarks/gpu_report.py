@@ -1,0 +1,402 @@
+"""One command that measures hf-p2r on one GPU (issue 29): the GPU tests, throughput and MFU (eager and compiled),
+the loss path's memory, offload by ratio and design against FSDP2's CPUOffloadPolicy, and a bf16 trainer run with
+`offload: auto` through the delink. It writes `OUT/<part>.json` for each part and `OUT/report.md`, a page that names
+the device and says, for each of issue 29's targets, met, missed or not measured.
+
+    make gpu-report                                  # = python scripts/gpu_report.py: one CUDA GPU, < 10 min
+    make gpu-report DRY=1                            # = --dry-run: every part at tiny size on CPU (about a minute)
+    python scripts/gpu_report.py --parts throughput,offload --out /tmp/g
+
+Each part runs as its own process (a failing or hanging part is recorded, with its output's tail, and the next one
+runs) under a time limit that keeps the whole under ten minutes on an H100 (`PARTS`). The parts reuse the project's
+benchmarks through their command lines (`benchmarks/throughput.py`'s runners, `benchmarks/loss_memory.py`,
+`benchmarks/offload.py`) and the trainer (`python -m hf_p2r.train`). The dry run (the test suite runs it) checks the
+commands, not the machine: its figures are not results.
+
+On a GPU machine, after `source .gpu/device-setup.sh` (../shared/gpu/device-setup.sh: the wheels the machine lacks),
+`python scripts/gpu_report.py` needs nothing else; it refuses to start without CUDA (use --dry-run).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
+
+# Dense bf16 peak FLOP/s (no sparsity) of the GPUs MFU is computed for, by a name fragment of
+# torch.cuda.get_device_name(): NVIDIA's datasheets (H100 SXM and H200: 989.4 TFLOP/s; A100: 312).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+# Issue 29's targets, as the page reports them.
+TARGETS = {
+    "mfu_compiled": 0.40,
+    "pseudo_vs_real": 0.98,
+    "offload_0.5_vs_none": 0.85,
+    "full_offload_vs_fsdp2": 2.0,
+}
+
+# (part, time limit in seconds on the GPU, on the dry run). The GPU limits add up to 570 s.
+PARTS = {
+    "tests": (90, 60),
+    "throughput": (150, 60),
+    "loss_memory": (60, 60),
+    "offload": (180, 60),
+    "trainer": (90, 60),
+}
+
+TINY_TRAINER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_unique_layers=1,
+    block_size=32,
+    corpus_max_bytes=30000,
+    per_device_batch_size=4,
+    pseudo_steps=2,
+    real_steps=2,
+    warmup_steps=1,
+    logging_steps=1,
+    eval_steps=2,
+    eval_blocks=4,
+    offload_budget_gb=0.002,  # a CPU run needs a budget for auto: the pseudo model fits, the real one offloads a block
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="every part at tiny size on CPU (checks the commands)")
+    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/gpu; dry run: a temporary one)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    parser.add_argument("--worker", choices=["throughput"], help=argparse.SUPPRESS)  # one part, in its own process
+    args = parser.parse_args(argv)
+    device = "cpu" if args.dry_run else "cuda"
+    if args.worker:
+        return throughput_worker(args.out, device)
+    parts = [part for part in args.parts.split(",") if part]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        print(f"gpu_report: --parts: unknown {', '.join(unknown)} (known: {', '.join(PARTS)})", file=sys.stderr)
+        return 2
+    if not args.dry_run and not torch.cuda.is_available():
+        print(
+            "gpu_report: needs a CUDA GPU and none is available (--dry-run checks the commands on CPU)", file=sys.stderr
+        )
+        return 1
+    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_report_")) if args.dry_run else REPO / "benchmarks" / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"date": utc_now(), "machine": machine(), "dry_run": args.dry_run, "device": device_name(), "parts": {}}
+    started = time.perf_counter()
+    for part in parts:
+        limit = PARTS[part][1 if args.dry_run else 0]
+        print(f"gpu_report: {part} (limit {limit} s) ...", flush=True)
+        record = RUNNERS[part](out, args.dry_run, limit)
+        report["parts"][part] = {key: value for key, value in record.items() if key != "result"}
+        write_json(out / f"{part}.json", record)
+        print(f"gpu_report: {part}: {record['status']} in {record['seconds']:.0f} s", flush=True)
+    report["seconds"] = time.perf_counter() - started
+    report["targets"] = targets(out)
+    write_json(out / "report.json", report)
+    page = render_markdown(report)
+    write_text(out / "report.md", page)
+    print(page)
+    print(f"gpu_report: wrote {out}")
+    return 0 if all(p["status"] == "ok" for p in report["parts"].values()) else 1
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    from benchmarks.harness import cpu_name
+
+    return f"CPU: {cpu_name()}"
+
+
+def run(command: list[str], limit: int, env: dict | None = None) -> dict:
+    """`command` in the repository root, its output captured, killed after `limit` seconds: {status (ok, failed,
+    timeout), returncode, seconds, command, output_tail}."""
+    started = time.perf_counter()
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env={**environment, **(env or {})}, capture_output=True, text=True, timeout=limit
+        )
+        status, code, output = ("ok" if done.returncode == 0 else "failed"), done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as error:
+        status, code = "timeout", None
+        output = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (error.stdout, error.stderr))
+    return {
+        "status": status,
+        "returncode": code,
+        "seconds": time.perf_counter() - started,
+        "command": " ".join(command[1:] if command[0] == sys.executable else command),
+        "output_tail": output[-4000:],
+    }
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- the parts ----------------------------------------------------------------------------------------------------
+def part_tests(out: Path, dry: bool, limit: int) -> dict:
+    """`pytest -m gpu`, then the CUDA tests without the marker (offload's device tests: `-k cuda`). Dry run: the
+    marked tests of tests/ops collected, not run (on CPU they skip; collecting the whole suite twice would take longer
+    than every other part of the dry run)."""
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    if dry:
+        record = run([*pytest, "--collect-only", "-m", "gpu", "tests/ops"], limit)
+        record["marked_summary"] = _summary(record)
+        return record
+    marked = run([*pytest, "-m", "gpu"], limit)
+    rest = run(
+        [*pytest, "tests/training/test_offload.py", "-k", "cuda", "-m", "not gpu"],
+        max(limit - round(marked["seconds"]), 1),
+    )
+    record = {
+        **marked,
+        "unmarked_cuda_tests": rest,
+        "marked_summary": _summary(marked),
+        "unmarked_summary": _summary(rest),
+    }
+    record["status"] = marked["status"] if marked["status"] != "ok" else rest["status"]
+    record["seconds"] = marked["seconds"] + rest["seconds"]
+    return record
+
+
+def _summary(result: dict) -> str | None:
+    """pytest's last summary line ("3 passed, 2 skipped in 9.1s")."""
+    pattern = r"\d+ (passed|failed|skipped|errors?|tests? collected|deselected)"
+    lines = [line for line in result["output_tail"].splitlines() if re.search(pattern, line)]
+    return lines[-1].strip("= ") if lines else None
+
+
+def part_throughput(out: Path, dry: bool, limit: int) -> dict:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "throughput",
+        "--out",
+        str(out / "throughput_runs"),
+    ]
+    record = run([*command, *(["--dry-run"] if dry else [])], limit)
+    record["result"] = read_json(out / "throughput_runs" / "throughput.json")
+    return record
+
+
+def part_loss_memory(out: Path, dry: bool, limit: int) -> dict:
+    options = ["--smoke"] if dry else ["--device", "cuda"]
+    record = run(
+        [sys.executable, "scripts/bench_loss_memory.py", *options, "--out", str(out / "loss_memory_run")], limit
+    )
+    record["result"] = read_json(out / "loss_memory_run.json")
+    return record
+
+
+def offload_designs() -> tuple[str, list[str]] | None:
+    """The offload benchmark's option choosing the offload design and its values, read from its --help (helper D's
+    second design, `device_chunked`, where it exists): (option, values), or None where the benchmark has one design."""
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_offload.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    found = re.search(r"(--[\w-]+) \{([^}]*device_chunked[^}]*)\}", done.stdout)
+    if found is None:
+        return None
+    values = found.group(2).split(",")
+    together = [value for value in values if value in ("all", "both")]
+    return found.group(1), together or values
+
+
+def part_offload(out: Path, dry: bool, limit: int) -> dict:
+    """`benchmarks/offload.py --part throughput` (ratios 0 / 0.25 / 0.5 / 1.0 and FSDP2's CPUOffloadPolicy), once per
+    offload design where the benchmark has a design option."""
+    base = [sys.executable, "scripts/bench_offload.py", "--part", "throughput"]
+    base += ["--device", "cpu", "--smoke"] if dry else ["--device", "cuda"]
+    designs = offload_designs()
+    runs = [("default", [])] if designs is None else [(value, [designs[0], value]) for value in designs[1]]
+    record = {"status": "ok", "seconds": 0.0, "command": " ".join(base[1:]), "designs": {}}
+    for name, option in runs:
+        target = out / f"offload_{name}"
+        result = run([*base, *option, "--out", str(target)], max(limit - record["seconds"], 1))
+        result["result"] = read_json(target.with_suffix(".json"))
+        record["designs"][name] = result
+        record["seconds"] += result["seconds"]
+        if result["status"] != "ok":
+            record["status"] = result["status"]
+    return record
+
+
+def part_trainer(out: Path, dry: bool, limit: int) -> dict:
+    """A bf16 trainer run with `offload: auto` through the delink, compiled, with the chunked (or Liger) loss: the
+    demo's configuration on the GPU, a tiny one on CPU."""
+    output_dir = out / "trainer_run"
+    fields = {"mixed_precision": "bf16", "offload": "auto", "compile": "true", "loss_kernel": "auto"}
+    fields.update(output_dir=str(output_dir), overwrite_output_dir="true", save_total_limit=1)
+    if dry:
+        fields.update(TINY_TRAINER, cpu="true", compile_backend="aot_eager")
+        config = []
+    else:
+        config = ["--config", "configs/demo.yaml"]
+    argv = [item for key, value in fields.items() for item in (f"--{key}", str(value))]
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    record = run([sys.executable, "-m", "hf_p2r.train", *config, *argv], limit, env)
+    records = [json.loads(line) for line in _lines(output_dir / "metrics.jsonl")]
+    record["result"] = {
+        "delinks": [
+            {k: r.get(k) for k in ("step", "num_blocks_before", "num_blocks", "offloaded_blocks")}
+            for r in records
+            if r.get("event") == "delink"
+        ],
+        "last": next((r for r in reversed(records) if "val_loss" in r), None),
+        "tokens_per_s": [r["tokens_per_s"] for r in records if "tokens_per_s" in r][-1:],
+    }
+    return record
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+RUNNERS = {
+    "tests": part_tests,
+    "throughput": part_throughput,
+    "loss_memory": part_loss_memory,
+    "offload": part_offload,
+    "trainer": part_trainer,
+}
+
+
+# --- the throughput worker ----------------------------------------------------------------------------------------
+def throughput_worker(out: Path, device: str) -> int:
+    """benchmarks/throughput.py's three runners (Llama, P2R real, P2R pseudo k=1; its GPU preset, bf16 autocast,
+    sdpa), eager and then with every decoder block compiled (`compile_blocks`, inductor on the GPU, aot_eager on the
+    dry run), each with MFU: tokens/s x training FLOPs per token (the model inventory's: 6 per parameter of the
+    matrices, attention scores, the head) / the GPU's dense bf16 peak."""
+    from benchmarks import throughput
+    from hf_p2r import P2RConfig
+    from hf_p2r.models.p2r.inventory_p2r import inventory
+    from hf_p2r.training.compile import compile_blocks
+
+    dry = device == "cpu"
+    table = {"tiny": throughput.PRESETS["tiny"], "cuda": throughput.PRESETS["cuda"]}
+    rounds, steps, warmup = (1, 1, 1) if dry else (4, 3, 2)
+    argv = ["--device", device, "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]
+    args = throughput.command_line(throughput.__doc__, table, str(out), rounds, steps, warmup).parse_args(
+        [*argv, *(["--preset", "tiny"] if dry else [])]
+    )
+    fields, batch, autocast_dtype = throughput.prepare(args, table, "gpu_report")
+    dims = dict(fields, max_position_embeddings=batch.shape[1], tie_word_embeddings=False)
+    flops_per_token = inventory(P2RConfig(**dims)).flops(batch.shape[1])
+    peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in device_name()), None)
+    results = {}
+    for mode in ("eager", "compiled"):
+        runners = build_runners(throughput, dims, batch, device, autocast_dtype, args.num_unique_layers)
+        if mode == "compiled":
+            for runner in runners:
+                compile_blocks(runner.model, "aot_eager" if dry else "inductor")
+        result = throughput.measure(runners, args, dims, mode=mode)
+        result["flops_per_token"] = flops_per_token
+        result["peak_flops"] = peak
+        result["mfu"] = {
+            name: (rate * flops_per_token / peak if peak else None)
+            for name, rate in result["tokens_per_s_median"].items()
+        }
+        results[mode] = result
+        del runners
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    write_json(out / "throughput.json", results)
+    return 0
+
+
+def build_runners(throughput, dims, batch, device, autocast_dtype, num_unique_layers):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.harness import Runner
+    from hf_p2r import P2RConfig, P2RForCausalLM
+
+    torch.manual_seed(0)
+    # No KV cache in training (as the trainer): compiled, its update would specialise each block on its depth.
+    models = {
+        "llama": LlamaForCausalLM(LlamaConfig(**dims, use_cache=False)),
+        "p2r_real": P2RForCausalLM(P2RConfig(**dims, use_cache=False)),
+        "p2r_pseudo": P2RForCausalLM(
+            P2RConfig(**dims, use_cache=False, share_layers=True, num_unique_layers=num_unique_layers)
+        ),
+    }
+    return [Runner(name, model, batch, device, autocast_dtype) for name, model in models.items()]
+
+
+# --- the page -----------------------------------------------------------------------------------------------------
+def targets(out: Path) -> dict:
+    """Issue 29's targets from the parts' results: {name: {target, measured, met}} (measured None: not measured)."""
+    found = {name: {"target": value, "measured": None, "met": None} for name, value in TARGETS.items()}
+    throughput = (read_json(out / "throughput.json") or {}).get("result") or {}
+    compiled = throughput.get("compiled") or {}
+    if compiled.get("mfu", {}).get("p2r_real") is not None:
+        found["mfu_compiled"]["measured"] = compiled["mfu"]["p2r_real"]
+    if compiled.get("ratio_pseudo_vs_real"):
+        found["pseudo_vs_real"]["measured"] = compiled["ratio_pseudo_vs_real"]["median"]
+    offload = read_json(out / "offload.json") or {}
+    for design in (offload.get("designs") or {}).values():
+        runs = ((design.get("result") or {}).get("throughput") or {}).get("runs") or {}
+        half, full, fsdp2 = (
+            runs.get(name) for name in ("granular ratio 0.5", "granular ratio 1.0", "fsdp2 CPUOffloadPolicy")
+        )
+        if half:
+            best = found["offload_0.5_vs_none"]["measured"]
+            found["offload_0.5_vs_none"]["measured"] = max(best or 0.0, half["vs_no_offload"])
+        if full and fsdp2:
+            best = found["full_offload_vs_fsdp2"]["measured"]
+            found["full_offload_vs_fsdp2"]["measured"] = max(best or 0.0, full["tokens_per_s"] / fsdp2["tokens_per_s"])
+    for value in found.values():
+        if value["measured"] is not None:
+            value["met"] = value["measured"] >= value["target"]
+    return found
+
+
+def render_markdown(report: dict) -> str:
+    m = report["machine"]
+    dry = report["dry_run"]
+    lines = [
+        "# GPU report" + (" — dry run on CPU (checks the commands; not a result)" if dry else ""),
+        "",
+        f"Device: **{report['device']}**. Produced by `python scripts/gpu_report.py{' --dry-run' * dry}` on "
+        f"{report['date']} in {report['seconds']:.0f} s; {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, "
+        f"{m['platform']}.",
+        "",
+        "| part | status | seconds | command |",
+        "|---|---|---:|---|",
+        *(
+            f"| {name} | {part['status']} | {part['seconds']:.0f} | `{part.get('command', '')}` |"
+            for name, part in report["parts"].items()
+        ),
+        "",
+        "| target (issue 29) | target | measured | met |",
+        "|---|---:|---:|---|",
+    ]
+    for name, value in report["targets"].items():
+        measured = "not measured" if value["measured"] is None else f"{value['measured']:.3f}"
+        met = {None: "—", True: "met", False: "missed"}[value["met"]] if not dry else "— (dry run)"
+        lines.append(f"| {name} | {value['target']} | {measured} | {met} |")
+    lines += ["", "Each part's figures, command and output tail: `<part>.json` beside this page."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

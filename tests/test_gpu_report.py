@@ -1,0 +1,97 @@
+"""`make gpu-report`'s dry run (benchmarks/gpu_report.py --dry-run): every part of the GPU report runs at tiny size on
+CPU and writes what the GPU run writes, so the command cannot rot between the rare runs on a GPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import gpu_report
+
+from .training.helpers import REPO, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_report")
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_report.py", "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return done, out
+
+
+def test_every_part_of_the_dry_run_succeeds_and_writes_its_json(dry_run):
+    done, out = dry_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["dry_run"] is True
+    assert {name: part["status"] for name, part in report["parts"].items()} == dict.fromkeys(gpu_report.PARTS, "ok")
+    for part in gpu_report.PARTS:
+        assert (out / f"{part}.json").is_file()
+
+
+def test_the_page_names_the_device_and_reports_no_target_as_met(dry_run):
+    _, out = dry_run
+    page = (out / "report.md").read_text()
+    assert "dry run on CPU" in page and f"Device: **{gpu_report.device_name()}**" in page
+    rows = [line for line in page.splitlines() if line.startswith(tuple(f"| {name} |" for name in gpu_report.TARGETS))]
+    assert len(rows) == len(gpu_report.TARGETS)
+    assert all(row.endswith("| — (dry run) |") for row in rows)  # a dry run settles no target
+
+
+def test_the_parts_measure_what_the_gpu_run_measures(dry_run):
+    _, out = dry_run
+    throughput = json.loads((out / "throughput.json").read_text())["result"]
+    for mode in ("eager", "compiled"):
+        assert set(throughput[mode]["tokens_per_s_median"]) == {"llama", "p2r_real", "p2r_pseudo"}
+        assert throughput[mode]["flops_per_token"] > 0 and "mfu" in throughput[mode]  # MFU: None without a GPU peak
+        assert throughput[mode]["config"]["mode"] == mode
+    loss = json.loads((out / "loss_memory.json").read_text())["result"]
+    assert loss["rows"] and all("plain" in row and "chunked" in row for row in loss["rows"])
+    offload = json.loads((out / "offload.json").read_text())["designs"]
+    for design in offload.values():
+        runs = design["result"]["throughput"]["runs"]
+        assert {"no offload", "granular ratio 0.5", "granular ratio 1.0", "fsdp2 CPUOffloadPolicy"} <= set(runs)
+    trainer = json.loads((out / "trainer.json").read_text())
+    assert "--mixed_precision bf16" in trainer["command"] and "--offload auto" in trainer["command"]
+    assert [(d["num_blocks_before"], d["num_blocks"]) for d in trainer["result"]["delinks"]] == [(1, 4)]
+    assert trainer["result"]["last"]["stage"] == "real"
+
+
+def test_the_offload_design_option_is_read_from_the_benchmark_help():
+    """Helper D's second design (device_chunked) where the offload benchmark offers it; one run where it does not."""
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_offload.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    designs = gpu_report.offload_designs()
+    if "device_chunked" in done.stdout:
+        option, values = designs
+        assert option in done.stdout and ("device_chunked" in values or set(values) & {"all", "both"})
+    else:
+        assert designs is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_without_cuda_the_gpu_run_is_refused_in_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_report.py", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "--dry-run" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unknown_part_is_refused_naming_the_option(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_report.py", "--dry-run", "--parts", "tests,nope", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and done.stderr.startswith("gpu_report: --parts: unknown nope")
