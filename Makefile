@@ -18,7 +18,7 @@ COMPAT_TESTS ?= tests/models tests/training tests/test_compat.py tests/test_impo
 	--deselect=tests/training/test_config.py::test_cli_prints_one_line_without_a_traceback_and_exits_2 \
 	--deselect=tests/training/test_train.py::test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once
 
-.PHONY: install demo test compat compat-floors compat-newest lock lint clean
+.PHONY: install demo test compat compat-floors compat-newest lock lint clean gpu-report
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
+
+# One GPU, under ten minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
+# by ratio and design against FSDP2, a bf16 trainer run with offload: auto; writes benchmarks/gpu/ (report.md names
+# the device). On a GPU machine without .venv: `source .gpu/device-setup.sh && make gpu-report` (its python3).
+# DRY=1: every part at tiny size on CPU into a temporary folder (tests/test_gpu_report.py runs it).
+DRY ?=
+REPORT_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
+gpu-report:
+	$(REPORT_PYTHON) scripts/gpu_report.py $(if $(DRY),--dry-run)
 
 # Declared = tested: the floors pyproject declares (requirements/floors.txt), then the newest releases it allows.
 # `make -j2 compat` runs the two test passes side by side; the installs stay one after the other (each writes the
