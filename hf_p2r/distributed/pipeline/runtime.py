@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ...compat import local_tensor
 from ...models.p2r import P2RForCausalLM
+from ..materialize import materialize
 from .pipedream import SchedulePipeDream2BW
 from .schedules import PipelineSchedule, get_schedule
 from .split import balanced_split, check_split, explain_split, stage_depths
@@ -334,16 +335,20 @@ def build_pipeline(
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     max_grad_norm: float | None = None,
     delay_correction: str = "none",
+    seed: int | None = None,
 ) -> Pipeline:
     """This process's part of `model` as pipeline stages driven by `schedule` over the processes of `group`.
 
     Every process passes the same model (same weights: built with the same seed or loaded), the same arguments; each
-    keeps its stages' pieces (the rest of `model` can be dropped). `split`: layers per stage (manual, checked); None
-    balances them (`balanced_split`) and logs the choice. Interleaved schedules run `virtual_stages` stages per
-    process (stage s on process s mod size). `optimizer_factory` makes `Pipeline.optimizer` over the stages'
-    parameters (or set it before the first `update`; a schedule that steps it itself, 2BW, needs it before its first
-    update); `max_grad_norm` clips before every update; `delay_correction` ("error_feedback") corrects 2BW's delayed
-    update (`pipedream.py`), and is refused for a schedule whose updates are not delayed.
+    keeps its stages' pieces (the rest of `model` can be dropped). A model built on the meta device is materialised
+    here, only this process's stages (sharded ones: only their shards), initialised from `seed` by
+    `hf_p2r.distributed.materialize`: the same weights as the whole model materialised in one process. `split`:
+    layers per stage (manual, checked); None balances them (`balanced_split`) and logs the choice. Interleaved
+    schedules run `virtual_stages` stages per process (stage s on process s mod size). `optimizer_factory` makes
+    `Pipeline.optimizer` over the stages' parameters (or set it before the first `update`; a schedule that steps it
+    itself, 2BW, needs it before its first update); `max_grad_norm` clips before every update; `delay_correction`
+    ("error_feedback") corrects 2BW's delayed update (`pipedream.py`), and is refused for a schedule whose updates are
+    not delayed.
 
     `mesh` (`pipeline_mesh`) runs data-parallel pipelines: this process's pipeline is its "pp" row (`group` is then
     ignored); `shard` makes each stage FSDP2 units over the "dp" column, else the column's replicas average their
@@ -381,6 +386,13 @@ def build_pipeline(
         check_shardable(modules)
         for module in modules:
             shard_stage(module, mesh["dp"])
+    if any(param.is_meta for param in model.parameters()):
+        if seed is None:
+            raise ValueError("build_pipeline: the model is on the meta device; pass the run's seed to materialise it")
+        if shard:  # FSDP2 allocates the local shards; `materialize` fills them
+            for module in modules:
+                module.to_empty(device=mesh["dp"].device_type)
+        materialize(model, seed, keep=modules)
     device = torch.device(device)
     stages = [
         PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices, strict=True)
