@@ -7,6 +7,9 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+from functools import partial
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,7 +21,8 @@ from hf_p2r.training import ConfigError, DataArguments, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.data import BlockStream, byte_level_tokenizer, stream_blocks
 
-from .helpers import tiny_argv, trajectory
+from ..distributed.spawn import free_port
+from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
 
 BLOCK = 32
 
@@ -247,3 +251,73 @@ def test_a_dataset_name_streams_its_train_split_and_evaluates_on_its_validation_
         InputError, match=rf"^dataset_name: {hub} has no validation split \(.*\): give validation_files"
     ):
         stream_blocks(args, tokenizer, 0, 1, eval_blocks=3)
+
+
+LAYOUTS = {
+    "data_parallel": dict(per_device_batch_size=2),
+    "pipeline": dict(pipeline_parallel_size=2, pipeline_schedule="1f1b", num_microbatches=2, shared_lr_scale="none"),
+}
+
+
+def streaming_argv(folder, layout: str) -> list[str]:
+    """A streaming run of the shards in `folder` on two processes, a checkpoint every step."""
+    files = sorted(str(path) for path in Path(folder).glob("train-*.jsonl"))
+    argv = tiny_argv(Path(folder) / layout, **{**SCHEDULE, **LAYOUTS[layout], "save_steps": 1})
+    return argv + ["--train_files", *files, "--validation_files", f"{folder}/validation-text.jsonl"]
+
+
+def streaming_run(folder: str, layout: str, resume: list[str], rank: int, world_size: int) -> dict:
+    """One streaming run of `layout` on two gloo processes: its losses and the number of stream positions its last
+    checkpoint holds."""
+    assert train(parse_config(streaming_argv(folder, layout) + resume)) == 0
+    return run_result(Path(folder) / layout)
+
+
+def run_result(output_dir: Path) -> dict:
+    from hf_p2r.training.metrics import read_metrics
+
+    state = json.loads((output_dir / "checkpoints/checkpoint-8/trainer_state.json").read_text())["state"]
+    losses = [[r["step"], r["loss"]] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
+    return {"losses": losses, "positions": len(state["stream_states"])}
+
+
+def launch_two(argv: list[str]) -> None:
+    """`accelerate launch` of the trainer on two CPU processes (a data-parallel run ends its process group, which a
+    spawned test worker cannot share)."""
+    command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
+    result = subprocess.run(
+        [*command, str(REPO / "scripts/train.py"), *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_split_the_stream_save_each_position_and_resume_exactly(tmp_path, layout):
+    """Data-parallel (each process its half of the stream) and pipelined (both stages read one stream) streaming runs
+    on two processes, resumed from checkpoint-3: bitwise the losses of the uninterrupted run, every checkpoint holding
+    both processes' positions; the data-parallel checkpoint resumed on one process is refused in one line."""
+    from ..distributed import spawn
+
+    jsonl_shards(tmp_path, 2, count=5)
+    validation_shard(tmp_path)
+    checkpoint = str(tmp_path / layout / "checkpoints/checkpoint-3")
+    results = []
+    for resume in ([], ["--resume_from_checkpoint", checkpoint]):
+        if layout == "data_parallel":
+            launch_two(streaming_argv(tmp_path, layout) + resume)
+            results.append(run_result(tmp_path / layout))
+        else:
+            results.append(spawn.run(partial(streaming_run, str(tmp_path), layout, resume), 2, tmp_path))
+    full, resumed = results
+    assert [step for step, _ in full["losses"]] == list(range(1, 9))
+    assert resumed == full and full["positions"] == 2
+    if layout == "data_parallel":
+        argv = streaming_argv(tmp_path, layout) + ["--resume_from_checkpoint", checkpoint]
+        with pytest.raises(InputError, match=r"holds the stream positions of 2 processes, this run has 1: a streaming"):
+            train(parse_config(argv))
