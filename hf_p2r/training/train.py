@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import gather_object, set_seed
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..distributed.materialize import materialize
 from .checkpointing import TrainState, read_state, resolve_checkpoint
 from .config import TrainConfig
 from .data import BlockOrder, BlockStream, build_blocks, load_tokenizer, stream_blocks
@@ -46,9 +47,16 @@ from .run import (
 )
 
 
-def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blocks: int) -> PreTrainedModel:
+def build_model(
+    config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blocks: int, *, meta: bool = False
+) -> PreTrainedModel:
     """A freshly initialised P2R model with `num_blocks` blocks (k: pseudo, L: real), in training mode: the class the
-    Auto registry maps its config to (`P2RForCausalLM`, or `P2RMoeForCausalLM` when `num_experts`)."""
+    Auto registry maps its config to (`P2RForCausalLM`, or `P2RMoeForCausalLM` when `num_experts`).
+
+    The model is built on the meta device, then materialised in this process by the layout-independent initialisation
+    (`hf_p2r.distributed.materialize`: each module by the model's `_init_weights` under a seed derived from `seed` and
+    its name). With `meta` it is left on the meta device: the run's engine materialises only what its process holds
+    (its stages, its FSDP2 shards), to the same values."""
     vocab_size = config.model.vocab_size or -(-len(tokenizer) // 64) * 64  # round up: friendlier matrix shapes
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
@@ -57,7 +65,10 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blo
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    model = AutoModelForCausalLM.from_config(config.p2r_config(vocab_size, num_blocks, special_tokens))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config.p2r_config(vocab_size, num_blocks, special_tokens))
+    if not meta:
+        materialize(model, config.train.seed)
     if config.model.activation_checkpointing:
         model.activation_checkpointing_enable()
     return model.train()
@@ -93,7 +104,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
         with accelerator.main_process_first():  # the main process tokenizes, the others read its cache file
             train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
     num_blocks = engine.model_blocks(state)
-    engine.build(build_model(config, tokenizer, num_blocks), num_blocks)
+    engine.build(build_model(config, tokenizer, num_blocks, meta=True), num_blocks)  # it materialises what it holds
     if config.data.streaming:  # split by the engine's data layout (a pipelined engine's is known once built)
         train_blocks, validation_blocks = stream_blocks(
             config.data, tokenizer, engine.data_rank, engine.data_size, args.eval_blocks
