@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType
 from transformers import PreTrainedTokenizerBase
 
 from ...distributed import gather_shared_once
+from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
 from ..compile import compile_blocks
@@ -59,6 +60,12 @@ class AccelerateEngine(Engine):
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
         accelerator, args = self.accelerator, self.args
         self.shape_model(model)
+        # The model comes on the meta device: FSDP2 shards it there and each process materialises its shards only;
+        # otherwise (one process, DDP, DeepSpeed, granular offload) the whole model is materialised on the CPU, and
+        # offload then places its blocks.
+        if accelerator.is_fsdp2:
+            model = self.shard_on_meta(model)
+        materialize(model, args.seed)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
         self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
         self.offload = apply_offload(model, args, accelerator, self.activation_bytes)
@@ -76,6 +83,21 @@ class AccelerateEngine(Engine):
         # logged.
         if self.config.model.num_experts:
             self.router_load = RouterLoad(accelerator.unwrap_model(self.model).config)
+
+    def shard_on_meta(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 on the meta-device `model` as `accelerator.prepare` applies it (Accelerate's `fsdp2_prepare_model`
+        with the plugin's wrapping, then `gather_shared_once`), its local shards allocated on the device (`prepare`
+        takes the sharded model as it is). `fsdp_cpu_ram_efficient_loading` (the first process loads the weights, the
+        others receive them) is off meanwhile: there are no weights to load, each process initialises its shards."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        plugin = self.accelerator.state.fsdp_plugin
+        efficient, plugin.cpu_ram_efficient_loading = plugin.cpu_ram_efficient_loading, False
+        try:
+            model = gather_shared_once(fsdp2_prepare_model(self.accelerator, model))
+        finally:
+            plugin.cpu_ram_efficient_loading = efficient
+        return model.to_empty(device=self.accelerator.device)
 
     def shape_model(self, model: torch.nn.Module) -> None:
         """What the run changes in how the model computes, from outside it: compiled blocks (`compile`, before
