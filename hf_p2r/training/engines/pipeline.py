@@ -1,7 +1,8 @@
 """The pipeline engine (`pipeline_parallel_size > 1`): the model split into stages (`hf_p2r.distributed.pipeline`),
 optionally `data_parallel_size` pipelines side by side, replicated or FSDP2-sharded stages.
 
-Every process builds the same seeded model and keeps its stages; every process of a pipeline reads the same batch
+Every process builds the model on the meta device and materialises only its stages (the weights a one-process run
+of the same seed has: `hf_p2r.distributed.materialize`); every process of a pipeline reads the same batch
 (the schedule splits it into `num_microbatches`), and with `data_parallel_size` > 1 each pipeline reads its own
 `per_device_batch_size` blocks of the step's batch (`pipeline_mesh`: pipelines x data-parallel replicas); the last
 stages' mean loss is shared by one collective with the stop signal. The delink is `delink_pipeline` (each stage its
@@ -91,6 +92,7 @@ class PipelineEngine(Engine):
             shard=args.data_parallel_shard,
             max_grad_norm=args.max_grad_norm or None,
             delay_correction=args.pipeline_delay_correction,
+            seed=args.seed,  # the meta model's stages this process holds are materialised from it
         )
         self.pipeline.optimizer = self.new_optimizer(self.pipeline.parameters())
         self.data_rank = self.pipeline.data_rank
