@@ -10,6 +10,7 @@ inductor fuses and reorders reductions (rtol 1e-4, atol 1e-5).
 """
 
 import copy
+import subprocess
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from hf_p2r.training.compile import compile_blocks
 from hf_p2r.training.metrics import read_metrics
 
 from ..distributed import spawn
-from .helpers import tiny_argv
+from ..distributed.spawn import free_port
+from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2)
 EXACT = dict(rtol=1e-5, atol=1e-6)
@@ -213,3 +215,33 @@ def test_the_trainer_with_compile_follows_the_eager_run_through_the_delinks(tmp_
     torch.testing.assert_close(losses[0], losses[2], rtol=1e-4, atol=0.0)  # (bf16 autocast: rounding of 8 bits)
     torch.testing.assert_close(losses[1], losses[3], rtol=1e-4, atol=0.0)
     assert graphs.unique == expected_graphs and graphs.delta("graph_break") == {} and graphs.delta("recompiles") == {}
+
+
+@pytest.mark.slow
+def test_under_fsdp2_the_compiled_blocks_and_the_chunked_loss_follow_the_plain_run(tmp_path):
+    """Two CPU processes launched with configs/accelerate/fsdp2.yaml, 1 -> 4 blocks: compile (aot_eager) and
+    loss_kernel chunked against neither, loss, gradient norm and validation loss at every step. FSDP2's delink builds
+    a new model, and the engine compiles its blocks again: dynamo traces two graphs per process in the whole run (the
+    training forward and the validation forward), none after the delink."""
+    fields = dict(pseudo_steps=2, real_steps=2, eval_steps=2, mixed_precision="no")
+    runs = {}
+    for name, extra in (
+        ("plain", {}),
+        ("fast", {"compile": "true", "compile_backend": "aot_eager", "loss_kernel": "chunked"}),
+    ):
+        command = [
+            ACCELERATE, "launch", "-q", "--config_file", str(REPO / "configs/accelerate/fsdp2.yaml"),
+            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+            "-m", "hf_p2r.train", *tiny_argv(tmp_path / name, **fields, **extra),
+        ]  # fmt: skip
+        env = {**subprocess_env(), "TORCH_LOGS": "dynamo"}
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = trajectory(tmp_path / name), done.stderr
+    (fast, log), (plain, _) = runs["fast"], runs["plain"]
+    assert [r.get("event") for r in fast] == [r.get("event") for r in plain] and len(fast) == 6
+    for key in ("loss", "grad_norm", "val_loss"):
+        got, want = ([r[key] for r in run if key in r] for run in (fast, plain))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
+    traced = [line for line in log.splitlines() if "torchdynamo start tracing" in line]
+    assert sorted(line[:7] for line in traced) == ["[rank0]", "[rank0]", "[rank1]", "[rank1]"]
