@@ -22,7 +22,7 @@ def dry_run(tmp_path_factory):
         env=subprocess_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     return done, out
 
