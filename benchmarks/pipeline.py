@@ -250,6 +250,8 @@ def convergence(seeds: list[int], steps: int | None, out: Path, optimizers=("ada
                     "torch.distributed.run",
                     "--nproc-per-node",
                     "2",
+                    "--master-port",  # a free port: another torchrun on the machine would take the default one
+                    str(free_port()),
                     str(REPO / "scripts/train.py"),
                     "--config",
                     str(REPO / "configs/demo.yaml"),
@@ -439,6 +441,8 @@ def render(report: dict) -> str:
         lines.append("Convergence (2BW vs a flush schedule on the demo config): not run for this report.")
     else:
         lines += convergence_section(report, c)
+    if report.get("convergence_long") is not None:
+        lines += ["", *convergence_section(report, report["convergence_long"], "convergence_long")]
     r = report.get("rule_check")
     if r is not None:
         lines += [
@@ -459,21 +463,25 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def convergence_section(report: dict, c: dict) -> list[str]:
-    """The page's section on 2BW against 1F1B per optimizer (from `convergence`'s result)."""
+def convergence_section(report: dict, c: dict, key: str = "convergence") -> list[str]:
+    """The page's section on 2BW against 1F1B per optimizer (from `convergence`'s result, stored under `key`)."""
     variants, seeds, final = c["variants"], c["seeds"], c["final_val_loss"]
     before, after = c["load_average_before"], c["load_average_after"]
+    title = "" if key == "convergence" else f", longer: {c['steps']} steps"
+    steps = "the demo's own steps" if key == "convergence" else f"{c['steps']} steps (the demo's schedule stretched)"
+    command = c.get("command", "python scripts/bench_pipeline.py --convergence --keep-timing")
     lines = [
-        "## PipeDream-2BW vs 1F1B (flush) on configs/demo.yaml, AdamW and Muon, with and without the delay correction",
+        f"## PipeDream-2BW vs 1F1B (flush) on configs/demo.yaml, AdamW and Muon, with and without the delay "
+        f"correction{title}",
         "",
-        f"Run on {report.get('convergence_date')} ({c['wall_time_s'] / 60:.0f} min for {len(c['runs'])} runs, one at "
+        f"Run on {report.get(key + '_date')} ({c['wall_time_s'] / 60:.0f} min for {len(c['runs'])} runs, one at "
         f"a time, `nice -n 10`; load average {', '.join(f'{x:.1f}' for x in before)} before and "
-        f"{', '.join(f'{x:.1f}' for x in after)} after: other work shared the machine). Same data, same steps (the "
-        "demo's own schedule: pseudo model grown 1 -> 2 -> 4 blocks, delinked to 8, `shared_lr_scale: depth`), 2 "
+        f"{', '.join(f'{x:.1f}' for x in after)} after: other work shared the machine). Same data, {steps} (the "
+        "demo's schedule: pseudo model grown 1 -> 2 -> 4 blocks, delinked to 8, `shared_lr_scale: depth`), 2 "
         "processes, 4 micro-batches; `optimizer: muon` is Muon for the blocks' matrices and AdamW for the rest, "
         "Muon's rate the demo's learning rate (`muon_adjust_lr_fn: match_rms_adamw`, untuned); `+ef` is "
-        "`pipeline_delay_correction: error_feedback`. Command: `nice -n 10 python scripts/bench_pipeline.py "
-        "--convergence --keep-timing`. Final validation loss per seed:",
+        f"`pipeline_delay_correction: error_feedback`. Command: `nice -n 10 {command}`. Final validation loss per "
+        "seed:",
         "",
         "| seed | " + " | ".join(variants) + " |",
         "|---|" + "---|" * len(variants),
@@ -506,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
         "--convergence", action="store_true", help="also run 1f1b vs 2bw (+ef) per optimizer on configs/demo.yaml"
     )
     parser.add_argument("--optimizers", nargs="+", choices=["adamw", "muon"], default=["adamw", "muon"])
+    parser.add_argument(
+        "--convergence-key",
+        choices=["convergence", "convergence_long"],
+        default="convergence",
+        help="where the convergence result goes (convergence_long: a longer setting, its own section)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--convergence-steps", type=int, default=None, help="default: the demo's 240")
     parser.add_argument("--keep-timing", action="store_true", help="reuse OUT.json's timing (and its date, machine)")
@@ -535,8 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rule_check:
         report["rule_check"] = rule_check(args.rule_check)
     if args.convergence:
-        report["convergence_date"] = now()
-        report["convergence"] = convergence(args.seeds, args.convergence_steps, Path(args.out), args.optimizers)
+        key = args.convergence_key
+        report[f"{key}_date"] = now()
+        report[key] = convergence(args.seeds, args.convergence_steps, Path(args.out), args.optimizers)
+        report[key]["command"] = "python scripts/bench_pipeline.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     write_json(out.with_name(out.name + ".json"), report, indent=1)
     write_text(out.with_name(out.name + ".md"), render(report))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.convergence.analysis import band, offload_gain, value_at
 from benchmarks.convergence.report import times
-from benchmarks.convergence.sweeps import CORPORA, SWEEP_DEFAULTS, SWEEP_OPTIMIZER, SWEEPS, TARGET, group_order
+from benchmarks.convergence.sweeps import CORPORA, SWEEP_DEFAULTS, SWEEP_OPTIMIZERS, SWEEPS, TARGET, group_order
 from benchmarks.harness import pyplot, save_figure, write_text
 
 
@@ -55,7 +55,8 @@ def _run_table(result: dict, columns: str, cells, scratch: bool) -> list[str]:
     lines = [f"| corpus | L | schedule | run | {columns} |", "|---" * (5 + columns.count("|")) + "|"]
     for group in result["groups"]:
         for row in group["rows"][0 if scratch else 1 :]:
-            head = f"| {group['corpus']} | {group['depth']} | {group['scheduler']} | {row['name']} | "
+            schedule = group["scheduler"] + (f", {group['optimizer']}" if group.get("optimizer") else "")
+            head = f"| {group['corpus']} | {group['depth']} | {schedule} | {row['name']} | "
             lines.append(head + " | ".join(cells(group, row)) + " |")
     return lines
 
@@ -153,7 +154,7 @@ def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
         f"Corpora: stdlib, {CORPORA['stdlib']}; prose, {CORPORA['prose']}.",
         "",
     ]
-    adamw = {name: result for name, result in sweeps.items() if name not in SWEEP_OPTIMIZER}
+    adamw = {name: result for name, result in sweeps.items() if name not in SWEEP_OPTIMIZERS}
     lines += _findings(adamw)
     lines += _muon_findings(sweeps)
     if "convergence" in plots:
@@ -162,10 +163,11 @@ def sweep_markdown(sweeps: dict[str, dict], plots: dict[str, str]) -> str:
         lines += ["", f"![speed-up vs L]({plots['depth']})"]
     for name, result in sweeps.items():
         lines += ["", f"## Sweep: {name}", "", *_sweep_header(result), ""]
-        if name in SWEEP_OPTIMIZER:
-            lines += [f"Every run of this sweep trains with `optimizer: {SWEEP_OPTIMIZER[name]}`.", ""]
+        if name in SWEEP_OPTIMIZERS:
+            optimizers = ", ".join(SWEEP_OPTIMIZERS[name])
+            lines += [f"Each group runs under the optimizer its name ends with ({optimizers}).", ""]
         lines += _group_table(result)
-        if name in SWEEP_OPTIMIZER:
+        if name in SWEEP_OPTIMIZERS:
             continue  # the stage table sizes AdamW's state
         lines += [
             "",
@@ -329,17 +331,23 @@ def _spread(row: dict) -> tuple[float, float]:
 
 
 def _muon_findings(sweeps: dict[str, dict]) -> list[str]:
-    """P2R's speed-up under Muon (the muon sweep) against the same configuration under AdamW (the best sweep), per
-    corpus: each against scratch with its own optimizer."""
-    if "muon" not in sweeps or "best" not in sweeps:
+    """P2R's speed-up under Muon against the same configuration under AdamW, per corpus, from the muon sweep (both
+    optimizers run together); each P2R run against scratch with its own optimizer."""
+    if "muon" not in sweeps:
         return []
-    adamw, parts, verdicts = _rows_by(sweeps["best"]), [], []
-    for (corpus, depth, scheduler), runs in _rows_by(sweeps["muon"]).items():
-        reference = adamw.get((corpus, depth, scheduler), {})
-        for name, row in runs.items():
-            if name == "scratch" or name not in reference:
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for group in sweeps["muon"]["groups"]:
+        key = (group["corpus"], group["depth"], group["scheduler"])
+        by_key.setdefault(key, {})[group.get("optimizer", "adamw")] = group
+    parts, verdicts = [], []
+    for (corpus, depth, scheduler), pair in by_key.items():
+        if set(pair) != {"adamw", "muon"}:
+            continue
+        muon, adamw = ({r["name"]: r for r in pair[o]["rows"]} for o in ("muon", "adamw"))
+        for name, row in muon.items():
+            if name == "scratch" or name not in adamw:
                 continue
-            other = reference[name]
+            other = adamw[name]
             low, high = _spread(row)
             other_low, other_high = _spread(other)
             verdict = "grows" if low > other_high else "shrinks" if high < other_low else "holds (the seeds overlap)"
@@ -348,17 +356,18 @@ def _muon_findings(sweeps: dict[str, dict]) -> list[str]:
             verdicts.append(f"{corpus} {verdict}")
             parts.append(
                 f"{corpus} (L={depth}, {scheduler}, {name}): Muon {_per_seed(row)} (mean "
-                f"{times(row['speedup_steps_mean'])}; scratch ends at {runs['scratch']['final_val_loss_mean']:.3f}, "
+                f"{times(row['speedup_steps_mean'])}; scratch ends at {muon['scratch']['final_val_loss_mean']:.3f}, "
                 f"P2R at {row['final_val_loss_mean']:.3f}) against AdamW {_per_seed(other)} (mean "
-                f"{times(other['speedup_steps_mean'])}; scratch {reference['scratch']['final_val_loss_mean']:.3f}, "
+                f"{times(other['speedup_steps_mean'])}; scratch {adamw['scratch']['final_val_loss_mean']:.3f}, "
                 f"P2R {other['final_val_loss_mean']:.3f})"
             )
     if not parts:
         return []
+    seeds = sorted({s for g in sweeps["muon"]["groups"] for s in g["seeds"]})
     return [
         "- **Under Muon** (`optimizer: muon`: Muon for the blocks' matrices, AdamW elsewhere, the same peak rate, "
-        "untuned; each P2R run against scratch with the same optimizer; the muon sweep against the best sweep's "
-        "AdamW runs): speed-up in steps to scratch's final loss, per seed: "
+        f"untuned; the muon sweep runs both optimizers together, seeds {', '.join(map(str, seeds))}; each P2R run "
+        "against scratch with the same optimizer): speed-up in steps to scratch's final loss, per seed: "
         + "; ".join(parts)
         + ". P2R's speed-up under Muon against AdamW's: "
         + ", ".join(verdicts)
@@ -518,6 +527,6 @@ def write_sweep_report(out: Path) -> Path:
             sweeps[name] = json.loads(path.read_text(encoding="utf-8"))
     if not sweeps:
         raise FileNotFoundError(f"--report: no convergence_<sweep>.json in {out}; run --sweep first")
-    plots = plot_sweeps({name: result for name, result in sweeps.items() if name not in SWEEP_OPTIMIZER}, out)
+    plots = plot_sweeps({name: result for name, result in sweeps.items() if name not in SWEEP_OPTIMIZERS}, out)
     write_text(out / "convergence.md", sweep_markdown(sweeps, plots))
     return out / "convergence.md"

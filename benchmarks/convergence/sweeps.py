@@ -37,12 +37,13 @@ SWEEP_DEFAULTS = {
     "growth": {"schedulers": ["cosine"], "depths": [8], "fractions": [1 / 6, 1 / 3, 1 / 2]},
     # The recommended configuration (--only) at every seed, on both corpora: what the target is judged on.
     "best": {"schedulers": ["cosine"], "depths": [8], "fractions": [1 / 3]},
-    # The recommended configuration (growth from one block, last delink at a third, cosine) and scratch, both under
-    # `optimizer: muon` (issue 27): compared with the best sweep's AdamW runs of the same group.
+    # The recommended configuration (growth from one block, last delink at a third, cosine) and scratch, under
+    # `optimizer: muon` and under AdamW, run together (same code, same machine): issue 27's P2R under Muon.
     "muon": {"schedulers": ["cosine"], "depths": [8], "fractions": [1 / 3]},
 }
-# The optimizer of every run of a sweep (the trainer's `optimizer` field); AdamW, the trainer's default, elsewhere.
-SWEEP_OPTIMIZER = {"muon": "muon"}
+# The optimizers a sweep runs each group under (a group per optimizer, the trainer's `optimizer` field set); the other
+# sweeps leave it unset (AdamW, the trainer's default).
+SWEEP_OPTIMIZERS = {"muon": ("adamw", "muon")}
 TARGET = 1.5
 
 
@@ -144,18 +145,18 @@ def sweep_groups(sweep: str, preset: dict, corpora: list[str], options: dict) ->
                             short = round(total / TARGET)
                             name, schedule = p2r_schedule(short, round(at * short / total), k, depth, grow)
                             runs[f"{name}-of{short}"] = schedule
-                optimizer = SWEEP_OPTIMIZER.get(sweep)
-                groups.append(
-                    {
+                for optimizer in SWEEP_OPTIMIZERS.get(sweep, (None,)):
+                    group = {
                         "name": f"{corpus}-L{depth}-{scheduler}" + (f"-{optimizer}" if optimizer else ""),
                         "corpus": corpus,
                         "depth": depth,
                         "scheduler": scheduler,
-                        "fields": {"num_hidden_layers": depth, "lr_scheduler": scheduler}
-                        | ({"optimizer": optimizer} if optimizer else {}),
-                        "runs": runs,
+                        "fields": {"num_hidden_layers": depth, "lr_scheduler": scheduler},
+                        "runs": dict(runs),
                     }
-                )
+                    if optimizer:
+                        group["optimizer"] = group["fields"]["optimizer"] = optimizer
+                    groups.append(group)
     return groups
 
 
@@ -243,7 +244,7 @@ def group_order(group: dict) -> tuple:
     """Where a group stands in a page and a sweep file: by corpus (as `CORPORA` lists them), depth, schedule."""
     corpora = list(CORPORA)
     corpus = corpora.index(group["corpus"]) if group["corpus"] in corpora else 9
-    return corpus, group["depth"], group["scheduler"]
+    return corpus, group["depth"], group["scheduler"], group.get("optimizer", "")
 
 
 def merge_sweep(previous: dict | None, result: dict) -> dict:
