@@ -151,36 +151,43 @@ def test_a_delink_reuses_the_compiled_graph():
     assert graphs.unique == 1 and graphs.delta("recompiles") == {}
 
 
-def fsdp2_compiled_vs_eager(rank: int, world_size: int) -> dict:
+def wrapped_compiled_vs_eager(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
 
     from hf_p2r.distributed import fully_shard_p2r
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    losses = {}
-    for name in ("eager", "compiled"):
-        model = tiny_model(depth=4, blocks=2)
-        graphs = Graphs()
-        if name == "compiled":
-            compile_blocks(model, backend="aot_eager")  # then shard, as torchtitan orders it
-        fully_shard_p2r(model, mesh=mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses[name] = []
-        for _ in range(2):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            optimizer.step(), optimizer.zero_grad()
-            losses[name].append(loss.item())
-        losses[f"{name}_graphs"] = graphs.unique
-    return losses
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1)).chunk(world_size)[rank]
+    result = {}
+    for wrap in ("ddp", "fsdp2"):
+        for name in ("eager", "compiled"):
+            model = tiny_model(depth=4, blocks=2)
+            graphs = Graphs()
+            if name == "compiled":
+                compile_blocks(model, backend="aot_eager")  # then wrap or shard, as torchtitan orders it
+            if wrap == "ddp":
+                wrapped = DistributedDataParallel(model)
+            else:
+                wrapped = fully_shard_p2r(model, mesh=init_device_mesh("cpu", (world_size,)))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for _ in range(2):
+                loss = wrapped(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                optimizer.step(), optimizer.zero_grad()
+                losses.append(loss.item())
+            result[f"{wrap}/{name}"] = losses
+            result[f"{wrap}/{name}_graphs"] = graphs.unique
+    return result
 
 
-def test_fsdp2_shards_the_compiled_blocks(tmp_path):
-    """FSDP2's hooks (all-gather, reshard, the shared block's gather-once) run around the compiled forward."""
-    result = spawn.run(fsdp2_compiled_vs_eager, 1, tmp_path)
-    assert result["compiled_graphs"] == 1
-    assert result["compiled"] == pytest.approx(result["eager"], rel=1e-5)
+def test_ddp_and_fsdp2_wrap_the_compiled_blocks(tmp_path):
+    """Two processes: DDP's gradient hooks and FSDP2's (all-gather, reshard, the shared block's gather-once) run
+    around the compiled forward; the second step's loss shows the first step's update was the eager one."""
+    result = spawn.run(wrapped_compiled_vs_eager, 2, tmp_path)
+    for wrap in ("ddp", "fsdp2"):
+        assert result[f"{wrap}/compiled_graphs"] == 1
+        assert result[f"{wrap}/compiled"] == pytest.approx(result[f"{wrap}/eager"], rel=1e-5)
 
 
 # L=4, k=1 -> 2 blocks at step 2 -> 4 (real) at step 4, then 2 real steps.
