@@ -4,13 +4,23 @@ physical limit), all measured in the same run.
 
     python scripts/bench_offload.py                          # H100/H200: writes benchmarks/offload.{json,md}
     python scripts/bench_offload.py --part throughput        # or `largest`: one half (each under ~5 min)
+    python scripts/bench_offload.py --offload-optimizer both # both designs of the offloaded blocks' optimizer step
     python scripts/bench_offload.py --device cpu --smoke     # seconds on CPU: checks the script, not a result
+    python scripts/bench_offload.py --device cpu --offload-optimizer both   # benchmarks/offload_cpu.{json,md}
 
 Throughput: one model that fits, trained for `--steps` optimizer steps of `--accumulation` micro-batches each (bf16
 autocast, AdamW with gradient clipping) as: no offload; GranularOffload at ratio 0 (hooks only), 0.25, 0.5, 1.0
-(`compute_dtype=bfloat16`, `prefetch=1`); FSDP2 `fully_shard` with `CPUOffloadPolicy` in a 1-rank process group
-(`MixedPrecisionPolicy(param_dtype=bfloat16)`). Each configuration is built, warmed up and timed in turn in this one
-process; the figures are ratios to the no-offload run of the same process.
+(`compute_dtype=bfloat16`, `prefetch=1`; its own clip, `clip_grad_norm_`, as the trainer runs it); FSDP2 `fully_shard`
+with `CPUOffloadPolicy` in a 1-rank process group (`MixedPrecisionPolicy(param_dtype=bfloat16)`). Each configuration is
+built, warmed up and timed in turn in this one process; the figures are ratios to the no-offload run of the same
+process. `--offload-optimizer` picks where the offloaded blocks' optimizer step runs: `host` (the CPU, each block's step
+overlapped with the next forward: `overlap_step`, as the trainer runs it; rows "granular ratio r"), `device_chunked`
+(the GPU, `--chunk-mb` at a time, the state in pinned host memory; rows "granular ratio r device_chunked") or `both`.
+
+On the CPU (`--device cpu`, throughput only) the compute device is the CPU: every copy is CPU to CPU and the two designs
+differ only in the extra copies of device_chunked. Such a run checks both designs end to end on a real size; it says
+nothing of the GPU comparison. It records the load average, as the machine may be shared, and runs one intra-op thread:
+on a shared 2-core machine (load 11) two OpenMP threads made a step of its model take 15-20 s against 1.3 s with one.
 
 Largest trainable: real models of the same layer shape with activation checkpointing, one full training step each,
 searched by layer count from a prediction (from `estimate_device_bytes` and measured activations): upwards while a
@@ -41,6 +51,8 @@ from benchmarks import presets
 from benchmarks.harness import free_port, machine, nbytes, utc_now, write_json, write_text
 from hf_p2r import P2RConfig, P2RForCausalLM
 from hf_p2r.training.offload import (
+    DEFAULT_CHUNK_BYTES,
+    OPTIMIZER_STEPS,
     GranularOffload,
     decoder_layers,
     estimate_device_bytes,
@@ -63,6 +75,16 @@ PRESETS = {
         bandwidth_bytes=GIB,
         max_trials=8,
         max_layers=4096,  # 100B parameters: beyond any single GPU + 128 GB host
+    ),
+    # A CPU measurement (`--device cpu` without `--smoke`): throughput only, a model that trains in seconds a step.
+    "cpu_run": dict(
+        dims=presets.model(hidden=256, ffn=768, heads=8, kv_heads=4, layers=8, vocab=2048),
+        batch=2,
+        seq=128,
+        accumulation=2,
+        steps=5,
+        warmup=2,
+        bandwidth_bytes=64 * 2**20,
     ),
     # Seconds on 2 CPU cores: checks every code path of the script.
     "cpu": dict(
@@ -205,17 +227,24 @@ def build_model(
     return model.train()
 
 
-def train_step(model, optimizer, batch, accumulation: int, device: str) -> None:
+def train_step(model, optimizer, batch, accumulation: int, device: str, offload=None) -> None:
     for _ in range(accumulation):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = model(input_ids=batch, labels=batch).loss
         (loss / accumulation).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    # The offload's clip takes the offloaded gradients' norms recorded as they left the device (the trainer's).
+    clip = offload.clip_grad_norm_ if offload is not None else torch.nn.utils.clip_grad_norm_
+    clip(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
 
 
-def setup(name: str, dims: dict, device: str):
+def granular_name(ratio: float, design: str) -> str:
+    """A throughput row's name: "granular ratio 0.5" (host step) or "granular ratio 0.5 device_chunked"."""
+    return f"granular ratio {ratio}" + ("" if design == "host" else f" {design}")
+
+
+def setup(name: str, dims: dict, device: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     """(model, optimizer, offload or None) for one throughput configuration."""
     layers = dims["num_hidden_layers"]
     model = build_model(dims, layers, device)
@@ -236,30 +265,45 @@ def setup(name: str, dims: dict, device: str):
             offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
         )
         return model, torch.optim.AdamW(model.parameters(), **hyper), None
-    ratio = float(name.split()[-1])
+    _, _, ratio, *design = name.split()
     dtype = torch.bfloat16 if device == "cuda" else None
-    offload = GranularOffload(model, ratio, device=device, compute_dtype=dtype)
+    offload = GranularOffload(
+        model,
+        float(ratio),
+        device=device,
+        compute_dtype=dtype,
+        optimizer_step=design[0] if design else "host",
+        chunk_bytes=chunk_bytes,
+        overlap_step=True,
+    )
     return model, offload.build_optimizer(**hyper), offload
 
 
-def throughput(preset: dict, device: str) -> dict:
+def throughput(
+    preset: dict, device: str, designs: tuple[str, ...] = ("host",), chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> dict:
     dims, batch_size, seq, accumulation = preset["dims"], preset["batch"], preset["seq"], preset["accumulation"]
     batch = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=torch.Generator().manual_seed(0))
     batch = batch.to(device)
-    names = ["no offload", *(f"granular ratio {r}" for r in RATIOS), "fsdp2 CPUOffloadPolicy"]
+    granular = [granular_name(r, design) for design in designs for r in RATIOS]
+    names = ["no offload", *granular, "fsdp2 CPUOffloadPolicy"]
     runs = {}
     for name in names:
-        model, optimizer, offload = setup(name, dims, device)
+        model, optimizer, offload = setup(name, dims, device, chunk_bytes)
         for _ in range(preset["warmup"]):
-            train_step(model, optimizer, batch, accumulation, device)
+            train_step(model, optimizer, batch, accumulation, device, offload)
+        if offload is not None:
+            offload.synchronize()
         synchronize(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         copied = dict(offload.copied_bytes) if offload else None
         seconds = []
-        for _ in range(preset["steps"]):
+        for step in range(preset["steps"]):
             start = time.perf_counter()
-            train_step(model, optimizer, batch, accumulation, device)
+            train_step(model, optimizer, batch, accumulation, device, offload)
+            if offload is not None and step == preset["steps"] - 1:
+                offload.synchronize()  # the last step's overlapped block steps count too
             synchronize(device)
             seconds.append(time.perf_counter() - start)
         step_s = statistics.median(seconds)
@@ -282,7 +326,15 @@ def throughput(preset: dict, device: str) -> dict:
     base = runs["no offload"]["tokens_per_s"]
     for run in runs.values():
         run["vs_no_offload"] = run["tokens_per_s"] / base
-    return {"batch": batch_size, "seq": seq, "accumulation": accumulation, "steps": preset["steps"], "runs": runs}
+    return {
+        "batch": batch_size,
+        "seq": seq,
+        "accumulation": accumulation,
+        "steps": preset["steps"],
+        "designs": list(designs),
+        "chunk_bytes": chunk_bytes,
+        "runs": runs,
+    }
 
 
 def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> dict:
@@ -298,7 +350,7 @@ def try_training(dims: dict, layers: int, ratio: float, batch, device: str) -> d
         dtype = torch.bfloat16 if device == "cuda" else None
         offload = GranularOffload(model, offloaded, device=device, compute_dtype=dtype)
         optimizer = offload.build_optimizer(lr=1e-4, fused=True)
-        train_step(model, optimizer, batch, 1, device)
+        train_step(model, optimizer, batch, 1, device, offload)
         synchronize(device)
         return {"fits": True, "host_used": before - meminfo()["MemAvailable"]}
     except torch.OutOfMemoryError:
@@ -468,15 +520,35 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script (needs --device cpu)")
     parser.add_argument("--part", choices=["all", "throughput", "largest"], default="all")
     parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
+    parser.add_argument(
+        "--offload-optimizer",
+        choices=[*OPTIMIZER_STEPS, "both"],
+        default="host",
+        help="where the offloaded blocks' optimizer step runs (GranularOffload's optimizer_step; the trainer's "
+        "offload_optimizer): host, device_chunked, or both (a row per ratio and design)",
+    )
+    parser.add_argument(
+        "--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="device_chunked: MiB stepped at a time"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_offload: needs a CUDA GPU and none is available (--device cpu --smoke checks the script)")
         return 1
-    if args.device == "cpu" and not args.smoke:
-        print("bench_offload: on CPU only --smoke makes sense (storage and compute device are the same)")
+    if args.device == "cpu" and not args.smoke and args.part == "largest":
+        print("bench_offload: on CPU, throughput only (the largest model's search needs a device to run out of)")
         return 1
-    out = args.out or Path("runs/offload_smoke" if args.smoke else "benchmarks/offload")
-    preset = PRESETS[args.device]
+    if args.chunk_mb <= 0:
+        print(f"bench_offload: --chunk-mb must be positive, got {args.chunk_mb}")
+        return 1
+    designs = OPTIMIZER_STEPS if args.offload_optimizer == "both" else (args.offload_optimizer,)
+    chunk_bytes = max(1, int(args.chunk_mb * 2**20))
+    cpu_run = args.device == "cpu" and not args.smoke
+    out = args.out or Path(
+        "runs/offload_smoke" if args.smoke else "benchmarks/offload_cpu" if cpu_run else "benchmarks/offload"
+    )
+    preset = PRESETS["cpu_run" if cpu_run else args.device]
+    if cpu_run:
+        torch.set_num_threads(1)  # see the module docstring: OpenMP threads spinning on a shared machine
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
 
@@ -493,12 +565,14 @@ def main() -> int:
             "machine": machine(),
             "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
             "model": preset["dims"],
+            "load_average_before": os.getloadavg(),
             "bandwidth": copy_bandwidth(args.device, preset["bandwidth_bytes"]),
         }
         print(f"copy bandwidth: {result['bandwidth']}", flush=True)
         if args.part in ("all", "throughput"):
-            result["throughput"] = throughput(preset, args.device)
-        if args.part in ("all", "largest"):
+            result["throughput"] = throughput(preset, args.device, designs, chunk_bytes)
+        result["load_average_after"] = os.getloadavg()
+        if args.part == "largest" or (args.part == "all" and not cpu_run):
             result["largest"] = largest_trainable(preset, args.device)
     finally:
         dist.destroy_process_group()
@@ -510,12 +584,19 @@ def main() -> int:
 
 def render_markdown(r: dict, smoke: bool) -> str:
     m, dims = r["machine"], r["model"]
+    cpu_run = "gpu" not in m and not smoke
     title = "# Granular CPU offload" + (" — CPU smoke run (checks the script; not a result)" if smoke else "")
+    title += " — CPU run (compute device = CPU: checks both designs on a real size; no GPU figure)" if cpu_run else ""
+    load = ""
+    if "load_average_before" in r and "load_average_after" in r:
+        before, after = (", ".join(f"{x:.2f}" for x in r[k]) for k in ("load_average_before", "load_average_after"))
+        load = f" Load average (1, 5, 15 min) before: {before}; after: {after}."
     lines = [
         title,
         "",
         f"Produced by `python {r['command']}` on {r['date']}.",
-        f"Machine: {m.get('gpu', m['cpu'])}; {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, {m['platform']}.",
+        f"Machine: {m.get('gpu', m['cpu'])}; {m['cpu_count']} CPUs ({m['cpu']}, {m.get('torch_threads', '?')} torch "
+        f"threads), torch {m['torch']}, {m['platform']}." + load,
         f"Layer shape: hidden {dims['hidden_size']}, FFN {dims['intermediate_size']}, {dims['num_attention_heads']} "
         f"heads ({dims['num_key_value_heads']} KV), vocab {dims['vocab_size']}.",
         "",
@@ -540,12 +621,31 @@ def render_markdown(r: dict, smoke: bool) -> str:
                 f"{copied.get('to_device', 0):.2f} | {copied.get('to_host', 0):.2f} |"
             )
         runs = t["runs"]
-        lines += [
-            "",
-            f"Targets: ratio 0.5 ≥ 0.85 of no offload: **{runs['granular ratio 0.5']['vs_no_offload']:.3f}**; full "
-            f"offload faster than FSDP2 CPUOffloadPolicy: **{runs['granular ratio 1.0']['tokens_per_s']:,.0f} vs "
-            f"{runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:,.0f} tokens/s**.",
-        ]
+        designs = t.get("designs", ["host"])
+        if cpu_run or smoke:
+            floor = runs[granular_name(0.0, designs[0])]["vs_no_offload"]
+            lines += [
+                "",
+                "No GPU target is judged on a CPU run. Noise floor: ratio 0.0 (hooks only, nothing offloaded) ran at "
+                f"{floor:.3f} of no offload; differences within it say nothing.",
+            ]
+        for design in designs if not (cpu_run or smoke) else ():
+            half, full = runs[granular_name(0.5, design)], runs[granular_name(1.0, design)]
+            lines += [
+                "",
+                f"Targets ({design} step): ratio 0.5 ≥ 0.85 of no offload: **{half['vs_no_offload']:.3f}**; full "
+                f"offload ≥ 2x FSDP2 CPUOffloadPolicy: **{full['tokens_per_s']:,.0f} vs "
+                f"{runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:,.0f} tokens/s "
+                f"({full['tokens_per_s'] / runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:.2f}x)**.",
+            ]
+        if len(designs) > 1:
+            chunk = f"{t['chunk_bytes'] / 2**20:g} MiB chunks"
+            speed = {name: run["tokens_per_s"] for name, run in runs.items()}
+            ratios = ", ".join(
+                f"{r}: {speed[granular_name(r, 'device_chunked')] / speed[granular_name(r, 'host')]:.3f}x"
+                for r in RATIOS
+            )
+            lines += ["", f"device_chunked ({chunk}) vs host step, tokens/s by ratio: {ratios}."]
     if "largest" in r:
         g = r["largest"]
         lines += [

@@ -106,3 +106,64 @@ def test_the_largest_search_is_never_oom_killed_when_the_kernel_counts_more_than
     assert [t["layers"] for t in row["trials"]] == calls  # every probe recorded, with its host memory
     assert all(t["host_used_GiB"] > 0 and t["host_estimated_GiB"] > 0 for t in row["trials"])
     assert host["scale"] == pytest.approx(1.15, rel=1e-3)  # learnt from the first probe that trained
+
+
+@pytest.mark.parametrize(
+    ("name", "design", "overlapped"),
+    [("granular ratio 0.5", "host", True), ("granular ratio 0.5 device_chunked", "device_chunked", False)],
+)
+def test_each_offload_design_is_a_throughput_row(name, design, overlapped):
+    """`--offload-optimizer both` adds a "... device_chunked" row per ratio; each row trains with its design and the
+    offload's own clip, as the trainer does."""
+    import torch
+
+    dims = bench.PRESETS["cpu"]["dims"]
+    assert bench.granular_name(0.5, design) == name
+    model, optimizer, offload = bench.setup(name, dims, "cpu", chunk_bytes=4096)
+    assert (offload.optimizer_step, offload.overlap_step, offload.chunk_bytes) == (design, overlapped, 4096)
+    assert offload.layers == [1, 3]
+    batch = torch.randint(0, dims["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in offload.offloaded_parameters]
+    bench.train_step(model, optimizer, batch, 2, "cpu", offload)
+    offload.synchronize()
+    assert all(not torch.equal(p, q) for p, q in zip(offload.offloaded_parameters, before))  # stepped
+    offload.remove()
+
+
+def test_the_results_page_compares_the_designs():
+    runs = {"no offload": 100.0, "fsdp2 CPUOffloadPolicy": 10.0}
+    for design, speed in (("host", 80.0), ("device_chunked", 60.0)):
+        runs.update({bench.granular_name(r, design): speed for r in bench.RATIOS})
+    result = {
+        "machine": {"cpu": "test CPU", "cpu_count": 2, "torch": "2.x", "platform": "test"},
+        "model": bench.PRESETS["cpu"]["dims"],
+        "command": "scripts/bench_offload.py --device cpu --offload-optimizer both",
+        "date": "today",
+        "load_average_before": (1.0, 2.0, 3.0),
+        "load_average_after": (1.5, 2.0, 3.0),
+        "bandwidth": {"host_to_device_GBps": 1.0, "device_to_host_GBps": 1.0},
+        "throughput": {
+            "batch": 2,
+            "seq": 32,
+            "accumulation": 2,
+            "steps": 2,
+            "designs": ["host", "device_chunked"],
+            "chunk_bytes": 2**20,
+            "runs": {
+                name: {"tokens_per_s": speed, "vs_no_offload": speed / 100.0, "peak_device_GiB": None}
+                for name, speed in runs.items()
+            },
+        },
+    }
+    page = bench.render_markdown(result, smoke=False)
+    assert "CPU run (compute device = CPU" in page and "before: 1.00, 2.00, 3.00; after: 1.50, 2.00, 3.00" in page
+    assert (
+        "No GPU target is judged on a CPU run. Noise floor: ratio 0.0 (hooks only, nothing offloaded) ran at 0.800"
+        in (page)
+    )
+    assert "Targets" not in page
+    page = bench.render_markdown({**result, "machine": {**result["machine"], "gpu": "a GPU"}}, smoke=False)
+    assert "CPU run" not in page
+    assert "Targets (host step): ratio 0.5 ≥ 0.85 of no offload: **0.800**" in page
+    assert "Targets (device_chunked step): ratio 0.5 ≥ 0.85 of no offload: **0.600**" in page
+    assert "device_chunked (1 MiB chunks) vs host step, tokens/s by ratio: 0.0: 0.750x, 0.25: 0.750x" in page
