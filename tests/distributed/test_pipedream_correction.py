@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_p2r.distributed.pipeline import build_pipeline, pipeline_mesh
+from hf_p2r.distributed.pipeline import build_pipeline, delink_stages, pipeline_mesh
 from hf_p2r.training import TrainArguments
 from hf_p2r.training.config import ConfigError
 from hf_p2r.training.optim import build_optimizer
@@ -96,6 +96,37 @@ def corrected_2bw(world: int, pattern: str, optimizer: str, steps: int = 4) -> t
     )
 
 
+def delinked_previous_updates(world: int) -> dict:
+    """2BW + correction on a cycle model, 2 steps, then the delink: each new weight's d(t-1) is its source's (the
+    update the shared block received last), a copy of its own; and a flush schedule refuses the correction."""
+    pipeline = build_pipeline(
+        model_of("cycle"), schedule="2bw", num_microbatches=world, seq_len=SEQ, delay_correction="error_feedback"
+    )
+    pipeline.optimizer = adamw(pipeline.parameters())
+    for ids in batches(2, 2 * world):
+        pipeline.step(ids)
+    pipeline.drain()
+    schedule = pipeline.schedule
+    before = {pipeline.name_of(name): update.clone() for name, update in schedule.previous_update.items()}
+    mapping = delink_stages(pipeline)  # {new model name: old model name}
+    after = {pipeline.name_of(name): update for name, update in schedule.previous_update.items()}
+    pointers = [update.data_ptr() for update in after.values()]
+    try:
+        build_pipeline(model_of("real"), schedule="1f1b", num_microbatches=world, seq_len=SEQ,
+                       delay_correction="error_feedback")  # fmt: skip
+        refusal = ""
+    except ValueError as error:
+        refusal = str(error)
+    renamed = torch.tensor(sum(new != old for new, old in mapping.items()))
+    dist.all_reduce(renamed)  # the second stage's new blocks 2, 3 start as old blocks 0, 1
+    return {
+        "same_names": set(after) == set(mapping) and renamed.item() > 0,
+        "copied": all(torch.equal(after[new], before[old]) for new, old in mapping.items()),
+        "own_buffers": len(set(pointers)) == len(pointers),
+        "refusal": refusal,
+    }
+
+
 def sharded_muon_refusal() -> str:
     """A one-stage pipeline sharded over both processes (FSDP2 rows), given Muon: the one-line refusal."""
     mesh = pipeline_mesh(pipeline_parallel_size=1, data_parallel_size=2)
@@ -115,6 +146,7 @@ def two_processes(rank: int, world: int) -> dict:
         "adamw/cycle": corrected_2bw(world, "cycle", "adamw"),
         "muon/real": corrected_2bw(world, "real", "muon"),
         "sharded_refusal": sharded_muon_refusal(),
+        "delinked": delinked_previous_updates(world),
         "trainer": trainer_with_resumes(f"{folder[0]}/corrected", CORRECTED, resume_from=(2, 3)),
         "growth": trainer_with_resumes(f"{folder[0]}/growth", {**GROWTH, "optimizer": "muon"}, resume_from=(2,)),
     }
@@ -143,6 +175,12 @@ def test_2bw_error_feedback_equals_the_one_process_rule(two, case, tolerance):
     assert weight_difference < tolerance
     assert loss_difference < 1e-6
     assert to_uncorrected > 100 * tolerance  # control: the correction moved the weights
+
+
+def test_the_delink_gives_each_new_weight_its_sources_last_update(two):
+    result = two["delinked"]
+    assert result["same_names"] and result["copied"] and result["own_buffers"]
+    assert result["refusal"].startswith("pipeline_delay_correction: corrects PipeDream-2BW's delayed update; 1f1b")
 
 
 def test_sharded_stages_refuse_muon_in_one_line(two):
