@@ -679,6 +679,8 @@ class GranularOffload:
         self._stale = stale
         coef, clipped = self._clip if self._clip is not None else (None, {})
         self._clip = None
+        if coef is not None and self._h2d is not None:  # CUDA: the worker reads it once the compute stream made it
+            coef = (coef, torch.cuda.current_stream(self.device).record_event())
         parts: dict[int, dict[int, tuple[dict, list]]] = {}  # block index -> {id(group): (group, [(p, master)])}
         for p, group in offloaded:
             block, i = self._where[p]
@@ -699,11 +701,15 @@ class GranularOffload:
             self._steps[index] = self._worker.submit(self._step_block, self._blocks[index], view, scaled, coef)
         return loss
 
-    def _step_block(self, block: _Block, view: torch.optim.Optimizer, scaled: list, coef: torch.Tensor | None) -> None:
-        """The worker: a block's deferred clip and its optimizer step on the CPU, then its copies to send."""
+    def _step_block(self, block: _Block, view: torch.optim.Optimizer, scaled: list, coef) -> None:
+        """The worker: a block's deferred clip and its optimizer step on the CPU, then its copies to send. `coef`: the
+        clip's factor, with (CUDA) the event after which the compute stream has it."""
         try:
             if scaled:
-                factor = coef.to("cpu")  # waits for the norm on the device, here rather than in the step
+                if isinstance(coef, tuple):
+                    coef, made = coef
+                    made.synchronize()  # waits for the norm on the device, here rather than in the step
+                factor = coef.to("cpu")
                 for grad in scaled:
                     grad.mul_(factor)  # as clip_grads_with_norm_ scales them
             type(view).step(view)

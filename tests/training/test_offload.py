@@ -1022,13 +1022,23 @@ def test_a_last_bit_difference_in_the_host_optimizer_stays_within_the_cuda_bound
     _assert_within_offload_bound(got, expected, initial)
 
 
+CUDA_DESIGNS = {
+    "host": {},
+    # As the trainer runs it: each block's CPU step overlapped with the next forward, the offload's clip.
+    "host-overlapped": dict(overlap_step=True, offload_clip=True),
+    "device_chunked": dict(optimizer_step="device_chunked", chunk_bytes=2**20, offload_clip=True),
+}
+
+
 @requires_cuda
 @pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
 @pytest.mark.parametrize("checkpointing", [None, False])
-def test_cuda_training_with_offload_matches_training_without(overrides, checkpointing):
+@pytest.mark.parametrize("design", list(CUDA_DESIGNS))
+def test_cuda_training_with_offload_matches_training_without(overrides, checkpointing, design):
     """Exact: the gradients of the first optimizer step (two micro-batches, before clipping): the same kernels on the
     same weights, the offloaded blocks' gradients summed on the host in fp32 as autograd sums them on the device.
-    Bounded: the weights after 3 steps (`OFFLOAD_NORM_RATIO`, `OFFLOAD_MAX_ABS`; see there why not equal)."""
+    Bounded: the weights after 3 steps (`OFFLOAD_NORM_RATIO`, `OFFLOAD_MAX_ABS`; see there why not equal), in each
+    design of the offloaded blocks' step (device_chunked: the state back in pinned host memory)."""
     initial = {name: p.detach().clone() for name, p in _cuda_model(**overrides).named_parameters()}
     expected_grads, got_grads = {}, {}
     expected, _ = _train(
@@ -1041,6 +1051,7 @@ def test_cuda_training_with_offload_matches_training_without(overrides, checkpoi
         checkpointing=checkpointing,
         accumulation=2,
         first_grads=got_grads,
+        **CUDA_DESIGNS[design],
     )
     assert offload.copied_bytes["to_host"] > 0
     for p in offload.offloaded_parameters:
