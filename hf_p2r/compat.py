@@ -6,7 +6,7 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 
 By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
 `causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
-`forward_without_checkpointing`), torch.compile (`dynamo_counters`), Accelerate
+`forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
 (`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
 `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
 `initialize_pipeline_stage`). A new read goes beside its library's, with a test.
@@ -24,6 +24,7 @@ __all__ = [
     "forward_without_checkpointing",
     "forget_preparation",
     "in_backward",
+    "init_module_weights",
     "initialize_pipeline_stage",
     "local_tensor",
     "mark_auto_class",
@@ -124,6 +125,16 @@ def forward_without_checkpointing(layer_class: type) -> Callable:
     while getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
         forward = forward.__wrapped__
     return forward
+
+
+def init_module_weights(model, module) -> None:
+    """Initialise `module` (a submodule of the transformers `model`, its own tensors only) as `post_init` does: the
+    model's `_init_weights(module)` (private, and what every transformers model overrides), under no_grad, drawing
+    from torch's global generator; it recomputes a rotary embedding's `inv_freq` tables from the config."""
+    import torch
+
+    with torch.no_grad():
+        model._init_weights(module)
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:
