@@ -195,6 +195,35 @@ def test_forward_without_checkpointing_is_the_forward_the_layer_class_defines():
     assert forward_without_checkpointing(nn.Linear) is nn.Linear.forward
 
 
+def test_init_module_weights_is_the_models_own_init_of_one_module():
+    """A Linear gets normal(0, initializer_range) from the global generator (the same draw as torch's `normal_` under
+    the same seed), a residual projection P2R's depth-scaled std, a norm ones, the rotary tables their values again."""
+    from hf_p2r.compat import init_module_weights
+
+    from .conftest import tiny_model
+
+    model = tiny_model()
+    std = model.config.initializer_range
+    layer = model.model.layers[0]
+    for module in (layer.self_attn.q_proj, layer.input_layernorm, model.model.rotary_emb):
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.data.zero_()
+    torch.manual_seed(5)
+    init_module_weights(model, layer.self_attn.q_proj)
+    expected = torch.empty_like(layer.self_attn.q_proj.weight)
+    torch.manual_seed(5)
+    torch.nn.init.normal_(expected, mean=0.0, std=std)
+    assert torch.equal(layer.self_attn.q_proj.weight, expected)
+    init_module_weights(model, layer.input_layernorm)
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    init_module_weights(model, model.model.rotary_emb)
+    fresh = tiny_model().model.rotary_emb
+    assert torch.equal(model.model.rotary_emb.inv_freq, fresh.inv_freq) and model.model.rotary_emb.inv_freq.any()
+    init_module_weights(model, layer.mlp.down_proj)
+    scaled = std / (2 * model.config.num_hidden_layers) ** 0.5
+    assert abs(layer.mlp.down_proj.weight.std().item() - scaled) < 0.2 * scaled
+
+
 def test_dynamo_counters_count_compiled_graphs_and_graph_breaks():
     from hf_p2r.compat import dynamo_counters
 
