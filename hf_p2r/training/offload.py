@@ -494,6 +494,7 @@ class GranularOffload:
         self._views: set[int] = set()
         self._clip: tuple[torch.Tensor, dict] | None = None
         self._overlapping = False  # the last optimizer `build_optimizer` made steps blocks on the worker
+        self._chunking = False  # ... or steps them on the device in chunks
         # Bytes copied so far, for benchmarks and tests: weights to the device, gradients to the host.
         self.copied_bytes = {"to_device": 0, "to_host": 0}
 
@@ -637,7 +638,8 @@ class GranularOffload:
             optimizer.step = types.MethodType(step_overlapped, optimizer)
             optimizer.register_state_dict_pre_hook(lambda *args: self.synchronize())
             optimizer.register_load_state_dict_pre_hook(lambda *args: self.synchronize())
-        if self.optimizer_step == "device_chunked":
+        self._chunking = self.optimizer_step == "device_chunked"
+        if self._chunking:
             step = optimizer.step  # the class's step (with torch's step hooks), bound to this optimizer
 
             def step_in_chunks(optimizer: torch.optim.Optimizer, closure=None):
@@ -734,7 +736,9 @@ class GranularOffload:
         parameter, its gradient, its state and its group steps as it would in one call. The state returns to host
         memory (pinned on CUDA, one allocation per chunk), in the dtype and shape the optimizer made it; a `step`
         count stays where torch's `load_state_dict` keeps it (on the CPU unless the group is fused or capturable).
-        With `compute_dtype`, the copies the next forward sends are cast on the device and copied back too. Returns
+        With `compute_dtype`, the copies the next forward sends are cast on the device and copied back too. A clip by
+        `clip_grad_norm_` just before scales the offloaded gradients here, on the device (then they are consumed: their
+        `.grad` is None after the step; otherwise it is kept as after any step). Returns
         when the host has every result (CUDA: the compute stream is synchronised once, after the last chunk).
         """
         offloaded = [
@@ -744,6 +748,9 @@ class GranularOffload:
             if p in self._host and p.grad is not None
         ]
         grads = {p: p.grad for p, _ in offloaded}
+        coef, clipped = self._clip if self._clip is not None else (None, {})
+        self._clip = None  # a clip just before: its factor scales the offloaded gradients on the device, per chunk
+        scaled = {p for p, grad in grads.items() if clipped.get(p) == (id(grad), tensor_version(grad))}
         stale = self._stale  # an optimizer stepped offloaded masters before this step (see `_stepped`)
         for p in grads:
             p.grad = None
@@ -760,21 +767,21 @@ class GranularOffload:
                 )
                 nbytes = p.numel() * p.element_size() * (2 + (tensors or 2))  # parameter, gradient, state (AdamW: 2)
                 if chunk and size + nbytes > self.chunk_bytes:
-                    self._step_chunk(optimizer, step, chunk, grads)
+                    self._step_chunk(optimizer, step, chunk, grads, scaled, coef)
                     chunk, size = [], 0
                 chunk.append((p, group))
                 size += nbytes
             if chunk:
-                self._step_chunk(optimizer, step, chunk, grads)
+                self._step_chunk(optimizer, step, chunk, grads, scaled, coef)
         finally:
             for p, grad in grads.items():
-                p.grad = grad
+                p.grad = None if p in scaled else grad  # a clipped offloaded gradient was consumed unscaled
         if self._h2d is not None:
             torch.cuda.current_stream(self.device).synchronize()
         self._stale = stale  # every offloaded master stepped here has fresh copies to send
         return loss
 
-    def _step_chunk(self, optimizer: torch.optim.Optimizer, step, chunk: list, grads: dict) -> None:
+    def _step_chunk(self, optimizer: torch.optim.Optimizer, step, chunk: list, grads: dict, scaled: set, coef) -> None:
         state, device, pin = optimizer.state, self.device, self._h2d is not None
 
         def stays(key: str, group: dict) -> bool:  # torch's `load_state_dict` policy for a step count
@@ -787,6 +794,8 @@ class GranularOffload:
                 moved.append((p, group, master, host_state))
                 p.data = master.to(device, copy=True, non_blocking=True)
                 p.grad = grads[p].to(device, copy=True, non_blocking=True)
+                if p in scaled:
+                    p.grad.mul_(coef.to(device))  # as clip_grads_with_norm_ scales it
                 if host_state:
                     state[p] = {
                         k: v.to(device, copy=True, non_blocking=True)
@@ -831,8 +840,10 @@ class GranularOffload:
         measure them: each offloaded gradient's norm was taken as it left the device (or, for a sum of several
         backwards' parts, by the worker that summed it, during the backward). A gradient changed since (its version
         counter moved: unscaled, clipped, zeroed) is measured again. The total is the 2-norm of the per-tensor norms in
-        parameter order, as torch computes it, and the gradients are scaled by `clip_grads_with_norm_`; on one device
-        (the CPU) the result is torch's bit for bit. Returns the total norm, on the compute device.
+        parameter order, as torch computes it, and the gradients are scaled by `clip_grads_with_norm_`, the offloaded
+        ones by the next step of the optimizer `build_optimizer` made where it steps them on the worker or the device
+        (`overlap_step`, "device_chunked"); on one device (the CPU) the result is torch's bit for bit. Returns the total
+        norm, on the compute device.
         """
         params = [p for p in parameters if p.grad is not None]
         if not params:
@@ -846,12 +857,13 @@ class GranularOffload:
         total = torch.linalg.vector_norm(torch.stack(norms))
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"offload: the total norm of the gradients is {total.item()}")
-        if not self._overlapping:
+        if not (self._overlapping or self._chunking):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
             return total
-        # Offloaded gradients are scaled by the overlapped step (`step_overlapped`), off the critical path: the same
-        # factor as `clip_grads_with_norm_`'s, for the gradients as they are now (a gradient changed before the step
-        # is left as it is then).
+        # Offloaded gradients are scaled by the next step of the optimizer `build_optimizer` made, off the critical
+        # path (`step_overlapped`: on the worker; `step_in_chunks`: on the device): the same factor as
+        # `clip_grads_with_norm_`'s, for the gradients as they are now (a gradient changed before the step is left as
+        # it is then); that step consumes them (their `.grad` is None after it).
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p not in self._host], max_norm, total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._clip = coef, {p: (id(p.grad), tensor_version(p.grad)) for p in params if p in self._host}

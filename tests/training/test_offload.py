@@ -653,9 +653,11 @@ def _step_calls(optimizer) -> list[int]:
 @pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("chunk_bytes", [1, 40_000, 2**30], ids=["per-tensor", "chunks", "one-chunk"])
-def test_device_chunked_step_equals_training_without_offload(overrides, accumulation, chunk_bytes):
+@pytest.mark.parametrize("offload_clip", [False, True], ids=["torch-clip", "offload-clip"])
+def test_device_chunked_step_equals_training_without_offload(overrides, accumulation, chunk_bytes, offload_clip):
     """The offloaded parameters stepped on the compute device, a chunk at a time (on the CPU the copies in and out are
-    CPU copies): the same weights as without offload, bit for bit, with the optimizer state back in host memory."""
+    CPU copies; with the offload's clip, the offloaded gradients scaled there): the same weights as without offload,
+    bit for bit."""
     expected, _ = _train(tiny_model(**overrides), accumulation=accumulation)
     got, offload = _train(
         tiny_model(**overrides),
@@ -663,6 +665,7 @@ def test_device_chunked_step_equals_training_without_offload(overrides, accumula
         accumulation=accumulation,
         optimizer_step="device_chunked",
         chunk_bytes=chunk_bytes,
+        offload_clip=offload_clip,
     )
     assert offload.layers and offload.copied_bytes["to_host"] > 0
     for name, value in expected.items():
