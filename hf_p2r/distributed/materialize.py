@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
-from ..compat import local_tensor
+from ..compat import init_module_weights, local_tensor
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -63,54 +63,48 @@ def materialize(
     slots: dict[str, list[tuple[nn.Module, str]]] = {}  # owning name -> the held slots that take its tensor
     needed: dict[str, None] = {}  # owning modules to initialise, in the model's order
     for module_name, module in modules.items():
-        for key, param in module._parameters.items():
-            if param is None:
-                continue
+        for key, param in module.named_parameters(recurse=False, remove_duplicate=False):
             name = _join(module_name, key)
             owning = tied.get(name, first_name.setdefault(id(param), name))
             if id(module) in held:
                 slots.setdefault(owning, []).append((module, key))
                 needed[owning.rpartition(".")[0]] = None
-        if id(module) in held and any(buffer is not None for buffer in module._buffers.values()):
+        if id(module) in held and any(True for _ in module.buffers(recurse=False)):
             needed[module_name] = None
     initialisers = {name: module for name, module in modules.items() if isinstance(module, PreTrainedModel)}
 
     allocated = 0
     for module_name in sorted(needed, key=list(modules).index):
         module = modules[module_name]
-        own = [key for key, param in module._parameters.items() if param is not None]
+        own = [key for key, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
         if any(tied.get(_join(module_name, key), _join(module_name, key)) != _join(module_name, key) for key in own):
             raise ValueError(f"materialize: {module_name} holds a parameter tied to another module's beside its own")
-        buffers = [key for key, b in module._buffers.items() if b is not None] if id(module) in held else []
-        originals = {key: module._parameters[key] for key in own} | {key: module._buffers[key] for key in buffers}
+        buffers = [key for key, _ in module.named_buffers(recurse=False)] if id(module) in held else []
+        originals = {key: getattr(module, key) for key in own + buffers}
         for key, tensor in originals.items():  # the module's whole tensors on the CPU, NaN until initialised
             full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             full = full.fill_(float("nan")) if full.is_floating_point() else full.zero_()
-            if key in buffers:
-                module._buffers[key] = full
-            else:
-                module._parameters[key] = nn.Parameter(full, requires_grad=tensor.requires_grad)
+            # (Assigning a registered buffer's or parameter's name replaces it, its kind and persistence kept.)
+            setattr(module, key, full if key in buffers else nn.Parameter(full, requires_grad=tensor.requires_grad))
         initialiser = initialisers[max((n for n in initialisers if _within(module_name, n)), key=len)]
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(module_seed(seed, module_name))
-            initialiser._init_weights(module)
+            init_module_weights(initialiser, module)
         for key, original in originals.items():
-            value = module._buffers[key] if key in buffers else module._parameters[key]
+            value = getattr(module, key)
             if value.is_floating_point() and torch.isnan(value).any():
                 raise ValueError(
                     f"materialize: {_join(module_name, key)} is not initialised by {type(initialiser).__name__}"
                 )
+            setattr(module, key, original)  # the owner stays as it was unless it holds the tensor itself
             if key in buffers:
-                module._buffers[key] = original
                 targets = [(module, key, True)]
             else:
-                module._parameters[key] = original  # the owner stays as it was unless it holds the tensor itself
                 targets = [(slot, slot_key, False) for slot, slot_key in slots.get(_join(module_name, key), [])]
             placed = None  # the one materialised tensor every meta slot of this name takes (ties kept)
             filled: set[int] = set()  # sharded tensors filled (a tied one sits in two slots)
             for slot, slot_key, is_buffer in targets:
-                table = slot._buffers if is_buffer else slot._parameters
-                tensor = table[slot_key]
+                tensor = getattr(slot, slot_key)
                 if isinstance(tensor, DTensor):  # a shard: this process's part of the full tensor
                     if id(tensor) in filled:
                         continue
@@ -123,7 +117,7 @@ def materialize(
                         placed = value.detach().to(device)
                         placed = placed if is_buffer else nn.Parameter(placed, requires_grad=tensor.requires_grad)
                         allocated += placed.nbytes
-                    table[slot_key] = placed
+                    setattr(slot, slot_key, placed)
                 else:  # allocated already (`to_empty`: e.g. the buffers of FSDP2 units): filled in place
                     tensor.copy_(value)
                     allocated += tensor.nbytes
