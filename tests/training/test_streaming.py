@@ -321,3 +321,19 @@ def test_two_processes_split_the_stream_save_each_position_and_resume_exactly(tm
         argv = streaming_argv(tmp_path, layout) + ["--resume_from_checkpoint", checkpoint]
         with pytest.raises(InputError, match=r"holds the stream positions of 2 processes, this run has 1: a streaming"):
             train(parse_config(argv))
+
+
+def test_a_shard_that_breaks_mid_run_is_one_line_naming_it_and_keeps_the_checkpoints(tmp_path):
+    """The first shard fills the first packed batch (1,000 one-letter documents: 62 blocks, 15 steps of 4); the second
+    shard, first read at step 16, has a bad line: the run stops there with one line naming that shard, and the
+    checkpoints it saved before stay."""
+    first, second = tmp_path / "train-00000.jsonl", tmp_path / "train-00001.jsonl"
+    first.write_text((json.dumps({"text": "x"}) + "\n") * 1000)
+    second.write_text('{"text": "fine"}\n{"text": \n')
+    output_dir = tmp_path / "run"
+    argv = tiny_argv(output_dir, pseudo_steps=10, real_steps=10, save_steps=5, eval_steps=0, streaming="true")
+    argv += ["--train_files", str(first), str(second), "--validation_files", *validation_shard(tmp_path)]
+    with pytest.raises(InputError, match=r"^train_files: \S*train-00001\.jsonl line 2 is not valid JSON \(") as raised:
+        train(parse_config(argv))
+    assert "\n" not in str(raised.value)
+    assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-5", "checkpoint-10", "checkpoint-15"]
