@@ -323,10 +323,12 @@ def stream_blocks(
 
     Training: the documents split with `split_dataset_by_node` (`data_rank` of `data_size`: whole shards per process
     when their number is a multiple of `data_size`, else every `data_size`-th document), then tokenized and packed
-    on the fly (`packer`, batches of 1,000 documents) as this process reads them. Validation: the first
-    `eval_blocks` blocks of the held-out stream (`load_documents(args, "validation")`), read once, not split: the
-    same blocks for every evaluation whatever the number of processes. The first training block is read now, so a
-    shard that cannot be read or a stream without a block is told before the run changes anything.
+    on the fly (`packer`, batches of 1,000 documents) as this process reads them, in the shards' order: no shuffle
+    buffer (datasets drops its contents on resume, which would break the exact resume), so give shuffled shards.
+    Validation: the first `eval_blocks` blocks of the held-out stream (`load_documents(args, "validation")`), read
+    once, not split: the same blocks for every evaluation whatever the number of processes. The first training block
+    is read now, so a shard that cannot be read or a stream without a block is told before the run changes anything
+    (a shard first read later stops the run when it is reached, in one line naming it).
     """
     column, pack = args.text_column, packer(tokenizer, args.text_column, args.block_size)
 
