@@ -862,6 +862,40 @@ def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
     assert not offload._steps
 
 
+def test_the_backward_waits_for_gradient_copies_only_beyond_the_bound():
+    """The CUDA gradient path's bound, with stand-in events (done or not; waiting on one completes it): a copy is
+    waited for only while more than `max_inflight_bytes` are in flight, oldest first; copies known done are dropped
+    without waiting."""
+
+    class Event:
+        def __init__(self, name, done=False):
+            self.name, self.done = name, done
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):  # a wait only for a copy not done yet
+            if not self.done:
+                waited.append(self.name)
+            self.done = True
+
+    waited = []
+    offload = GranularOffload(tiny_model(), [1], max_inflight_bytes=100)
+    bound = offload._bound_inflight
+    bound(Event("a"), 60)
+    bound(Event("b"), 40)  # 100 in flight: within the bound
+    assert waited == [] and offload._inflight_bytes == 100
+    bound(Event("c"), 30)  # 130: the oldest waited for, then 70
+    assert waited == ["a"] and offload._inflight_bytes == 70
+    offload._inflight[0][0].done = True  # "b" finished by itself
+    bound(Event("d"), 10)  # dropped without waiting
+    assert waited == ["a"] and [e.name for e, _ in offload._inflight] == ["c", "d"] and offload._inflight_bytes == 40
+    bound(Event("e"), 500)  # one copy larger than the bound: everything before it, and it, waited for
+    assert waited == ["a", "c", "d", "e"] and offload._inflight_bytes == 0
+    default = GranularOffload(tiny_model(), [1, 2])
+    assert default.max_inflight_bytes == _block_bytes(tiny_model())  # one block of gradients (fp32 here)
+
+
 # -------------------------------------------------------------------------------------------- gradient clipping
 
 
