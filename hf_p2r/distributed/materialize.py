@@ -74,7 +74,8 @@ def materialize(
     initialisers = {name: module for name, module in modules.items() if isinstance(module, PreTrainedModel)}
 
     allocated = 0
-    for module_name in sorted(needed, key=list(modules).index):
+    order = {name: index for index, name in enumerate(modules)}
+    for module_name in sorted(needed, key=order.get):
         module = modules[module_name]
         own = [key for key, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
         if any(tied.get(_join(module_name, key), _join(module_name, key)) != _join(module_name, key) for key in own):
@@ -108,6 +109,11 @@ def materialize(
                 if isinstance(tensor, DTensor):  # a shard: this process's part of the full tensor
                     if id(tensor) in filled:
                         continue
+                    if local_tensor(tensor).is_meta:
+                        raise ValueError(
+                            f"materialize: {_join(module_name, key)} is sharded on the meta device: allocate the "
+                            "shards first (model.to_empty(device=...) after fully_shard)"
+                        )
                     filled.add(id(tensor))
                     shard = distribute_tensor(value.detach(), tensor.device_mesh, tensor.placements, src_data_rank=None)
                     local_tensor(tensor).copy_(shard.to_local())
