@@ -179,6 +179,11 @@ def shards(rank: int, world_size: int) -> dict:
                 model = fsdp2_prepare_model(accelerator, model)
             else:
                 fully_shard_p2r(model, mesh=mesh)
+            if kind == "real":  # shards still on the meta device: refused, not filled silently
+                try:
+                    materialize(model, SEED)
+                except ValueError as error:
+                    out[f"{wrap}/unallocated"] = str(error)
             model.to_empty(device="cpu")
             allocated = materialize(model, SEED)
             local = materialized_bytes(model)
@@ -240,6 +245,11 @@ def test_fsdp2_shards_gathered_equal_the_one_process_model(sharded, case):
     assert run["count"] > 0 and run["differ"] == []
     # Each process allocated its shards (and the small unsharded buffers), about half the model, never all of it.
     assert run["allocated"] == run["local"] < 0.6 * run["whole_bytes"]
+
+
+@pytest.mark.parametrize("wrap", sorted(WRAPS))
+def test_shards_on_the_meta_device_are_refused(sharded, wrap):
+    assert "is sharded on the meta device: allocate the shards first" in sharded[f"{wrap}/unallocated"]
 
 
 def test_sharded_pipeline_stages_equal_the_one_process_model(tmp_path):
