@@ -301,6 +301,15 @@ class TrainArguments:
     eval_blocks: int = field(default=64, metadata={"help": "Validation blocks per evaluation, spread over the split."})
     save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Keep the newest N checkpoints (None: all)."})
+    checkpoint_format: Literal["accelerate", "dcp"] = field(
+        default="accelerate",
+        metadata={
+            "help": "How resume checkpoints are written: accelerate (Accelerate's save_state; a pipeline's stage-{rank}"
+            ".pt files; resumed by the same layout) or dcp (torch.distributed.checkpoint: every process writes its "
+            "shards under the model's global names; resumed by another data-parallel size, FSDP2 or one process, "
+            "another pipeline split or schedule). A resume reads either, whatever this says."
+        },
+    )
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none, tensorboard, wandb, all."})
     remote_code: bool = field(
         default=True, metadata={"help": "Save the modeling code with pseudo/ and real/ (trust_remote_code)."}
