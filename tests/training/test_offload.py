@@ -6,7 +6,7 @@ recomputation), the gradient hooks and the CPU optimizer all run as on a GPU. GP
 """
 
 import copy
-import time
+import threading
 import warnings
 
 import pytest
@@ -821,22 +821,22 @@ def test_overlapped_host_step_equals_training_without_offload(overrides, accumul
 
 
 def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
-    """A slowed-down worker (each block's step 30 ms late): `optimizer.step()` returns before the blocks are stepped,
-    each block's next forward starts only after its own step, `state_dict()` waits for all of them, and the result is
-    training without offload's."""
+    """A gated worker (the blocks' steps start 50 ms after `optimizer.step()` has returned, while the next forward or
+    `state_dict()` is already called): each block's next forward starts only after its own step, `state_dict()` waits
+    for the last step's blocks, and the result is training without offload's."""
     model, reference = tiny_model(**PSEUDO).train(), tiny_model(**PSEUDO).train()
     offload = GranularOffload(model, 1.0, overlap_step=True)
     optimizer = offload.build_optimizer(lr=1e-2, weight_decay=0.1)
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    events = []
+    events, gate = [], threading.Semaphore(0)
     step_block = offload._step_block
 
-    def slow(block, *args):
-        time.sleep(0.03)
+    def gated(block, *args):
+        gate.acquire()
         step_block(block, *args)
         events.append(("stepped", block.index))
 
-    monkeypatch.setattr(offload, "_step_block", slow)
+    monkeypatch.setattr(offload, "_step_block", gated)
     for index, layer in enumerate(decoder_layers(model)):
         layer.register_forward_pre_hook(lambda module, args, index=index: events.append(("forward", index)))
     for i, batch in enumerate(_batches(3)):
@@ -844,7 +844,10 @@ def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
         optimizer.step()
         events.append(("returned", i))
         assert all(p.grad is None for p in offload.offloaded_parameters)  # handed to the steps
+        assert len(offload._steps) == 2  # neither block stepped yet
         optimizer.zero_grad()
+        threading.Timer(0.05, gate.release, args=(2,)).start()  # the next forward (or state_dict) starts at once
+    saved = model.state_dict()  # waits for the last step's blocks
     for batch in _batches(3):
         reference(input_ids=batch, labels=batch).loss.backward()
         plain.step()
@@ -856,7 +859,6 @@ def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
         assert after[1:3] == [("stepped", 0), ("stepped", 1)]
         assert after.index(("stepped", 0)) < after.index(("forward", 0))
         assert after.index(("stepped", 1)) < after.index(("forward", 1))
-    saved = model.state_dict()
     for name, value in reference.state_dict().items():
         assert torch.equal(saved[name], value), name
     assert not offload._steps
