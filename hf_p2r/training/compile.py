@@ -27,7 +27,7 @@ engines call it after each delink) and reuse the graph already compiled.
 
 import functools
 from collections.abc import Callable
-from types import MethodType
+from types import FunctionType, MethodType
 
 import torch
 from torch import nn
@@ -50,7 +50,12 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> nn
 
 
 def _compiled_forward(backend, block: nn.Module, *args, **kwargs):
-    compiled = _compiled(forward_without_checkpointing(type(block)), backend)
+    forward = forward_without_checkpointing(type(block))
+    # One compiled function per set of dtypes the block's parameters hold now: granular offload swaps an offloaded
+    # block's parameters to working copies in the autocast dtype and back, on the same Parameter objects, and torch
+    # 2.11 does not guard on their dtype (a graph traced on bf16 copies ran on fp32 weights: "expected m1 and m2 to have
+    # the same dtype"); 2.13 does, and compiles the same graphs either way.
+    compiled = _compiled(backend, tuple(sorted({str(p.dtype) for p in block.parameters()})))
     outer = active_output_collector()  # read eagerly, before the compiled code runs
     calls = 0
 
@@ -58,19 +63,28 @@ def _compiled_forward(backend, block: nn.Module, *args, **kwargs):
         nonlocal calls
         calls += 1  # a second call is the checkpoint's recompute: what it records was recorded by the first
         with output_capture_for_compiled_code(outer, keep=calls == 1):
-            return compiled(block, *args, **kwargs)
+            return compiled(forward, block, *args, **kwargs)
 
     if not torch.is_grad_enabled():
         # Without grad, whether an input requires it changes nothing, but dynamo guards on it: the embeddings' output
         # does under activation checkpointing (transformers' `enable_input_require_grads`), the next depths' do not.
         args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
-    elif getattr(block, "gradient_checkpointing", False) and block.training:
+    elif getattr(block, "gradient_checkpointing", False) and block.training and forward is not type(block).forward:
+        # (Only where transformers checkpoints inside `forward`, which is what was left out of the compiled code.)
         # As transformers' wrapper does: a recomputed block must not write a cache a second time.
         kwargs.update(use_cache=False, **{name: None for name in ("cache", "past_key_values") if name in kwargs})
         return block._gradient_checkpointing_func(run, *args)
     return run(*args)
 
 
+def _run(forward: Callable, block: nn.Module, *args, **kwargs):
+    return forward(block, *args, **kwargs)
+
+
 @functools.cache
-def _compiled(forward: Callable, backend: str | Callable) -> Callable:
-    return torch.compile(forward, fullgraph=True, backend=backend)
+def _compiled(backend: str | Callable, dtypes: tuple[str, ...]) -> Callable:
+    """`_run` compiled, on a code object of its own for `dtypes` (dynamo keeps its graphs and guards per code object),
+    shared by every block class (dynamo guards on the forward it is given)."""
+    name = "_run_" + "_".join(dtype.removeprefix("torch.") for dtype in dtypes)
+    code = _run.__code__.replace(co_name=name, co_qualname=name)
+    return torch.compile(FunctionType(code, _run.__globals__, name), fullgraph=True, backend=backend)
