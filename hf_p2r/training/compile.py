@@ -41,8 +41,9 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> nn
     """Compile the forward of every decoder block of `model` (`model.base_model.layers`), in place; returns `model`.
 
     Each block's `forward` becomes an instance attribute that runs its class's `forward` compiled by
-    `torch.compile(fullgraph=True, backend=backend)`: one compiled function per class forward and backend, shared by
-    every block. Calling it again (after a delink) is harmless.
+    `torch.compile(fullgraph=True, backend=backend)`: one compiled function per backend and set of parameter dtypes,
+    shared by every block (a graph per block class, grad mode and autocast state). Calling it again (after a delink)
+    is harmless.
     """
     for block in model.base_model.layers:
         block.forward = MethodType(functools.partial(_compiled_forward, backend), block)
