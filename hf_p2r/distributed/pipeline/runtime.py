@@ -203,6 +203,57 @@ class Pipeline:
         a checkpoint, a delink, an evaluation or anything else that sends between the same processes."""
         self.schedule.drain()
 
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each batch's loss (`causal_lm_loss`: the token mean over the batch, what `P2RForCausalLM(input_ids,
+        labels=input_ids).loss` is) through this process's stages, forward only: on the last stage the list of losses,
+        None elsewhere. Every process of the pipeline passes the same `batches` (input ids).
+
+        The stages' modules run in eval mode on the weights they hold (2BW: the newest version, W(updated), installed
+        by `drain`, which runs first); hidden states go from stage to stage by point-to-point sends, as the schedules
+        send them, nothing else is gathered. Each process runs its stages batch by batch (its virtual stages in order),
+        receiving each input before running it and sending each output asynchronously, so the batches stream through
+        the stages; sharded stages gather each unit's weights for its forward (FSDP2) as in training, the same
+        forwards on every data-parallel peer.
+        """
+        self.drain()
+        ranks = dist.get_process_group_ranks(self.group)
+        num_stages, config = len(self.split), self.model_config
+        loss_fn = causal_lm_loss(config.vocab_size)
+        mine = [(stage.stage_index, module) for stage, module in zip(self.stages, self.modules, strict=True)]
+        device = self.stages[0].device
+        dtype = next(iter(self.parameters())).dtype
+        modes = [module.training for module in self.modules]
+        losses: list[torch.Tensor] = []
+        sends: list[tuple[int, dist.Work, torch.Tensor]] = []  # (batch, work, the tensor it sends: kept alive)
+        try:
+            for module in self.modules:
+                module.eval()
+            for index, ids in enumerate(batches):
+                # A send of two batches ago has been received: its receiver ran everything before (no deadlock).
+                while sends and sends[0][0] <= index - 2:
+                    sends.pop(0)[1].wait()
+                ids = ids.to(device)
+                for stage_index, module in mine:
+                    if stage_index == 0:
+                        hidden = ids
+                    else:
+                        hidden = torch.empty((*ids.shape, config.hidden_size), dtype=dtype, device=device)
+                        dist.recv(hidden, src=ranks[(stage_index - 1) % self.size], group=self.group)
+                    output = module(hidden)
+                    if stage_index == num_stages - 1:
+                        losses.append(loss_fn(output, ids).detach())
+                    else:
+                        output = output.contiguous()
+                        work = dist.isend(output, dst=ranks[(stage_index + 1) % self.size], group=self.group)
+                        sends.append((index, work, output))
+            for _, work, _ in sends:
+                work.wait()
+        finally:
+            for module, mode in zip(self.modules, modes, strict=True):
+                module.train(mode)
+        return losses if self.is_last else None
+
     def refresh(self) -> None:
         """Recompute the replica groups after the stages' layout changed (the delink)."""
         self.replicas = _replica_groups(self)
