@@ -8,8 +8,8 @@ of the same seed has: `hf_p2r.distributed.materialize`); every process of a pipe
 stages' mean loss is shared by one collective with the stop signal. The delink is `delink_pipeline` (each stage its
 own blocks, the optimizer state carried by the one carry); a checkpoint is one file per process beside
 `trainer_state.json` (a sharded stage's file holds its shards); `pseudo/` and `real/` are ordinary checkpoints
-written by the first process from the gathered weights. The validation loss is computed by each pipeline's first
-process on the gathered model (cheap at the sizes a CPU pipeline runs; a pipelined evaluation is future work).
+written by the first process from the gathered weights. The validation loss is computed through the stages themselves
+(forward only, `Pipeline.evaluate`): no process holds the whole model for it.
 
 Launch with `torchrun --nproc-per-node 2 -m hf_p2r.train --config ... --pipeline_parallel_size 2` or
 `accelerate launch --num_processes 2 -m hf_p2r.train ...` (Accelerate only starts the processes and the group here).
@@ -143,35 +143,24 @@ class PipelineEngine(Engine):
     def delink_note(self) -> str:
         return f" in every stage (optimizer_carry={self.args.optimizer_carry})"
 
-    def _gathered_model(self) -> nn.Module | None:
-        """The whole model on the first process (None elsewhere): a collective."""
-        self.pipeline.drain()
-        weights = gather_state_dict(self.pipeline)
-        if weights is None:
-            return None
-        config = pipeline_model_config(self.pipeline)
-        if config.tie_word_embeddings:  # the head is gathered under the embeddings' name
-            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-        model = self.pipeline.model_class(config)
-        model.load_state_dict(weights)
-        return model.eval()
-
     @torch.no_grad()
     def evaluate(self, blocks) -> float:
-        """Mean validation loss over `eval_blocks` blocks spread over the split, on the gathered model (first
-        process), shared with every process."""
+        """Mean validation loss over `eval_blocks` blocks spread over the split, through the pipeline's own stages
+        (`Pipeline.evaluate`: forward only, hidden states sent from stage to stage, nothing gathered; 2BW: the newest
+        weights), in batches of `per_device_batch_size`, each batch's token mean weighted by its blocks; every pipeline
+        runs every batch (sharded stages gather their weights with their data-parallel peers), the first pipeline's
+        last stage's mean is shared with every process."""
         args, pipeline = self.args, self.pipeline
-        model = self._gathered_model()
+        count = min(len(blocks), args.eval_blocks)
+        chosen = [index * len(blocks) // count for index in range(count)]
+        size = args.per_device_batch_size
+        batches = [blocks[chosen[start : start + size]]["input_ids"] for start in range(0, count, size)]
+        losses = pipeline.evaluate(batches)
         value = torch.zeros(1)
-        if model is not None:
-            count = min(len(blocks), args.eval_blocks)
-            chosen = [index * len(blocks) // count for index in range(count)]
-            total = 0.0
-            for start in range(0, count, args.per_device_batch_size):
-                ids = blocks[chosen[start : start + args.per_device_batch_size]]["input_ids"]
-                total += model(input_ids=ids, labels=ids).loss.item() * len(ids)
-            value[0] = total / count
-        dist.broadcast(value, src=dist.get_process_group_ranks(pipeline.group)[0], group=pipeline.group)
+        if losses is not None:
+            value[0] = sum(loss.item() * len(ids) for loss, ids in zip(losses, batches, strict=True)) / count
+        last = pipeline.pipelines[0][(len(pipeline.split) - 1) % pipeline.size]  # the last stage of the first pipeline
+        dist.broadcast(value, src=last)
         return value.item()
 
     def weights(self):
