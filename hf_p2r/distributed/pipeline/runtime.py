@@ -252,6 +252,8 @@ class Pipeline:
         finally:
             for module, mode in zip(self.modules, modes, strict=True):
                 module.train(mode)
+                if self.sharded:  # FSDP2 keeps a root's weights gathered after a forward (for the backward)
+                    module.reshard()
         return losses if self.is_last else None
 
     def refresh(self) -> None:
