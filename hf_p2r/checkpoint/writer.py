@@ -122,7 +122,7 @@ def write_file(
                 if key in first:  # an earlier name's bytes: copied by the kernel within the file
                     copy_range(fd, first[key], fd, offset, nbytes, reflink=False, stop=stop)
                 else:
-                    _write_tensor(fd, offset, tensor, dtype, buffer, stop)
+                    write_tensor(fd, offset, tensor, dtype, buffer, stop)
                     first[key] = offset
             except OSError as error:
                 raise OSError(error.errno, error.strerror, str(path)) from None
@@ -130,8 +130,10 @@ def write_file(
         os.close(fd)
 
 
-def _write_tensor(fd: int, offset: int, tensor: torch.Tensor, dtype: torch.dtype, buffer: list, stop) -> None:
-    """Write `tensor`'s bytes in `dtype` at `offset` of `fd`, piece by piece, looking at `stop` between pieces."""
+def write_tensor(fd: int, offset: int, tensor: torch.Tensor, dtype: torch.dtype, buffer: list, stop=None) -> None:
+    """Write `tensor`'s bytes in `dtype` at `offset` of `fd`, piece by piece, looking at `stop` between pieces (a
+    `threading.Event`, or None). `buffer`: an empty list the first call fills with the 16 MB conversion buffer, passed
+    again to reuse it. Also what `sharded_write` writes a process's rows of a tensor with."""
     if _writable_as_is(tensor, dtype):  # from its own memory, in pieces
         nbytes = tensor.numel() * tensor.element_size()
         for start in range(0, nbytes, _PIECE):
