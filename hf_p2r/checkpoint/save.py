@@ -7,7 +7,7 @@ generation config through transformers, the model code through transformers' own
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ def save_model(
     tokenizer: PreTrainedTokenizerBase | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    write_weights: Callable[[Path, dict[str, torch.Tensor]], object] | None = None,
 ) -> Path:
     """Save `model` as a checkpoint folder that `from_pretrained` loads, atomically; returns the folder.
 
@@ -48,8 +49,11 @@ def save_model(
     - the tokenizer's files, when `tokenizer` is given.
 
     Neither the model nor its config is modified. A non-empty `folder` is refused unless `overwrite`. For a model
-    sharded across processes (FSDP2, ZeRO-3), gather the full state dict on every process (a collective, e.g.
-    `accelerator.get_state_dict(model)`) and call this on the main process only with it.
+    sharded across processes (FSDP2, pipeline stages), `sharded_write.save_model_from_shards` writes each process's
+    pieces, never the whole state dict in one process: it passes `write_weights(folder, tensors)`, which replaces
+    `write_checkpoint(folder, tensors)` here (`folder`: the temporary folder; `tensors`: the names to write, in order,
+    as meta tensors are enough: names, dtypes, shapes). Under ZeRO-3, gather the full state dict on every process (a
+    collective, e.g. `accelerator.get_state_dict(model)`) and call this on the main process only with it.
 
     ```python
     >>> save_model(model, "out", tokenizer=tokenizer, remote_code=True)
@@ -75,7 +79,10 @@ def save_model(
         config.dtype = str(floating[0]).removeprefix("torch.")
 
     with atomic_directory(folder, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, progress=progress)
+        if write_weights is not None:
+            write_weights(tmp, tensors)
+        else:
+            write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, progress=progress)
         if remote_code:
             _save_code(model_class, config, tmp)
         config.save_pretrained(tmp)
