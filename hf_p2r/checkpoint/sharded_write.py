@@ -1,0 +1,228 @@
+"""A checkpoint folder written cooperatively by the processes that hold the model in pieces (pipeline stages, FSDP2
+shards), never the whole state dict in one process's memory.
+
+Every process passes the tensors it holds under the model's global names: whole tensors (a pipeline stage's, replicas
+allowed: a shared block on several stages, a stage on several data-parallel pipelines) or FSDP2 DTensors sharded on
+their first dimension (`Shard(0)`, possibly over several mesh dimensions, or replicated over some). Sharded on the
+first dimension, a process's rows are one contiguous byte range of the tensor in a safetensors file, so:
+
+1. the processes exchange what they hold (names, dtypes, shapes and row ranges: metadata, no weights);
+2. the first process plans the files as `write_checkpoint` plans them (the same names in the same order, so the same
+   shards and headers), creates each in the temporary folder of `atomic_directory` with its header and its blocks
+   allocated, and tells the others where they are;
+3. every range is written by one process (the lowest rank holding it), with `writer.write_tensor` straight from the
+   tensor's memory (CPU, contiguous, same dtype) or through one 16 MB buffer (a GPU tensor);
+4. after all have written (one collective, which also carries a failure anywhere), the first process writes the index,
+   config, generation config, code and tokenizer (`save.save_model`'s own), and renames the folder into place.
+
+The folder is the one `save_model` writes from the gathered state dict, tensor for tensor (tested: bit for bit). The
+folder must be on a filesystem every process sees (one machine, or a shared filesystem across machines).
+"""
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from .headers import DTYPE_CODE_OF, build_header, parse_size, plan_shards, write_index
+from .ranges import allocate, write_all
+from .save import save_model
+from .writer import write_tensor
+
+Rows = tuple[int, int]  # [start, stop) along the first dimension (a 0-d tensor: (0, 1))
+
+
+def save_model_from_shards(
+    model: PreTrainedModel,
+    folder: str | os.PathLike,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    max_shard_size: int | str = "5GB",
+    **save_kwargs,
+) -> Path:
+    """Write the checkpoint folder of `model` (its config and class: a skeleton on the meta device is enough) whose
+    weights the processes of `group` (default: all) hold in pieces; `tensors` are this process's, under the model's
+    names (see the module docstring). Call on every process of `group`; returns the folder, complete, on every
+    process. `save_kwargs` go to `save_model` (`tokenizer`, `remote_code`, `config`, `overwrite`, `progress`).
+
+    What no process holds (a missing name or rows) and pieces that disagree (dtype, shape) raise `ValueError` on every
+    process before anything is written; a failure while writing, on any process, fails every process, and the
+    temporary folder is removed (`atomic_directory`).
+
+    ```python
+    >>> with torch.device("meta"):
+    ...     skeleton = P2RForCausalLM(config)
+    >>> save_model_from_shards(skeleton, "out/real", dict(pipeline.named_parameters()), tokenizer=tokenizer)
+    ```
+    """
+    max_shard_size = parse_size(max_shard_size)
+    mine = {name: _local_rows(name, tensor) for name, tensor in tensors.items()}
+    held: list = [None] * dist.get_world_size(group)
+    described = {name: (str(local.dtype).removeprefix("torch."), shape, rows) for name, (local, shape, rows) in
+                 mine.items()}  # fmt: skip
+    dist.all_gather_object(held, described, group=group)  # metadata only
+    specs, writers = assign_writers(held)  # the same answer (or error) on every process
+    rank = dist.get_rank(group)
+    assigned = {name for (name, _), writer in writers.items() if writer == rank}
+    if rank != 0:
+        where = _broadcast(None, group)
+        if where is None:  # the first process failed before creating the files
+            _broadcast(None, group)
+            raise RuntimeError(f"{folder}: the first process failed before the weights were written (its error says)")
+        failed = _write_pieces(Path(where[0]), where[1], mine, assigned, group)
+        if not _broadcast(None, group) and not failed:
+            raise RuntimeError(f"{folder}: the first process failed to finish the folder (its error says why)")
+        if failed:
+            raise RuntimeError(f"{folder}: a process failed to write its part of the weights (its error says why)")
+        return Path(folder)
+
+    created = [False]
+
+    def write_weights(tmp: Path, names: dict[str, torch.Tensor]) -> None:
+        shards = plan_shards({name: (DTYPE_CODE_OF[specs[name][0]], specs[name][1]) for name in names}, max_shard_size)
+        offsets = {filename: _create_file(tmp / filename, specs, names) for filename, names in shards.files.items()}
+        created[0] = True
+        _broadcast((str(tmp), offsets), group)
+        if _write_pieces(tmp, offsets, mine, assigned, group):
+            raise RuntimeError(f"{folder}: a process failed to write its part of the weights (its error says why)")
+        write_index(tmp, shards)
+
+    skeleton = {name: torch.empty(specs[name][1], dtype=getattr(torch, specs[name][0]), device="meta") for name in
+                _model_order(model, specs)}  # fmt: skip
+    try:
+        save_model(model, folder, state_dict=skeleton, max_shard_size=max_shard_size, write_weights=write_weights,
+                   **save_kwargs)  # fmt: skip
+    except BaseException:
+        if not created[0]:
+            _broadcast(None, group)  # no files: the others stop waiting for them
+        _broadcast(False, group)
+        raise
+    _broadcast(True, group)
+    return Path(folder)
+
+
+def assign_writers(held: list[dict]) -> tuple[dict[str, tuple[str, tuple]], dict[tuple[str, Rows], int]]:
+    """From what each process holds (`held[rank]`: {name: (dtype, shape, rows)}): every name's (dtype, shape), and
+    {(name, rows): the rank that writes them}. A name some process holds whole is written by the lowest such rank;
+    else its distinct row ranges, each by the lowest rank holding it, must tile the first dimension. ValueError
+    naming the tensor otherwise."""
+    specs: dict[str, tuple[str, tuple]] = {}
+    pieces: dict[str, dict[Rows, int]] = {}
+    for rank, described in enumerate(held):
+        for name, (dtype, shape, rows) in described.items():
+            spec = (dtype, tuple(shape))
+            if specs.setdefault(name, spec) != spec:
+                raise ValueError(f"{name}: processes hold it as {specs[name]} and as {spec} (dtype, shape)")
+            pieces.setdefault(name, {}).setdefault(tuple(rows), rank)
+    writers: dict[tuple[str, Rows], int] = {}
+    for name, ranges in pieces.items():
+        length = _rows_of(specs[name][1])
+        if (0, length) in ranges:
+            writers[name, (0, length)] = ranges[0, length]
+            continue
+        end = 0
+        for start, stop in sorted(rows for rows in ranges if rows[0] < rows[1]):
+            if start != end:
+                raise ValueError(f"{name}: no process holds rows {end} to {start} of its {length}")
+            writers[name, (start, stop)] = ranges[start, stop]
+            end = stop
+        if end != length:
+            raise ValueError(f"{name}: no process holds rows {end} to {length} of its {length}")
+    return specs, writers
+
+
+def _local_rows(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], Rows]:
+    """(this process's piece as a plain tensor, the whole tensor's shape, the rows of it the piece holds)."""
+    shape = tuple(tensor.shape)
+    if not isinstance(tensor, DTensor):
+        return tensor.detach(), shape, (0, _rows_of(shape))
+    start, stop = 0, _rows_of(shape)
+    mesh = tensor.device_mesh
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard(0) or not shape:
+            raise ValueError(f"{name}: placed as {placement}; only shards of the first dimension are written")
+        # torch.chunk's split, as DTensor's Shard places the rows
+        chunk = math.ceil((stop - start) / mesh.size(dim))
+        start = min(start + mesh.get_local_rank(dim) * chunk, stop)
+        stop = min(start + chunk, stop)
+    local = tensor.to_local().detach()
+    if shape and local.shape[0] != stop - start:
+        raise ValueError(f"{name}: its local piece has {local.shape[0]} rows, its placement gives {stop - start}")
+    return local, shape, (start, stop)
+
+
+def _rows_of(shape: tuple[int, ...]) -> int:
+    return shape[0] if shape else 1
+
+
+def _model_order(model: PreTrainedModel, specs: Mapping) -> list[str]:
+    """The names to write: the model's state dict order (what `save_pretrained` writes), then any other, sorted."""
+    order = [name for name in model.state_dict() if name in specs]
+    return order + sorted(set(specs) - set(order))
+
+
+def _create_file(path: Path, specs: Mapping, names: list[str]) -> dict[str, int]:
+    """Create the safetensors file `path` for `names`: its header (what `write_checkpoint` writes) and its blocks
+    allocated; returns {name: offset of its data in the file}."""
+    raw, offsets = build_header({name: (DTYPE_CODE_OF[specs[name][0]], specs[name][1]) for name in names},
+                                {"format": "pt"})  # fmt: skip
+    size = len(raw) + sum(math.prod(specs[name][1]) * getattr(torch, specs[name][0]).itemsize for name in names)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        try:
+            os.ftruncate(fd, size)
+            allocate(fd, len(raw), size - len(raw))  # a full disk fails here, before any tensor is written
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        write_all(fd, raw, 0, path)
+    finally:
+        os.close(fd)
+    return offsets
+
+
+def _write_pieces(folder: Path, offsets: Mapping[str, Mapping[str, int]], mine: Mapping, assigned: set, group) -> bool:
+    """Write this process's assigned rows into the files the first process created, then learn whether every
+    process succeeded (a collective): True when one failed (this one's error is raised after the collective)."""
+    error = None
+    try:
+        buffer: list = []
+        for filename, places in offsets.items():
+            names = [name for name in places if name in assigned]
+            if not names:
+                continue
+            fd = os.open(folder / filename, os.O_WRONLY)
+            try:
+                for name in names:
+                    local, shape, (start, _) = mine[name]
+                    row_bytes = math.prod(shape[1:]) * local.element_size()
+                    try:
+                        write_tensor(fd, places[name] + start * row_bytes, local, local.dtype, buffer)
+                    except OSError as failure:
+                        raise OSError(failure.errno, failure.strerror, str(folder / filename)) from None
+            finally:
+                os.close(fd)
+    except BaseException as failure:  # the others must still meet this process at the collective below
+        error = failure
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, error is None, group=group)
+    if error is not None:
+        raise error
+    return not all(outcomes)
+
+
+def _broadcast(value, group):
+    """`value` of the group's first process, on every process of `group`."""
+    box = [value]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
+
+
+__all__ = ["assign_writers", "save_model_from_shards"]

@@ -1,0 +1,195 @@
+"""`save_model_from_shards` (hf_p2r.checkpoint.sharded_write) on two CPU processes (gloo): the folder written from a
+2-stage pipeline's stages and from FSDP2 shards equals the folder `save_model` writes from the gathered state dict
+(every file byte for byte, so every tensor bit for bit) and loads with `from_pretrained`; and the peak memory of the
+write (VmHWM above the resident size before it, not a timing) stays far below the whole model's bytes, where the
+gathered write's first process holds the whole state dict.
+"""
+
+import filecmp
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from hf_p2r import P2RForCausalLM
+from hf_p2r.checkpoint import save_model
+from hf_p2r.checkpoint.sharded_write import assign_writers, save_model_from_shards
+from hf_p2r.distributed import fully_shard_p2r
+from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_model_config
+
+from ..conftest import tiny_config
+from ..distributed import spawn
+
+PATTERNS = {
+    "real": {},
+    "cycle": dict(share_layers=True, num_unique_layers=2, sharing_pattern="cycle"),
+    "tied": dict(tie_word_embeddings=True),
+}
+SMALL_SHARDS = 20_000  # bytes: a tiny model in several files and an index
+SEQ = 16
+
+
+def model_of(pattern: str, **overrides) -> P2RForCausalLM:
+    torch.manual_seed(0)
+    return P2RForCausalLM(tiny_config(num_hidden_layers=4, **PATTERNS[pattern], **overrides)).train()
+
+
+def train_steps(params, step, batches: int = 2) -> None:
+    """A few AdamW steps, so that the weights written are not the initialisation."""
+    optimizer = torch.optim.AdamW(list(params), lr=1e-2)
+    for seed in range(batches):
+        step(torch.randint(0, 101, (4, SEQ), generator=torch.Generator().manual_seed(seed)))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def same_folders(first: Path, second: Path) -> dict:
+    """{files: the two folders' file names equal, bytes: every file equal byte for byte, tensors: every tensor of
+    the loaded models equal (torch.equal)}."""
+    names = sorted(path.name for path in first.iterdir())
+    out = {"files": names == sorted(path.name for path in second.iterdir()), "count": len(names)}
+    out["bytes"] = out["files"] and all(filecmp.cmp(first / name, second / name, shallow=False) for name in names)
+    one, other = P2RForCausalLM.from_pretrained(first), P2RForCausalLM.from_pretrained(second)
+    weights = other.state_dict()
+    out["tensors"] = all(torch.equal(tensor, weights[name]) for name, tensor in one.state_dict().items())
+    return out
+
+
+def pipeline_folders(folder: str) -> dict:
+    """A 2-stage 1F1B pipeline trained two steps: its folder written from the stages against the gathered write."""
+    out = {}
+    for pattern in PATTERNS:
+        for shard_size in ("5GB", SMALL_SHARDS):
+            pipeline = build_pipeline(model_of(pattern), schedule="1f1b", num_microbatches=2, seq_len=SEQ)
+            train_steps(pipeline.parameters(), pipeline.step)
+            with torch.device("meta"):
+                skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
+            cooperative, gathered = Path(f"{folder}/{pattern}-{shard_size}"), Path(f"{folder}/{pattern}-{shard_size}-g")
+            save_model_from_shards(
+                skeleton, cooperative, dict(pipeline.named_parameters()), max_shard_size=shard_size, progress=False
+            )
+            weights = gather_state_dict(pipeline)
+            if weights is not None:
+                save_model(skeleton, gathered, state_dict=weights, max_shard_size=shard_size, progress=False)
+                out[f"{pattern}/{shard_size}"] = same_folders(cooperative, gathered)
+            dist.barrier()
+    return out
+
+
+def fsdp2_folders(folder: str) -> dict:
+    """FSDP2 over two processes (vocab 101: uneven shards of 51 and 50 rows), one AdamW step: the folder written from
+    the shards against `save_model` of the gathered (full_tensor) state dict."""
+    out = {}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for pattern in PATTERNS:
+        model = fully_shard_p2r(model_of(pattern), mesh=mesh)
+        train_steps(model.parameters(), lambda ids, model=model: model(input_ids=ids, labels=ids).loss.backward(), 1)
+        cooperative, gathered = Path(f"{folder}/fsdp-{pattern}"), Path(f"{folder}/fsdp-{pattern}-g")
+        save_model_from_shards(model, cooperative, model.state_dict(), max_shard_size=SMALL_SHARDS, progress=False)
+        full = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+        if dist.get_rank() == 0:
+            save_model(model, gathered, state_dict=full, max_shard_size=SMALL_SHARDS, progress=False)
+            out[pattern] = same_folders(cooperative, gathered)
+        dist.barrier()
+    return out
+
+
+def peak_above_resident(action) -> int:
+    """Bytes the process's peak resident size (VmHWM, reset first) rose above its resident size during `action`."""
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    before = _status("VmRSS")
+    action()
+    return _status("VmHWM") - before
+
+
+def _status(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def peak_memory(folder: str) -> dict:
+    """A 2-stage pipeline of a ~100 MB fp32 model: each process's peak memory above its resident size while writing
+    the folder from its stages, and while the gathered write runs (the first process gathers and writes)."""
+    config = dict(vocab_size=16000, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                  num_key_value_heads=8)  # fmt: skip
+    pipeline = build_pipeline(model_of("real", **config), schedule="1f1b", num_microbatches=2, seq_len=SEQ)
+    with torch.device("meta"):
+        skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
+    model_bytes = sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
+    mine = dict(pipeline.named_parameters())
+    held = sum(t.numel() * t.element_size() for t in mine.values())
+    dist.barrier()
+    cooperative = peak_above_resident(
+        lambda: save_model_from_shards(skeleton, f"{folder}/big", mine, progress=False),
+    )
+
+    def gathered_write():
+        weights = gather_state_dict(pipeline)
+        if weights is not None:
+            save_model(skeleton, f"{folder}/big-g", state_dict=weights, progress=False)
+        dist.barrier()
+
+    gathered = peak_above_resident(gathered_write)
+    figures = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, {"held": held, "cooperative": cooperative, "gathered": gathered})
+    return {"model_bytes": model_bytes, "processes": figures}
+
+
+def two_processes(rank: int, world: int) -> dict:
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    return {
+        "pipeline": pipeline_folders(folder[0]),
+        "fsdp2": fsdp2_folders(folder[0]),
+        "memory": peak_memory(folder[0]),
+    }
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return spawn.run(two_processes, 2, tmp_path_factory.mktemp("sharded-write"))
+
+
+@pytest.mark.parametrize("case", [f"{p}/{s}" for p in PATTERNS for s in ("5GB", SMALL_SHARDS)])
+def test_a_pipelines_folder_written_from_its_stages_equals_the_gathered_write(two, case):
+    result = two["pipeline"][case]
+    assert result["files"] and result["bytes"] and result["tensors"], result
+    assert result["count"] > (4 if case.endswith(str(SMALL_SHARDS)) else 1)  # the small case: shards and an index
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_a_folder_written_from_fsdp2_shards_equals_the_gathered_write(two, pattern):
+    result = two["fsdp2"][pattern]
+    assert result["files"] and result["bytes"] and result["tensors"], result
+
+
+def test_no_process_holds_the_whole_state_dict_while_writing(two):
+    """Each process writes from the tensors it holds: its peak rises by far less than the model (measured: see the
+    report), where the gathered write's first process holds the whole state dict (its peak rises by more than the
+    model's bytes)."""
+    memory = two["memory"]
+    model_bytes = memory["model_bytes"]
+    assert model_bytes > 90e6
+    for figures in memory["processes"]:
+        assert figures["held"] < 0.7 * model_bytes  # each process holds one stage
+        assert figures["cooperative"] < 0.1 * model_bytes, figures
+    assert memory["processes"][0]["gathered"] > 0.5 * model_bytes, memory
+
+
+def test_writers_are_assigned_once_per_range_and_gaps_are_refused():
+    held = [
+        {"a": ("float32", (5, 2), (0, 3)), "b": ("float32", (4,), (0, 4))},
+        {"a": ("float32", (5, 2), (3, 5)), "b": ("float32", (4,), (0, 4))},
+    ]
+    specs, writers = assign_writers(held)
+    assert specs == {"a": ("float32", (5, 2)), "b": ("float32", (4,))}
+    assert writers == {("a", (0, 3)): 0, ("a", (3, 5)): 1, ("b", (0, 4)): 0}
+    held[1]["a"] = ("float32", (5, 2), (4, 5))
+    with pytest.raises(ValueError, match=r"^a: no process holds rows 3 to 4 of its 5$"):
+        assign_writers(held)
+    held[1]["a"] = ("bfloat16", (5, 2), (3, 5))
+    with pytest.raises(ValueError, match=r"^a: processes hold it as"):
+        assign_writers(held)
