@@ -8,8 +8,8 @@ of the same seed has: `hf_p2r.distributed.materialize`); every process of a pipe
 stages' mean loss is shared by one collective with the stop signal. The delink is `delink_pipeline` (each stage its
 own blocks, the optimizer state carried by the one carry); a checkpoint is one file per process beside
 `trainer_state.json` (a sharded stage's file holds its shards); `pseudo/` and `real/` are ordinary checkpoints
-written by the first process from the gathered weights. The validation loss is computed through the stages themselves
-(forward only, `Pipeline.evaluate`): no process holds the whole model for it.
+written from the stages, each process its weights (`hf_p2r.checkpoint.sharded_write`). The validation loss is
+computed through the stages themselves (forward only, `Pipeline.evaluate`): no process holds the whole model for it.
 
 Launch with `torchrun --nproc-per-node 2 -m hf_p2r.train --config ... --pipeline_parallel_size 2` or
 `accelerate launch --num_processes 2 -m hf_p2r.train ...` (Accelerate only starts the processes and the group here).
@@ -23,16 +23,16 @@ from accelerate import Accelerator
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from ...checkpoint.sharded_write import save_model_from_shards
 from ...distributed.pipeline import (
     Pipeline,
     build_pipeline,
-    gather_state_dict,
     load_pipeline_state,
     pipeline_mesh,
     pipeline_model_config,
     pipeline_state,
 )
-from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, write_model
+from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint
 from ..config import TrainConfig
 from ..delink import delink_pipeline
 from ..optim import build_optimizer, shared_lr_scales
@@ -170,14 +170,21 @@ class PipelineEngine(Engine):
         return pipeline_state(self.pipeline, self.optimizer)
 
     def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-        """One ordinary checkpoint, written by the first process from the gathered weights."""
+        """One ordinary checkpoint written from the stages (`save_model_from_shards`): each process writes its
+        stages' weights (a sharded stage: its shards; a replica once) into the folder's files, the first process the
+        config and tokenizer; no process gathers the model. 2BW: its newest weights (`drain`)."""
         self.pipeline.drain()
-        weights = gather_state_dict(self.pipeline)
-        skeleton = None
-        if weights is not None:
-            with torch.device("meta"):
-                skeleton = self.pipeline.model_class(pipeline_model_config(self.pipeline))
-        write_model(self.accelerator, skeleton, tokenizer, directory, self.args.remote_code, weights)
+        with torch.device("meta"):
+            skeleton = self.pipeline.model_class(pipeline_model_config(self.pipeline))
+        save_model_from_shards(
+            skeleton,
+            directory,
+            dict(self.pipeline.named_parameters()),
+            tokenizer=tokenizer,
+            remote_code=self.args.remote_code,
+            overwrite=True,
+            progress=False,
+        )
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
         """`stage-{rank}.pt` per process (`training_state`: its `pipeline_state`) and `trainer_state.json`."""
