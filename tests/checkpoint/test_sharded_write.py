@@ -20,9 +20,11 @@ from hf_p2r.checkpoint import save_model
 from hf_p2r.checkpoint.sharded_write import assign_writers, save_model_from_shards
 from hf_p2r.distributed import fully_shard_p2r
 from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_model_config
+from hf_p2r.training import parse_config, train
 
 from ..conftest import tiny_config
 from ..distributed import spawn
+from ..training.helpers import tiny_argv
 
 PATTERNS = {
     "real": {},
@@ -138,6 +140,48 @@ def peak_memory(folder: str) -> dict:
     return {"model_bytes": model_bytes, "processes": figures}
 
 
+def refused_on_every_process(folder: str) -> dict:
+    """A destination that is not empty (no overwrite): the first process's FileExistsError, the other's one line,
+    nothing written."""
+    destination = Path(f"{folder}/taken")
+    if dist.get_rank() == 0:
+        destination.mkdir()
+        (destination / "keep.txt").write_text("mine")
+    dist.barrier()
+    pipeline = build_pipeline(model_of("real"), schedule="1f1b", num_microbatches=2, seq_len=SEQ)
+    with torch.device("meta"):
+        skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
+    try:
+        save_model_from_shards(skeleton, destination, dict(pipeline.named_parameters()), progress=False)
+        error = None
+    except (FileExistsError, RuntimeError) as failure:
+        error = f"{type(failure).__name__}: {failure}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return {"errors": errors, "left": sorted(path.name for path in Path(folder).iterdir() if "taken" in path.name)}
+
+
+def trainer_real_folder(folder: str) -> dict:
+    """The pipelined trainer (2 stages, 1F1B, delinked at step 1): real/ written from the stages, against the
+    final checkpoint's stage files (each process's weights)."""
+    output_dir = f"{folder}/run"
+    fields = dict(pipeline_schedule="1f1b", num_microbatches=2, shared_lr_scale="none", num_unique_layers=2)
+    argv = tiny_argv(output_dir, pipeline_parallel_size=2, pseudo_steps=1, real_steps=1, eval_steps=0, **fields)
+    assert train(parse_config(argv)) == 0
+    if dist.get_rank() != 0:
+        return {}
+    stages = {}
+    for part in sorted(Path(output_dir, "checkpoints", "checkpoint-2").glob("stage-*.pt")):
+        stages.update(torch.load(part, weights_only=True)["weights"])
+    real = P2RForCausalLM.from_pretrained(f"{output_dir}/real")
+    weights = real.state_dict()
+    return {
+        "names": sorted(stages) == sorted(name for name in weights if name != "lm_head.weight" or name in stages),
+        "equal": all(torch.equal(tensor, weights[name]) for name, tensor in stages.items()),
+        "pseudo_blocks": P2RForCausalLM.from_pretrained(f"{output_dir}/pseudo").config.num_unique_layers,
+    }
+
+
 def two_processes(rank: int, world: int) -> dict:
     folder = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(folder)
@@ -145,6 +189,8 @@ def two_processes(rank: int, world: int) -> dict:
         "pipeline": pipeline_folders(folder[0]),
         "fsdp2": fsdp2_folders(folder[0]),
         "memory": peak_memory(folder[0]),
+        "refused": refused_on_every_process(folder[0]),
+        "trainer": trainer_real_folder(folder[0]),
     }
 
 
@@ -193,3 +239,16 @@ def test_writers_are_assigned_once_per_range_and_gaps_are_refused():
     held[1]["a"] = ("bfloat16", (5, 2), (3, 5))
     with pytest.raises(ValueError, match=r"^a: processes hold it as"):
         assign_writers(held)
+
+
+def test_a_refused_destination_fails_every_process_and_writes_nothing(two):
+    refused = two["refused"]
+    assert refused["errors"][0].startswith("FileExistsError: ") and "folder is not empty" in refused["errors"][0]
+    assert refused["errors"][1].startswith("RuntimeError: ") and "the first process failed" in refused["errors"][1]
+    assert refused["left"] == ["taken"]  # no temporary folder left beside it
+
+
+def test_the_pipelined_trainer_writes_pseudo_and_real_from_its_stages(two):
+    trainer = two["trainer"]
+    assert trainer["names"] and trainer["equal"]
+    assert trainer["pseudo_blocks"] == 2
