@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from transformers import PreTrainedTokenizerBase
 
+from ...checkpoint.sharded_write import save_model_from_shards
 from ...distributed import gather_shared_once
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
@@ -182,7 +183,21 @@ class AccelerateEngine(Engine):
         return [self.model.parameters(), self.optimizer.state]
 
     def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        """`pseudo/` or `real/`. Under FSDP2 each process writes its shards (`save_model_from_shards`), no process
+        gathers the model; MoE models (written under Mixtral's per-expert names, a conversion of whole tensors),
+        DeepSpeed, DDP and one process: the main process writes the gathered state dict (`save_model`)."""
         model = self.accelerator.unwrap_model(self.model)
+        if self.accelerator.is_fsdp2 and not self.config.model.num_experts:
+            save_model_from_shards(
+                model,
+                directory,
+                model.state_dict(),  # DTensors: this process's shards
+                tokenizer=tokenizer,
+                remote_code=self.args.remote_code,
+                overwrite=True,
+                progress=False,
+            )
+            return
         save_model(self.accelerator, model, tokenizer, directory, self.args.remote_code)
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
