@@ -9,6 +9,7 @@ import filecmp
 import re
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hf_p2r.checkpoint.sharded_write import assign_writers, save_model_from_shar
 from hf_p2r.distributed import fully_shard_p2r
 from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_model_config
 from hf_p2r.training import parse_config, train
+from hf_p2r.training.engines.accelerate import AccelerateEngine
 
 from ..conftest import tiny_config
 from ..distributed import spawn
@@ -97,6 +99,19 @@ def fsdp2_folders(folder: str) -> dict:
             save_model(model, gathered, state_dict=full, max_shard_size=SMALL_SHARDS, progress=False)
             out[pattern] = same_folders(cooperative, gathered)
         dist.barrier()
+    # The Accelerate engine's FSDP2 branch (on CPU Accelerate turns FSDP off, so its `save_model` is called on a
+    # stand-in engine whose accelerator reports FSDP2) against the gathered write of one shard size.
+    engine = SimpleNamespace(
+        accelerator=SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module),
+        model=model,
+        config=SimpleNamespace(model=SimpleNamespace(num_experts=0)),
+        args=SimpleNamespace(remote_code=False),
+    )
+    AccelerateEngine.save_model(engine, Path(f"{folder}/fsdp-engine"), tokenizer=None)
+    if dist.get_rank() == 0:
+        save_model(model, f"{folder}/fsdp-engine-g", state_dict=full, progress=False)
+        out["engine"] = same_folders(Path(f"{folder}/fsdp-engine"), Path(f"{folder}/fsdp-engine-g"))
+    dist.barrier()
     return out
 
 
@@ -206,7 +221,7 @@ def test_a_pipelines_folder_written_from_its_stages_equals_the_gathered_write(tw
     assert result["count"] > (4 if case.endswith(str(SMALL_SHARDS)) else 1)  # the small case: shards and an index
 
 
-@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("pattern", [*PATTERNS, "engine"])
 def test_a_folder_written_from_fsdp2_shards_equals_the_gathered_write(two, pattern):
     result = two["fsdp2"][pattern]
     assert result["files"] and result["bytes"] and result["tensors"], result
