@@ -45,6 +45,8 @@ from ..compat import prepared_models
 from ..errors import InputError, read_json
 from ..models.p2r import P2RForCausalLM
 from .config import DataArguments, ModelArguments, TrainConfig
+from .dcp import check_files as check_dcp_files
+from .dcp import is_dcp_checkpoint
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
@@ -320,7 +322,10 @@ def check_checkpoint_files(path: Path) -> None:
     """Check every file of checkpoint folder `path` that a resume loads, without loading it: safetensors headers
     against their file's size (truncation), torch files (`optimizer.bin`, `random_states_*.pkl`, a pipeline's
     `stage-*.pt`) for a complete zip whose pickle holds only tensors and plain containers (`weights_only`,
-    memory-mapped: no tensor is read). The first damaged file is an `InputError` naming it."""
+    memory-mapped: no tensor is read); a DCP checkpoint's `.metadata` and shards (`hf_p2r.training.dcp.check_files`).
+    The first damaged file is an `InputError` naming it."""
+    if is_dcp_checkpoint(path):
+        check_dcp_files(path)
     for file in sorted(path.iterdir()):
         if file.suffix not in (".safetensors", ".bin", ".pt", ".pkl"):
             continue  # trainer_state.json (read_trainer_state), engines' folders (FSDP's, DeepSpeed's)

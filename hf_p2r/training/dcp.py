@@ -1,0 +1,175 @@
+"""Sharded resume checkpoints (`checkpoint_format: dcp`): torch.distributed.checkpoint (DCP) under the model's global
+names, so that another layout can resume them.
+
+Every process writes its own shards (`dcp.save`: a replicated tensor is written once, a sharded one as its shards),
+nothing is gathered to one process. The checkpoint holds
+
+- `model.<name>`: the weights under the names of the whole model's `named_parameters()` (a tied head under the
+  embeddings' name), whatever holds them: one process, DDP, FSDP2 shards (DTensors), a pipeline's stages;
+- `optimizer.<name>.<key>`: each parameter's optimizer state under its name (AdamW's `exp_avg`, `exp_avg_sq`, `step`),
+  sharded like its parameter. The parameter groups are not saved: they come from the configuration, which a resumed
+  run shares (`read_state`), and the learning rate is set before every step;
+- a pipeline's 2BW state (`pipedream.py`): `schedule.other_version.<name>` (the older weight version),
+  `schedule.previous_update.<name>` (the delay correction's d(t-1), with `pipeline_delay_correction`) and the batch
+  counters.
+
+DCP reshards on load: each process asks for its own parameters' pieces, so a checkpoint of 2 data-parallel processes
+resumes on 1 (or FSDP2 on one process and back), a pipeline of 2 stages on 3 or with another split. A flush schedule
+resumed from a 2BW checkpoint continues from the newest weights (those its module holds, which the optimizer stepped)
+and drops the older version and the delay correction's buffers: a flush schedule has one weight version and no
+delayed update. A 2BW run resumed from a flush checkpoint starts its schedule as a new 2BW run does: both versions
+are the loaded weights, no correction yet. RNG states are not saved: the trainer draws no random numbers after its
+start (the data order is a function of `seed` and the data position, the model has no dropout).
+
+`check_files` checks the files before anything loads: the `.metadata` file, and every shard it names present and as
+long as the pieces it holds there.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..distributed.pipeline import Pipeline
+from ..errors import InputError
+
+METADATA = ".metadata"  # DCP's index of a checkpoint's tensors and where their pieces are
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    return (Path(path) / METADATA).is_file()
+
+
+def check_files(path: Path) -> None:
+    """`InputError` naming the first damaged file of DCP checkpoint `path`: an unreadable `.metadata`, a shard it names
+    that is missing, or one shorter than the pieces it holds there (truncated)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as error:  # noqa: BLE001 - a pickle that does not load: EOFError, UnpicklingError, ...
+        raise InputError(f"{path / METADATA}: damaged ({type(error).__name__}: {error})".splitlines()[0]) from None
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise InputError(f"{file}: missing (a shard of this DCP checkpoint; {METADATA} names it)")
+        if (found := file.stat().st_size) < size:
+            raise InputError(f"{file}: truncated ({found} bytes, {METADATA} places pieces up to byte {size})")
+
+
+def save(folder: Path, state: dict) -> None:
+    """Every process writes its part of `state` into `folder` (a collective when a process group is up)."""
+    dcp.save(state, checkpoint_id=folder)
+
+
+# --- one process, DDP, FSDP2 (the Accelerate engine) ---------------------------------------------------------------
+def model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model": weights, "optimizer": per-parameter state} of a model that is one module (plain, DDP, FSDP2), by
+    torch's `get_model_state_dict` / `get_optimizer_state_dict` (names without wrappers' prefixes; FSDP2: DTensor
+    shards). A tied head is left out (it is the embeddings' weight, saved under their name)."""
+    weights = get_model_state_dict(model)
+    optimizer_state = get_optimizer_state_dict(model, optimizer)["state"]
+    return {"model": _untied(model, weights), "optimizer": optimizer_state}
+
+
+def load_model_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load DCP checkpoint `path` into `model` and `optimizer` (as `model_state` lays them out), resharded to this
+    process's layout."""
+    weights = get_model_state_dict(model)
+    full = get_optimizer_state_dict(model, optimizer)  # a new optimizer's state is initialised (zeros) to load into
+    state = {"model": _untied(model, weights), "optimizer": full["state"]}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # (the tied head: the same)
+    set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": full["param_groups"]})
+
+
+def _untied(model: nn.Module, weights: dict) -> dict:
+    config = getattr(_unwrapped(model), "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DDP
+
+
+# --- pipelines -------------------------------------------------------------------------------------------------------
+def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> dict:
+    """What this process saves of a pipelined run (the schedule drained first), under the model's names: its stages'
+    weights, their optimizer state, 2BW's older weight version, delay-correction buffers and counters."""
+    pipeline.drain()
+    params = dict(pipeline.named_parameters())
+    names = {id(param): name for name, param in params.items()}
+    state = {
+        "model": {name: param.detach() for name, param in params.items()},
+        "optimizer": {names[id(param)]: dict(values) for param, values in optimizer.state.items()},
+    }
+    schedule = pipeline.schedule.state_dict(pipeline.name_of)
+    if schedule:  # 2BW
+        state["schedule"] = {
+            "other_version": schedule["other_version"],
+            "counters": torch.tensor([schedule["batches"], schedule["updated"]]),
+        }
+        if "previous_update" in schedule:
+            state["schedule"]["previous_update"] = schedule["previous_update"]
+    return state
+
+
+def load_pipeline_state(path: Path, pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> None:
+    """Load DCP checkpoint `path` into this process's stages and `optimizer` (over `pipeline.parameters()`), in place,
+    whatever split, number of stages or schedule saved it (see the module docstring for 2BW <-> a flush schedule)."""
+    init_optimizer_state(optimizer)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = pipeline_state(pipeline, optimizer)  # this process's tensors themselves: DCP loads into them
+    schedule = state.pop("schedule", None)  # 2BW's, when this run's schedule is 2BW
+    if schedule is not None and "schedule.counters" in saved:  # 2BW -> 2BW, read into new tensors (then placed by
+        # the schedule's own `load_state_dict`: the live other version may be the module's set before it swaps them)
+        schedule["other_version"] = {name: torch.empty_like(t) for name, t in schedule["other_version"].items()}
+        schedule["previous_update"] = {
+            name: torch.zeros_like(param)
+            for name, param in pipeline.named_parameters()
+            if f"schedule.previous_update.{name}" in saved and pipeline.delay_correction != "none"
+        }
+        state["schedule"] = schedule
+    dcp.load(state, checkpoint_id=path)
+    if schedule is None:  # a flush schedule: the module's weights are the newest, nothing else to restore
+        return
+    if "schedule" not in state:  # a flush schedule's checkpoint: 2BW starts as a new run does, both versions the
+        schedule = pipeline.schedule  # loaded weights (the module's: `installed`), no delay correction yet
+        with torch.no_grad():
+            for name, param in schedule.versions[1 - schedule.installed].items():
+                param.copy_(schedule.versions[schedule.installed][name])
+        return
+    batches, updated = (int(value) for value in state["schedule"]["counters"])
+    loaded = {"batches": batches, "updated": updated, **state["schedule"]}
+    pipeline.schedule.load_state_dict(loaded, pipeline.name_of)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of `optimizer` its state (zeros) if it has none yet, so a checkpoint can load into it: one
+    step at learning rate 0 on zero gradients (what torch's `get_optimizer_state_dict` does), the gradients and rates
+    restored after."""
+    if optimizer.state:
+        return
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    grads = [param.grad for param in params]
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0 if not torch.is_tensor(group["lr"]) else torch.zeros_like(group["lr"])
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
