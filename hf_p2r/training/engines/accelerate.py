@@ -20,6 +20,8 @@ from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
 from ..compile import compile_blocks
 from ..config import TrainArguments, TrainConfig
+from ..dcp import is_dcp_checkpoint, load_model_state, model_state
+from ..dcp import save as save_dcp
 from ..delink import check_delink_supported, delink_in_training
 from ..moe import RouterLoad
 from ..offload import apply_offload, measure_offload_activations
@@ -54,6 +56,8 @@ class AccelerateEngine(Engine):
                 f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml "
                 "or deepspeed_zero3_offload.yaml"
             )
+        if args.checkpoint_format == "dcp":
+            self.check_dcp()
         self.data_rank, self.data_size = accelerator.process_index, accelerator.num_processes
         self.model = self.optimizer = self.offload = self.router_load = None
         self.activation_bytes = 0
@@ -114,9 +118,23 @@ class AccelerateEngine(Engine):
                 raise ValueError(f"loss_kernel: liger runs on CUDA, this run computes on {device}; use chunked or auto")
             model.loss_from_hidden_states = HeadLoss(args.loss_kernel)
 
+    def check_dcp(self) -> None:
+        """DCP checkpoints (`hf_p2r.training.dcp`) hold a torch optimizer's state by parameter name: one process, DDP
+        or FSDP2; granular offload's and DeepSpeed's optimizers keep Accelerate's format."""
+        if self.args.offload is not None or self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2 and pipelines; granular offload "
+                "and DeepSpeed save and resume with checkpoint_format accelerate"
+            )
+
     def load(self, checkpoint: Path, state: TrainState) -> None:
+        if is_dcp_checkpoint(checkpoint):
+            self.check_dcp()
         with loading_checkpoint(self.accelerator, checkpoint):
-            self.accelerator.load_state(checkpoint)
+            if is_dcp_checkpoint(checkpoint):  # saved by any layout: resharded to this one
+                load_model_state(checkpoint, self.model, self.optimizer.optimizer)
+            else:
+                self.accelerator.load_state(checkpoint)
 
     def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor:
         extra = {"output_router_logits": True} if self.router_load is not None else {}
@@ -201,7 +219,13 @@ class AccelerateEngine(Engine):
         save_model(self.accelerator, model, tokenizer, directory, self.args.remote_code)
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
-        save_checkpoint(self.accelerator, output_dir, state, self.config)  # Accelerate's save_state
+        write = None  # Accelerate's save_state
+        if self.args.checkpoint_format == "dcp":  # every process its shards, under the model's names
+
+            def write(folder: Path) -> None:
+                save_dcp(folder, model_state(self.model, self.optimizer.optimizer))
+
+        save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
 
 
 @torch.no_grad()
