@@ -34,6 +34,10 @@ from ...distributed.pipeline import (
 )
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint
 from ..config import TrainConfig
+from ..dcp import is_dcp_checkpoint
+from ..dcp import load_pipeline_state as load_dcp_state
+from ..dcp import pipeline_state as dcp_state
+from ..dcp import save as save_dcp
 from ..delink import delink_pipeline
 from ..optim import build_optimizer, shared_lr_scales
 from ..run import say
@@ -109,7 +113,8 @@ class PipelineEngine(Engine):
 
     def load(self, checkpoint: Path, state: TrainState) -> None:
         part = checkpoint / f"stage-{dist.get_rank()}.pt"
-        if not part.is_file():
+        sharded = is_dcp_checkpoint(checkpoint)  # saved by any split, stages or schedule: resharded to this one
+        if not sharded and not part.is_file():
             raise ValueError(
                 f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes (resume "
                 "with its pipeline_parallel_size and data_parallel_size)"
@@ -118,7 +123,10 @@ class PipelineEngine(Engine):
         if state.num_blocks > self.config.initial_blocks():  # the layout it saved: delinked (partly or fully)
             self.delink(state.num_blocks if state.num_blocks < depth else None)
         with loading_checkpoint(self.accelerator, checkpoint):
-            load_pipeline_state(self.pipeline, self.optimizer, torch.load(part, weights_only=True))
+            if sharded:
+                load_dcp_state(checkpoint, self.pipeline, self.optimizer)
+            else:
+                load_pipeline_state(self.pipeline, self.optimizer, torch.load(part, weights_only=True))
 
     def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         return self.pipeline.step(input_ids)
@@ -187,11 +195,15 @@ class PipelineEngine(Engine):
         )
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
-        """`stage-{rank}.pt` per process (`training_state`: its `pipeline_state`) and `trainer_state.json`."""
+        """`stage-{rank}.pt` per process (`training_state`: its `pipeline_state`), or with `checkpoint_format: dcp`
+        every process's shards under the model's names (`hf_p2r.training.dcp`); and `trainer_state.json`."""
         name = f"stage-{dist.get_rank()}.pt"
 
         def write(folder: Path) -> None:
-            torch.save(training_state, folder / name)
+            if self.args.checkpoint_format == "dcp":
+                save_dcp(folder, dcp_state(self.pipeline, self.optimizer))
+            else:
+                torch.save(training_state, folder / name)
 
         save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
 
