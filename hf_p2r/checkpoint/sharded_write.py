@@ -71,26 +71,25 @@ def save_model_from_shards(
     rank = dist.get_rank(group)
     assigned = {name for (name, _), writer in writers.items() if writer == rank}
     if rank != 0:
-        where = _broadcast(None, group)
-        if where is None:  # the first process failed before creating the files
-            _broadcast(None, group)
-            raise RuntimeError(f"{folder}: the first process failed before the weights were written (its error says)")
-        failed = _write_pieces(Path(where[0]), where[1], mine, assigned, group)
-        if not _broadcast(None, group) and not failed:
-            raise RuntimeError(f"{folder}: the first process failed to finish the folder (its error says why)")
-        if failed:
-            raise RuntimeError(f"{folder}: a process failed to write its part of the weights (its error says why)")
+        # The first process's word: the files are there (or it failed); every process's (`_write_pieces` raises if
+        # one failed); the first process's again: the folder is in place (or it failed).
+        message = _broadcast(None, group)
+        if message[0] == "files":
+            _write_pieces(Path(message[1]), message[2], mine, assigned, folder, group)
+            message = _broadcast(None, group)
+        if message[0] == "failed":
+            raise (OSError if message[2] else RuntimeError)(message[1])
         return Path(folder)
 
-    created = [False]
+    stage = ["start"]  # -> "files" once the others have them, -> "written" once every process wrote its rows
 
     def write_weights(tmp: Path, names: dict[str, torch.Tensor]) -> None:
         shards = plan_shards({name: (DTYPE_CODE_OF[specs[name][0]], specs[name][1]) for name in names}, max_shard_size)
         offsets = {filename: _create_file(tmp / filename, specs, names) for filename, names in shards.files.items()}
-        created[0] = True
-        _broadcast((str(tmp), offsets), group)
-        if _write_pieces(tmp, offsets, mine, assigned, group):
-            raise RuntimeError(f"{folder}: a process failed to write its part of the weights (its error says why)")
+        _broadcast(("files", str(tmp), offsets), group)
+        stage[0] = "files"
+        _write_pieces(tmp, offsets, mine, assigned, folder, group)  # raises on every process if one failed
+        stage[0] = "written"
         write_index(tmp, shards)
 
     skeleton = {name: torch.empty(specs[name][1], dtype=getattr(torch, specs[name][0]), device="meta") for name in
@@ -98,12 +97,11 @@ def save_model_from_shards(
     try:
         save_model(model, folder, state_dict=skeleton, max_shard_size=max_shard_size, write_weights=write_weights,
                    **save_kwargs)  # fmt: skip
-    except BaseException:
-        if not created[0]:
-            _broadcast(None, group)  # no files: the others stop waiting for them
-        _broadcast(False, group)
+    except BaseException as error:
+        if stage[0] != "files":  # (a failed write of the rows: every process knows and raises already)
+            _broadcast(("failed", *_failure_line(error, folder, 0)), group)
         raise
-    _broadcast(True, group)
+    _broadcast(("done",), group)
     return Path(folder)
 
 
@@ -188,9 +186,12 @@ def _create_file(path: Path, specs: Mapping, names: list[str]) -> dict[str, int]
     return offsets
 
 
-def _write_pieces(folder: Path, offsets: Mapping[str, Mapping[str, int]], mine: Mapping, assigned: set, group) -> bool:
-    """Write this process's assigned rows into the files the first process created, then learn whether every
-    process succeeded (a collective): True when one failed (this one's error is raised after the collective)."""
+def _write_pieces(
+    folder: Path, offsets: Mapping[str, Mapping[str, int]], mine: Mapping, assigned: set, destination, group
+) -> None:
+    """Write this process's assigned rows into the files the first process created, then learn whether every process
+    did (a collective): if one failed, every process raises, that one its own error, the others an `OSError` (a write
+    the system refused: a full disk) or `RuntimeError` saying which process failed and why, in one line."""
     error = None
     try:
         buffer: list = []
@@ -212,10 +213,19 @@ def _write_pieces(folder: Path, offsets: Mapping[str, Mapping[str, int]], mine: 
     except BaseException as failure:  # the others must still meet this process at the collective below
         error = failure
     outcomes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, error is None, group=group)
+    line = None if error is None else _failure_line(error, destination, dist.get_rank(group))
+    dist.all_gather_object(outcomes, line, group=group)
     if error is not None:
         raise error
-    return not all(outcomes)
+    failed = [outcome for outcome in outcomes if outcome is not None]
+    if failed:
+        text, system = failed[0]
+        raise (OSError if system else RuntimeError)(text)
+
+
+def _failure_line(error: BaseException, destination, rank: int) -> tuple[str, bool]:
+    """(one line saying that process `rank` failed to write `destination` and why, whether the system refused it)."""
+    return f"{destination}: not written, process {rank} failed: {error}", isinstance(error, OSError)
 
 
 def _broadcast(value, group):

@@ -5,7 +5,9 @@ write (VmHWM above the resident size before it, not a timing) stays far below th
 gathered write's first process holds the whole state dict.
 """
 
+import errno
 import filecmp
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from hf_p2r import P2RForCausalLM
-from hf_p2r.checkpoint import save_model
+from hf_p2r.checkpoint import save_model, sharded_write
 from hf_p2r.checkpoint.sharded_write import assign_writers, save_model_from_shards
 from hf_p2r.distributed import fully_shard_p2r
 from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_model_config
@@ -155,9 +157,10 @@ def peak_memory(folder: str) -> dict:
     return {"model_bytes": model_bytes, "processes": figures}
 
 
-def refused_on_every_process(folder: str) -> dict:
-    """A destination that is not empty (no overwrite): the first process's FileExistsError, the other's one line,
-    nothing written."""
+def failures_on_every_process(folder: str) -> dict:
+    """Two failures, each told on both processes in one line: a destination that is not empty (no overwrite: the
+    first process refuses it before any file exists) and a full disk while the second process writes its rows (its
+    `write_tensor` made to fail with ENOSPC); nothing is left beside the destinations."""
     destination = Path(f"{folder}/taken")
     if dist.get_rank() == 0:
         destination.mkdir()
@@ -166,14 +169,28 @@ def refused_on_every_process(folder: str) -> dict:
     pipeline = build_pipeline(model_of("real"), schedule="1f1b", num_microbatches=2, seq_len=SEQ)
     with torch.device("meta"):
         skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
-    try:
-        save_model_from_shards(skeleton, destination, dict(pipeline.named_parameters()), progress=False)
-        error = None
-    except (FileExistsError, RuntimeError) as failure:
-        error = f"{type(failure).__name__}: {failure}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return {"errors": errors, "left": sorted(path.name for path in Path(folder).iterdir() if "taken" in path.name)}
+    out = {}
+    for case, target in (("taken", destination), ("full", Path(f"{folder}/full"))):
+        original = sharded_write.write_tensor
+        if case == "full" and dist.get_rank() == 1:
+
+            def write_tensor(fd, *args, **kwargs):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            sharded_write.write_tensor = write_tensor
+        try:
+            save_model_from_shards(skeleton, target, dict(pipeline.named_parameters()), progress=False)
+            error = None
+        except (OSError, RuntimeError) as failure:
+            error = f"{type(failure).__name__}: {failure}"
+        finally:
+            sharded_write.write_tensor = original
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        out[case] = errors
+    out["left"] = sorted(path.name for path in Path(folder).iterdir() if path.name.startswith((".taken", ".full")))
+    out["full_exists"] = Path(f"{folder}/full").exists()
+    return out
 
 
 def trainer_real_folder(folder: str) -> dict:
@@ -204,7 +221,7 @@ def two_processes(rank: int, world: int) -> dict:
         "pipeline": pipeline_folders(folder[0]),
         "fsdp2": fsdp2_folders(folder[0]),
         "memory": peak_memory(folder[0]),
-        "refused": refused_on_every_process(folder[0]),
+        "failures": failures_on_every_process(folder[0]),
         "trainer": trainer_real_folder(folder[0]),
     }
 
@@ -256,11 +273,17 @@ def test_writers_are_assigned_once_per_range_and_gaps_are_refused():
         assign_writers(held)
 
 
-def test_a_refused_destination_fails_every_process_and_writes_nothing(two):
-    refused = two["refused"]
-    assert refused["errors"][0].startswith("FileExistsError: ") and "folder is not empty" in refused["errors"][0]
-    assert refused["errors"][1].startswith("RuntimeError: ") and "the first process failed" in refused["errors"][1]
-    assert refused["left"] == ["taken"]  # no temporary folder left beside it
+def test_a_failure_on_one_process_is_one_line_on_every_process_and_leaves_nothing(two):
+    failures = two["failures"]
+    first, second = failures["taken"]
+    assert first.startswith("FileExistsError: ") and "folder is not empty" in first
+    assert second.startswith("OSError: ") and "taken: not written, process 0 failed: " in second
+    assert "folder is not empty" in second
+    first, second = failures["full"]
+    assert second.startswith("OSError: [Errno 28] No space left on device: ")  # naming its file
+    assert second.split(": ")[-1].strip("'").endswith(".safetensors")
+    assert first.startswith("OSError: ") and "full: not written, process 1 failed: [Errno 28]" in first
+    assert failures["left"] == [] and not failures["full_exists"]  # no temporary folder, no partial destination
 
 
 def test_the_pipelined_trainer_writes_pseudo_and_real_from_its_stages(two):
