@@ -6,7 +6,9 @@
   copy byte ranges in the kernel (`ranges.py`), without torch unless a dtype cast needs it; what a checkpoint can be
   written as (P2R, Llama, Mixtral) is the registry `targets.TARGETS`.
 - `render_model_card`: the model card of a checkpoint folder (`card.py`; `hf_p2r.hub` pushes it).
-- `save_model`: an in-memory model saved as a checkpoint folder (the trainer's saves, `export_llama` of a model).
+- `save_model`: an in-memory model saved as a checkpoint folder (the trainer's saves, `export_llama` of a model);
+  `save_model_from_shards`: the same folder written by the processes that hold the model in pieces (pipeline stages,
+  FSDP2 shards), each its own tensors' bytes, no process holding the whole state dict.
 - `atomic_directory`: outputs appear complete or not at all.
 
 Names load on first use (PEP 562), so that the torch-free modules stay torch-free.
@@ -24,6 +26,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ".mixtral": ("export_mixtral", "mixtral_config"),
         ".reader": ("CheckpointReader",),
         ".save": ("save_model",),
+        ".sharded_write": ("save_model_from_shards",),
         ".writer": ("write_checkpoint",),
     },
 )
