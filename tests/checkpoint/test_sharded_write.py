@@ -1,8 +1,9 @@
-"""`save_model_from_shards` (hf_p2r.checkpoint.sharded_write) on two CPU processes (gloo): the folder written from a
-2-stage pipeline's stages and from FSDP2 shards equals the folder `save_model` writes from the gathered state dict
-(every file byte for byte, so every tensor bit for bit) and loads with `from_pretrained`; and the peak memory of the
-write (VmHWM above the resident size before it, not a timing) stays far below the whole model's bytes, where the
-gathered write's first process holds the whole state dict.
+"""`save_model_from_shards` (hf_p2r.checkpoint.sharded_write) on two CPU processes (gloo), and four for
+data-parallel sharded pipeline stages: the folder written from a 2-stage pipeline's stages and from FSDP2 shards
+equals the folder `save_model` writes from the gathered state dict (every file byte for byte, so every tensor bit for
+bit) and loads with `from_pretrained`; and the peak memory of the write (VmHWM above the resident size before it, not
+a timing) stays far below the whole model's bytes, where the gathered write's first process holds the whole state
+dict.
 """
 
 import errno
@@ -22,7 +23,7 @@ from hf_p2r import P2RForCausalLM
 from hf_p2r.checkpoint import save_model, sharded_write
 from hf_p2r.checkpoint.sharded_write import assign_writers, save_model_from_shards
 from hf_p2r.distributed import fully_shard_p2r
-from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_model_config
+from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_mesh, pipeline_model_config
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.engines.accelerate import AccelerateEngine
 
@@ -214,6 +215,37 @@ def trainer_real_folder(folder: str) -> dict:
     }
 
 
+def data_parallel_folders(folder: str) -> dict:
+    """Two pipelines of two FSDP2-sharded stages (4 processes, 2-D mesh): a cycle model's shared blocks are held by
+    both stages of a pipeline and split over the data-parallel column, so each range of rows is held by two processes
+    and written by one; against the gathered write."""
+    mesh = pipeline_mesh(pipeline_parallel_size=2, data_parallel_size=2)
+    out = {}
+    for pattern in ("real", "cycle"):
+        pipeline = build_pipeline(model_of(pattern), schedule="1f1b", num_microbatches=2, seq_len=SEQ, mesh=mesh,
+                                  shard=True)  # fmt: skip
+        train_steps(
+            pipeline.parameters(), lambda ids, pipeline=pipeline: pipeline.step(ids.chunk(2)[pipeline.data_rank])
+        )
+        with torch.device("meta"):
+            skeleton = P2RForCausalLM(pipeline_model_config(pipeline))
+        cooperative, gathered = Path(f"{folder}/dp-{pattern}"), Path(f"{folder}/dp-{pattern}-g")
+        save_model_from_shards(skeleton, cooperative, dict(pipeline.named_parameters()), max_shard_size=SMALL_SHARDS,
+                               progress=False)  # fmt: skip
+        weights = gather_state_dict(pipeline)  # whole weights: a collective over each column, then the pipeline's
+        if dist.get_rank() == 0:
+            save_model(skeleton, gathered, state_dict=weights, max_shard_size=SMALL_SHARDS, progress=False)
+            out[pattern] = same_folders(cooperative, gathered)
+        dist.barrier()
+    return out
+
+
+def four_processes(rank: int, world: int) -> dict:
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    return data_parallel_folders(folder[0])
+
+
 def two_processes(rank: int, world: int) -> dict:
     folder = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(folder)
@@ -229,6 +261,17 @@ def two_processes(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     return spawn.run(two_processes, 2, tmp_path_factory.mktemp("sharded-write"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return spawn.run(four_processes, 4, tmp_path_factory.mktemp("sharded-write-4"))
+
+
+@pytest.mark.parametrize("pattern", ["real", "cycle"])
+def test_data_parallel_sharded_stages_write_the_gathered_folder(four, pattern):
+    result = four[pattern]
+    assert result["files"] and result["bytes"] and result["tensors"], result
 
 
 @pytest.mark.parametrize("case", [f"{p}/{s}" for p in PATTERNS for s in ("5GB", SMALL_SHARDS)])
