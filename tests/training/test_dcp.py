@@ -242,3 +242,89 @@ def test_a_one_process_checkpoint_resumes_on_two_stages(pipelined, pipeline_on_o
     copy_run(pipeline_on_one_process, tmp_path / "two stages")
     result = spawn.run(functools.partial(_from_one_process, str(tmp_path)), 2, tmp_path)
     torch.testing.assert_close(result["loss"], out["1f1b"], **STAGES_TOLERANCE)
+
+
+# --- FSDP2 <-> one process -------------------------------------------------------------------------------------------
+# On CPU, `accelerate launch` with configs/accelerate/fsdp2.yaml runs DDP (Accelerate turns FSDP off without GPUs: its
+# checkpoint holds whole tensors), so FSDP2 is applied here as the engine applies it on GPUs (fully_shard on each block
+# and the root) and checkpointed by the engine's functions (`model_state`, `load_model_state`).
+BATCH = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _model_and_optimizer(mesh=None):
+    from hf_p2r.distributed import fully_shard_p2r
+
+    from .test_compile import tiny_model
+
+    model = tiny_model(depth=4, blocks=4)
+    if mesh is not None:
+        model = fully_shard_p2r(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _steps(model, optimizer, ids, count: int) -> list[float]:
+    losses = []
+    for _ in range(count):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if dist.is_initialized():  # the whole batch's loss: the mean of the processes' halves
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+    return losses
+
+
+def _sharded(folder: str, rank: int, world: int) -> dict:
+    """Each process half of the batch. (a) Two steps, a checkpoint, two more; (b) the one-process checkpoint
+    loaded, two more steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_p2r.training.dcp import load_model_state, model_state, save
+
+    ids = BATCH.chunk(world)[rank]
+    mesh = init_device_mesh("cpu", (world,))
+    model, optimizer = _model_and_optimizer(mesh)
+    _steps(model, optimizer, ids, 2)
+    save(Path(folder) / "sharded", model_state(model, optimizer))
+    after = _steps(model, optimizer, ids, 2)
+    model, optimizer = _model_and_optimizer(mesh)
+    load_model_state(Path(folder) / "one", model, optimizer)
+    return {"after": after, "from_one": _steps(model, optimizer, ids, 2)}
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    from hf_p2r.training.dcp import model_state, save
+
+    folder = tmp_path_factory.mktemp("dcp_fsdp2")
+    model, optimizer = _model_and_optimizer()
+    _steps(model, optimizer, BATCH, 2)
+    save(folder / "one", model_state(model, optimizer))
+    one_after = _steps(model, optimizer, BATCH, 2)
+    result = spawn.run(functools.partial(_sharded, str(folder)), 2, folder)
+    return folder, one_after, result
+
+
+# Measured: a resumed run's losses (FSDP2 over two processes, each half of the batch: the mean of the halves' losses;
+# one process: the whole batch) differ from the uninterrupted run's in the other layout by at most 7e-8 (relative).
+FSDP2_TOLERANCE = dict(rtol=1e-6, atol=0.0)
+
+
+def test_fsdp2_shards_resume_on_one_process_and_back(fsdp2):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hf_p2r.training.dcp import load_model_state
+
+    folder, one_after, sharded = fsdp2
+    chunks = FileSystemReader(folder / "sharded").read_metadata().state_dict_metadata
+    weight = chunks["model.model.layers.0.mlp.up_proj.weight"]
+    assert [tuple(chunk.sizes) for chunk in weight.chunks] == [(32, 32), (32, 32)]  # each process wrote its half
+    assert "optimizer.model.layers.0.mlp.up_proj.weight.exp_avg" in chunks
+    model, optimizer = _model_and_optimizer()
+    load_model_state(folder / "sharded", model, optimizer)
+    from_sharded = _steps(model, optimizer, BATCH, 2)
+    torch.testing.assert_close(from_sharded, sharded["after"], **FSDP2_TOLERANCE)  # FSDP2 -> one process
+    torch.testing.assert_close(sharded["from_one"], one_after, **FSDP2_TOLERANCE)  # one process -> FSDP2
