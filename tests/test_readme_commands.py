@@ -36,6 +36,11 @@ EXCUSED = [
         "launcher configs also need GPUs: Accelerate turns those engines on only there)",
     ),
     (r"^pip install|^python3 -m venv", "installs packages from an index"),
+    (
+        r"^make gpu-report$|scripts/bench_offload\.py(?!.*--device cpu)",
+        "measures on a CUDA GPU, which this machine lacks (each says so in one line and exits non-zero here)",
+    ),
+    (r"^make gpu-report DRY=1$", "the report's CPU dry run: tests/test_gpu_report.py runs it"),
     (r"^make (test|compat|lock)\b", "the test suite and the dependency pins: CI runs them itself"),
     (r"^accelerate config$", "asks questions interactively"),
     (r"^hf-p2r push (?!.*--dry-run)", "uploads to the Hugging Face Hub (the dry run above runs)"),
