@@ -167,6 +167,10 @@ def _pipelines(folder: str, rank: int, world: int) -> dict:
     run("2bw", **TWO_BW)
     run("2bw split 1-3 from 3", 3, "2bw", **TWO_BW, pipeline_split=[1, 3])
     run("1f1b from 2bw 3", 3, "2bw")
+    correction = dict(TWO_BW, pipeline_delay_correction="error_feedback")
+    run("2bw corrected", **correction)
+    run("2bw corrected split 1-3 from 3", 3, "2bw corrected", **correction, pipeline_split=[1, 3])
+    run("2bw corrected from 1f1b 3", 3, "1f1b", **correction)
     if rank == 0:
         out["files"] = sorted(p.name for p in (root / "1f1b/checkpoints/checkpoint-3").iterdir())
     return out
@@ -185,6 +189,7 @@ def test_another_pipeline_split_resumes_bitwise(pipelined):
     assert out["1f1b split 1-3 from 1"] == out["1f1b"]
     assert out["1f1b split 3-1 from 3"] == out["1f1b"]
     assert out["2bw split 1-3 from 3"] == out["2bw"]
+    assert out["2bw corrected split 1-3 from 3"] == out["2bw corrected"] != out["2bw"]  # d(t-1) comes back too
     assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"]
 
 
@@ -203,9 +208,11 @@ def test_2bw_and_a_flush_schedule_resume_each_other(pipelined):
     assert flush != two_bw  # 2BW's delay shows (saves every 3 steps only: a save drains the schedule)
     switched = out["2bw from 1f1b 3"]
     assert switched[:4] == flush[:4] and switched[4:] != flush[4:]
+    corrected = out["2bw corrected from 1f1b 3"]  # no d(t-1) in a flush checkpoint: the correction starts afresh
+    assert corrected[:4] == flush[:4] and corrected[4:] != flush[4:]
     back = out["1f1b from 2bw 3"]
     assert back[:3] == two_bw[:3] and back[3:] != two_bw[3:]
-    for run, source in ((switched, flush), (back, two_bw)):
+    for run, source in ((switched, flush), (corrected, flush), (back, two_bw)):
         assert max(abs(a - b) for a, b in zip(run, source, strict=True)) <= SCHEDULE_SWITCH_TOLERANCE
 
 
@@ -328,3 +335,44 @@ def test_fsdp2_shards_resume_on_one_process_and_back(fsdp2):
     from_sharded = _steps(model, optimizer, BATCH, 2)
     torch.testing.assert_close(from_sharded, sharded["after"], **FSDP2_TOLERANCE)  # FSDP2 -> one process
     torch.testing.assert_close(sharded["from_one"], one_after, **FSDP2_TOLERANCE)  # one process -> FSDP2
+
+
+# --- sharded pipeline stages ---------------------------------------------------------------------------------------
+SHARDED_PIPELINES = dict(PIPELINE, data_parallel_size=2, data_parallel_shard="true", per_device_batch_size=2)
+
+
+def _sharded_pipelines(folder: str, rank: int, world: int) -> dict:
+    """4 processes: 2 pipelines of 2 FSDP2-sharded stages, resumed as 2 pipelines of replicated stages and as one
+    pipeline of 4 stages (the same global batch)."""
+    root, out = Path(folder), {}
+    for name, checkpoint, fields in (
+        ("sharded", None, SHARDED_PIPELINES),
+        ("replicated", 3, dict(SHARDED_PIPELINES, data_parallel_shard="false")),
+        ("4 stages", 3, dict(PIPELINE, pipeline_parallel_size=4, num_microbatches=4)),
+    ):
+        output_dir = root / name
+        if checkpoint is not None and rank == 0:
+            shutil.copytree(root / "sharded", output_dir)
+        dist.barrier()
+        if checkpoint is None:
+            assert train(parse_config(tiny_argv(output_dir, **fields))) == 0
+        else:
+            assert resume(output_dir, checkpoint, **fields) == 0
+        dist.barrier()
+        out[name] = losses(output_dir)
+    if rank == 0:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(root / "sharded/checkpoints/checkpoint-3").read_metadata().state_dict_metadata
+        out["chunks"] = [list(chunk.sizes) for chunk in saved["model.model.layers.2.mlp.up_proj.weight"].chunks]
+    return out
+
+
+@pytest.mark.slow
+def test_sharded_pipeline_stages_resume_replicated_and_on_more_stages(tmp_path):
+    """The sharded stages' checkpoint holds each weight as its two data-parallel halves; replicated stages resume it
+    bitwise, 4 stages (4 micro-batches of one block) within `STAGES_TOLERANCE` (9e-8 relative measured)."""
+    out = spawn.run(functools.partial(_sharded_pipelines, str(tmp_path)), 4, tmp_path)
+    assert out["chunks"] == [[32, 32], [32, 32]]
+    assert out["replicated"] == out["sharded"]
+    torch.testing.assert_close(out["4 stages"], out["sharded"], **STAGES_TOLERANCE)
