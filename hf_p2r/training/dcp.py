@@ -28,8 +28,10 @@ long as the pieces it holds there.
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -67,8 +69,32 @@ def check_files(path: Path) -> None:
 
 
 def save(folder: Path, state: dict) -> None:
-    """Every process writes its part of `state` into `folder` (a collective when a process group is up)."""
-    dcp.save(state, checkpoint_id=folder)
+    """Every process writes its part of `state` into `folder` (a collective when a process group is up). A failure is
+    raised as it happened (an `OSError` for a full disk...), this process's own if it had one, else the first
+    process's: DCP's `CheckpointException` (a `BaseException`) would pass the save protocol's handlers."""
+    try:
+        dcp.save(state, checkpoint_id=folder)
+    except CheckpointException as error:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise _failure(error, rank if rank in error.failures else min(error.failures)) from None
+
+
+def load(path: Path, state: dict) -> None:
+    """`dcp.load` of `state` (its tensors loaded in place) from `path`; a checkpoint that does not fit `state` (a
+    missing name, another shape) is a `ValueError` with the first process's first failure (DCP raises a
+    `BaseException` holding every process's traceback), the same on every process."""
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:
+        rank = min(error.failures)
+        failure = _failure(error, rank)
+        text = next((line.strip() for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
+        raise ValueError(f"{text} (process {rank})" if dist.is_initialized() else text) from None
+
+
+def _failure(error: CheckpointException, rank: int) -> BaseException:
+    failure = error.failures[rank]
+    return failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
 
 
 # --- one process, DDP, FSDP2 (the Accelerate engine) ---------------------------------------------------------------
@@ -87,7 +113,7 @@ def load_model_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     weights = get_model_state_dict(model)
     full = get_optimizer_state_dict(model, optimizer)  # a new optimizer's state is initialised (zeros) to load into
     state = {"model": _untied(model, weights), "optimizer": full["state"]}
-    dcp.load(state, checkpoint_id=path)
+    load(path, state)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # (the tied head: the same)
     set_optimizer_state_dict(model, optimizer, {"state": state["optimizer"], "param_groups": full["param_groups"]})
 
@@ -141,7 +167,7 @@ def load_pipeline_state(path: Path, pipeline: Pipeline, optimizer: torch.optim.O
             if f"schedule.previous_update.{name}" in saved and pipeline.delay_correction != "none"
         }
         state["schedule"] = schedule
-    dcp.load(state, checkpoint_id=path)
+    load(path, state)
     if schedule is None:  # a flush schedule: the module's weights are the newest, nothing else to restore
         return
     if "schedule" not in state:  # a flush schedule's checkpoint: 2BW starts as a new run does, both versions the
