@@ -376,3 +376,37 @@ def test_sharded_pipeline_stages_resume_replicated_and_on_more_stages(tmp_path):
     assert out["chunks"] == [[32, 32], [32, 32]]
     assert out["replicated"] == out["sharded"]
     torch.testing.assert_close(out["4 stages"], out["sharded"], **STAGES_TOLERANCE)
+
+
+def test_shards_that_do_not_fit_are_refused_after_loading_and_change_nothing(one_process, tmp_path):
+    """Checkpoint 1's shards (the pseudo model: one block) in checkpoint 3 (four blocks): whole files, only the load
+    finds out; one line."""
+    run = copy_run(one_process, tmp_path / "run")
+    for name in (".metadata", "__0_0.distcp"):
+        shutil.copy(run / "checkpoints/checkpoint-1" / name, run / "checkpoints/checkpoint-3" / name)
+    before = snapshot(run)
+    with pytest.raises(InputError, match=r"^resume_from_checkpoint: .*checkpoint-3 does not fit this run \(") as raised:
+        resume(run, 3)
+    assert "model.model.layers.1." in str(raised.value) and "\n" not in str(raised.value)
+    assert snapshot(run) == before
+
+
+def test_a_failed_shard_write_keeps_the_checkpoints_already_there(tmp_path, monkeypatch):
+    """The shard write of checkpoint 2 fails (the disk full): the save protocol's one line, the temporary folder gone,
+    checkpoint 1 kept."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data, calls = FileSystemWriter.write_data, []
+
+    def full_at_the_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", "__0_0.distcp")
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_at_the_second)
+    with pytest.raises(OSError, match=r"^checkpoint-2 not saved: no space left on device \(ENOSPC\) writing __0_0"):
+        train(parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, eval_steps=0)))
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["checkpoint-1"]
