@@ -4,7 +4,9 @@ A checkpoint is `output_dir/checkpoints/checkpoint-{step}/`: Accelerate's `save_
 states, gradient scaler) plus `trainer_state.json` (stage, step, blocks, data position, the run's configuration). The
 model stored there has the blocks it had at that step, so resuming after a delink builds a model with that many blocks
 before `load_state`. Those resume checkpoints are Accelerate's format and written by Accelerate (`save_state`, which
-handles every engine's sharded states); hf-p2r only makes them atomic.
+handles every engine's sharded states); hf-p2r only makes them atomic. With `checkpoint_format: dcp` the engines write
+torch.distributed.checkpoint shards instead (`hf_p2r.training.dcp`: every process its own, under the model's names),
+through the same atomic protocol, and another layout resumes them.
 
 The models a run publishes (`pseudo/`, `real/`) are written by `save_model`, through `hf_p2r.checkpoint.save_model`,
 the same writer as the converter and the exporter.
