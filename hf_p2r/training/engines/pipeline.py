@@ -7,7 +7,8 @@ of the same seed has: `hf_p2r.distributed.materialize`); every process of a pipe
 `per_device_batch_size` blocks of the step's batch (`pipeline_mesh`: pipelines x data-parallel replicas); the last
 stages' mean loss is shared by one collective with the stop signal. The delink is `delink_pipeline` (each stage its
 own blocks, the optimizer state carried by the one carry); a checkpoint is one file per process beside
-`trainer_state.json` (a sharded stage's file holds its shards); `pseudo/` and `real/` are ordinary checkpoints
+`trainer_state.json` (a sharded stage's file holds its shards), or with `checkpoint_format: dcp` DCP shards under the
+model's names, which another split, number of stages or schedule resumes; `pseudo/` and `real/` are ordinary checkpoints
 written from the stages, each process its weights (`hf_p2r.checkpoint.sharded_write`). The validation loss is
 computed through the stages themselves (forward only, `Pipeline.evaluate`): no process holds the whole model for it.
 
