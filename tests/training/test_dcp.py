@@ -410,3 +410,13 @@ def test_a_failed_shard_write_keeps_the_checkpoints_already_there(tmp_path, monk
     with pytest.raises(OSError, match=r"^checkpoint-2 not saved: no space left on device \(ENOSPC\) writing __0_0"):
         train(parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, eval_steps=0)))
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["checkpoint-1"]
+
+
+def test_granular_offload_keeps_accelerates_format(tmp_path):
+    from hf_p2r.training.engines import AccelerateEngine
+
+    config = parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, offload="0.5"))
+    with pytest.raises(
+        ValueError, match=r"^checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2 and pip"
+    ):
+        AccelerateEngine(config)
