@@ -19,7 +19,8 @@ resumed from a 2BW checkpoint continues from the newest weights (those its modul
 and drops the older version and the delay correction's buffers: a flush schedule has one weight version and no
 delayed update. A 2BW run resumed from a flush checkpoint starts its schedule as a new 2BW run does: both versions
 are the loaded weights, no correction yet. RNG states are not saved: the trainer draws no random numbers after its
-start (the data order is a function of `seed` and the data position, the model has no dropout).
+start (the data order is a function of `seed` and the data position; the trainer's models keep
+`attention_dropout` 0, their only random layer).
 
 `check_files` checks the files before anything loads: the `.metadata` file, and every shard it names present and as
 long as the pieces it holds there.
