@@ -225,11 +225,12 @@ def test_the_trainer_with_compile_follows_the_eager_run_through_the_delinks(tmp_
 
 
 @pytest.mark.slow
-def test_under_fsdp2_the_compiled_blocks_and_the_chunked_loss_follow_the_plain_run(tmp_path):
-    """Two CPU processes launched with configs/accelerate/fsdp2.yaml, 1 -> 4 blocks: compile (aot_eager) and
-    loss_kernel chunked against neither, loss, gradient norm and validation loss at every step. FSDP2's delink builds
-    a new model, and the engine compiles its blocks again: dynamo traces two graphs per process in the whole run (the
-    training forward and the validation forward), none after the delink."""
+def test_two_data_parallel_processes_with_compiled_blocks_and_the_chunked_loss_follow_the_plain_run(tmp_path):
+    """Two CPU processes under `accelerate launch --multi_gpu` (DDP over gloo), 1 -> 4 blocks: compile (aot_eager) and
+    loss_kernel chunked against neither, loss, gradient norm and validation loss at every step; the engine compiles
+    the delinked blocks again, and dynamo traces two graphs per process in the whole run (the training forward and the
+    validation forward), none after the delinks. (Accelerate runs FSDP only on GPUs: with the FSDP2 config a CPU run
+    is DDP, so FSDP2 around the compiled blocks is test_ddp_and_fsdp2_wrap_the_compiled_blocks, on fully_shard.)"""
     fields = dict(pseudo_steps=2, real_steps=2, eval_steps=2, mixed_precision="no")
     runs = {}
     for name, extra in (
@@ -237,7 +238,7 @@ def test_under_fsdp2_the_compiled_blocks_and_the_chunked_loss_follow_the_plain_r
         ("fast", {"compile": "true", "compile_backend": "aot_eager", "loss_kernel": "chunked"}),
     ):
         command = [
-            ACCELERATE, "launch", "-q", "--config_file", str(REPO / "configs/accelerate/fsdp2.yaml"),
+            ACCELERATE, "launch", "-q", "--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no",
             "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
             "-m", "hf_p2r.train", *tiny_argv(tmp_path / name, **fields, **extra),
         ]  # fmt: skip
