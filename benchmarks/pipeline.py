@@ -469,9 +469,9 @@ def convergence_section(report: dict, c: dict, key: str = "convergence") -> list
     variants, seeds, final = c["variants"], c["seeds"], c["final_val_loss"]
     before, after = c["load_average_before"], c["load_average_after"]
     title = "" if key == "convergence" else f", longer: {c['steps']} steps"
-    steps = "the demo's own steps"
+    steps, schedule = "same steps", "the demo's own schedule"
     if key != "convergence":
-        steps = f"{c['steps']} steps (the demo's schedule stretched: the last delink at a third)"
+        steps, schedule = f"{c['steps']} steps", "the demo's schedule stretched, the last delink at a third"
     command = c.get("command", "python scripts/bench_pipeline.py --convergence --keep-timing")
     lines = [
         f"## PipeDream-2BW vs 1F1B (flush) on configs/demo.yaml, AdamW and Muon, with and without the delay "
@@ -479,8 +479,8 @@ def convergence_section(report: dict, c: dict, key: str = "convergence") -> list
         "",
         f"Run on {report.get(key + '_date')} ({c['wall_time_s'] / 60:.0f} min for {len(c['runs'])} runs, one at "
         f"a time, `nice -n 10`; load average {', '.join(f'{x:.1f}' for x in before)} before and "
-        f"{', '.join(f'{x:.1f}' for x in after)} after: other work shared the machine). Same data, {steps} (the "
-        "demo's schedule: pseudo model grown 1 -> 2 -> 4 blocks, delinked to 8, `shared_lr_scale: depth`), 2 "
+        f"{', '.join(f'{x:.1f}' for x in after)} after: other work shared the machine). Same data, {steps} "
+        f"({schedule}: pseudo model grown 1 -> 2 -> 4 blocks, delinked to 8, `shared_lr_scale: depth`), 2 "
         "processes, 4 micro-batches; `optimizer: muon` is Muon for the blocks' matrices and AdamW for the rest, "
         "Muon's rate the demo's learning rate (`muon_adjust_lr_fn: match_rms_adamw`, untuned); `+ef` is "
         f"`pipeline_delay_correction: error_feedback`. Command: `nice -n 10 {command}`. Final validation loss per "
