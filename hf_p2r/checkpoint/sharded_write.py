@@ -29,10 +29,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from .headers import DTYPE_CODE_OF, build_header, parse_size, plan_shards, write_index
-from .ranges import allocate, write_all
+from .headers import DTYPE_CODE_OF, parse_size, plan_shards, write_index
 from .save import save_model
-from .writer import write_tensor
+from .writer import create_file, write_tensor
 
 Rows = tuple[int, int]  # [start, stop) along the first dimension (a 0-d tensor: (0, 1))
 
@@ -170,19 +169,9 @@ def _model_order(model: PreTrainedModel, specs: Mapping) -> list[str]:
 def _create_file(path: Path, specs: Mapping, names: list[str]) -> dict[str, int]:
     """Create the safetensors file `path` for `names`: its header (what `write_checkpoint` writes) and its blocks
     allocated; returns {name: offset of its data in the file}."""
-    raw, offsets = build_header({name: (DTYPE_CODE_OF[specs[name][0]], specs[name][1]) for name in names},
-                                {"format": "pt"})  # fmt: skip
-    size = len(raw) + sum(math.prod(specs[name][1]) * getattr(torch, specs[name][0]).itemsize for name in names)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        try:
-            os.ftruncate(fd, size)
-            allocate(fd, len(raw), size - len(raw))  # a full disk fails here, before any tensor is written
-        except OSError as error:
-            raise OSError(error.errno, error.strerror, str(path)) from None
-        write_all(fd, raw, 0, path)
-    finally:
-        os.close(fd)
+    fd, offsets = create_file(path, {name: (getattr(torch, specs[name][0]), tuple(specs[name][1])) for name in names},
+                              {"format": "pt"})  # fmt: skip
+    os.close(fd)
     return offsets
 
 

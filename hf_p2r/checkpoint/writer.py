@@ -17,6 +17,7 @@ within a piece's time (well under a second), not at the end of the shard.
 """
 
 import ctypes
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -100,18 +101,8 @@ def write_file(
     """Write one safetensors file `path` (it must not exist) holding `tensors`, each in its `out_dtypes` entry, with
     `header` as its metadata: the module's docstring says how. Raises `Stopped` when `stop` is set part-way, and an
     `OSError` naming `path` when the disk is full."""
-    raw, offsets = build_header(
-        {name: (_code(out_dtypes[name]), tuple(t.shape)) for name, t in tensors.items()}, header
-    )
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)  # readable: later copies are read from the file
+    fd, offsets = create_file(path, {name: (out_dtypes[name], tuple(t.shape)) for name, t in tensors.items()}, header)
     try:
-        size = len(raw) + sum(t.numel() * out_dtypes[name].itemsize for name, t in tensors.items())
-        try:
-            os.ftruncate(fd, size)
-            allocate(fd, len(raw), size - len(raw))  # a full disk fails here, before any tensor is written
-        except OSError as error:
-            raise OSError(error.errno, error.strerror, str(path)) from None
-        write_all(fd, raw, 0, path)
         buffer: list[torch.Tensor] = []  # the conversion buffer, made on first need
         first: dict[tuple, int] = {}  # (source tensor, output dtype) -> where this file already holds its bytes
         for name in sorted(tensors, key=offsets.__getitem__):
@@ -128,6 +119,29 @@ def write_file(
                 raise OSError(error.errno, error.strerror, str(path)) from None
     finally:
         os.close(fd)
+
+
+def create_file(
+    path: Path, specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], header: Mapping[str, str]
+) -> tuple[int, dict[str, int]]:
+    """Create the safetensors file `path` (it must not exist) for tensors of `specs` ({name: (dtype, shape)}): its
+    header written and its data blocks allocated, so a full disk fails here, before any tensor is written (an `OSError`
+    naming `path`). Returns the open descriptor (read-write: later copies are read from the file; the caller closes
+    it) and {name: offset of its data in the file}."""
+    raw, offsets = build_header({name: (_code(dtype), shape) for name, (dtype, shape) in specs.items()}, header)
+    size = len(raw) + sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        try:
+            os.ftruncate(fd, size)
+            allocate(fd, len(raw), size - len(raw))
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, str(path)) from None
+        write_all(fd, raw, 0, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, offsets
 
 
 def write_tensor(fd: int, offset: int, tensor: torch.Tensor, dtype: torch.dtype, buffer: list, stop=None) -> None:
