@@ -648,6 +648,16 @@ class GranularOffload:
             optimizer.step = types.MethodType(step_in_chunks, optimizer)  # a method still: LR schedulers wrap it
         return optimizer
 
+    def _offloaded_gradients(self, optimizer: torch.optim.Optimizer) -> tuple[list, dict]:
+        """The offloaded parameters `optimizer` steps that have a gradient, each with its group, and their gradients."""
+        offloaded = [
+            (p, group)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p in self._host and p.grad is not None
+        ]
+        return offloaded, {p: p.grad for p, _ in offloaded}
+
     def step_overlapped(self, optimizer: torch.optim.Optimizer, step, closure=None):
         """`overlap_step`: `step` (the optimizer's own) over the resident parameters now, then each offloaded block's
         part on the worker thread, blocks in the order the next forward needs them; returns without waiting for them.
@@ -662,13 +672,7 @@ class GranularOffload:
         by `clip_grad_norm_` just before scales them there too (once its device-side factor is known, on the worker).
         """
         self.synchronize()
-        offloaded = [
-            (p, group)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p in self._host and p.grad is not None
-        ]
-        grads = {p: p.grad for p, _ in offloaded}
+        offloaded, grads = self._offloaded_gradients(optimizer)
         for p in grads:
             p.grad = None
         stale = self._stale
@@ -741,13 +745,7 @@ class GranularOffload:
         `.grad` is None after the step; otherwise it is kept as after any step). Returns
         when the host has every result (CUDA: the compute stream is synchronised once, after the last chunk).
         """
-        offloaded = [
-            (p, group)
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p in self._host and p.grad is not None
-        ]
-        grads = {p: p.grad for p, _ in offloaded}
+        offloaded, grads = self._offloaded_gradients(optimizer)
         coef, clipped = self._clip if self._clip is not None else (None, {})
         self._clip = None  # a clip just before: its factor scales the offloaded gradients on the device, per chunk
         scaled = {p for p, grad in grads.items() if clipped.get(p) == (id(grad), tensor_version(grad))}
