@@ -346,10 +346,10 @@ def offload_working_set_bytes(
 
     Weights: the block running and the `prefetch` blocks copied ahead of it; a released block's memory is reused by
     the next copy (see `hf_p2r.training.offload.GranularOffload._fetch`). Gradients: a block's stay on the device
-    until their copy to the host is done, and the backward waits for the copies of the block before last
-    (`GranularOffload._limit_gradients`), so two blocks at most; but autograd sums the gradient of a block run at
-    several depths (`shared`) in a buffer that lives from its last depth's backward to its first, so each shared
-    block holds one more.
+    until their copy to the host is done, and the backward waits for the oldest copies once more than
+    `max_inflight_bytes` are in flight (default: one block's gradients), so two blocks at most; but autograd sums the
+    gradient of a block run at several depths (`shared`) in a buffer that lives from its last depth's backward to its
+    first, so each shared block holds one more.
     """
     if offloaded <= 0:
         return 0
