@@ -37,7 +37,7 @@ demo: $(VENV)/.installed
 		scripts/train.py --config configs/demo.yaml $(ARGS)
 
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest --durations=15
 
 # One GPU, under ten minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
 # by ratio and design against FSDP2, a bf16 trainer run with offload: auto; writes benchmarks/gpu/ (report.md names
