@@ -13,6 +13,7 @@ By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_reg
 """
 
 import importlib
+import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -294,6 +295,10 @@ def pipeline_order(schedule: str, stages: int, microbatches: int) -> list[list[t
 def initialize_pipeline_stage(schedule, slots: int, args, kwargs, target) -> None:
     """Set up the stage of a `PipelineScheduleSingle` subclass for `slots` micro-batch slots (P2P warm-up, shape
     inference, receive buffers): torch's own `_initialize_stage`, which sizes the buffers by the schedule's private
-    `_n_microbatches` (PipeDream-2BW keeps micro-batches in flight across steps in 2m slots)."""
+    `_n_microbatches` (PipeDream-2BW keeps micro-batches in flight across steps in 2m slots). torch 2.11 takes
+    (args, kwargs); later releases also the target."""
     schedule._n_microbatches = slots
-    schedule._initialize_stage(args, kwargs, target)
+    if len(inspect.signature(schedule._initialize_stage).parameters) >= 3:
+        schedule._initialize_stage(args, kwargs, target)
+    else:
+        schedule._initialize_stage(args, kwargs)

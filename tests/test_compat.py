@@ -10,6 +10,7 @@ from torch.distributed.fsdp import fully_shard
 from hf_p2r.compat import (
     forget_preparation,
     in_backward,
+    initialize_pipeline_stage,
     local_tensor,
     parse_size_to_int,
     prepared_models,
@@ -238,3 +239,26 @@ def test_dynamo_counters_count_compiled_graphs_and_graph_breaks():
     after = dynamo_counters()
     assert after["stats"]["unique_graphs"] - before.get("stats", {}).get("unique_graphs", 0) == 2
     assert sum(after["graph_break"].values()) > sum(before.get("graph_break", {}).values())
+
+
+def test_initialize_pipeline_stage_calls_torchs_own_with_the_arguments_it_takes():
+    """torch 2.11's `PipelineScheduleSingle._initialize_stage` takes (args, kwargs), later releases also the target (and
+    optional loss_kwargs):
+    the compat call matches the installed signature (a stand-in schedule with torch's own signature records it)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    signature = inspect.signature(PipelineScheduleSingle._initialize_stage)
+    taken = list(signature.parameters.values())[1:]  # without self
+    assert [p.name for p in taken[:3]] in (["args", "kwargs"], ["args", "kwargs", "target"])
+    calls = []
+
+    def record(*arguments):
+        calls.append(arguments)
+
+    record.__signature__ = signature.replace(parameters=taken)
+    schedule = SimpleNamespace(_initialize_stage=record, _n_microbatches=2)
+    initialize_pipeline_stage(schedule, 8, ("x",), {"k": 1}, "target")
+    assert schedule._n_microbatches == 8
+    assert calls == [(("x",), {"k": 1}, "target")[: min(len(taken), 3)]]

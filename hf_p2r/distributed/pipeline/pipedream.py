@@ -165,8 +165,9 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
     def _forward(self, micro_batch: int, args, kwargs, target) -> None:
         stage, slot = self.stage, self._slot(micro_batch)
         for info in stage.args_recv_info[slot]:
-            if info.buffer is not None:
-                info.buffer.grad = None  # the slot's previous micro-batch left its input gradient there
+            buffer = getattr(info, "buffer", None)  # a first stage's inputs: no buffer (torch 2.11: no attribute)
+            if buffer is not None:
+                buffer.grad = None  # the slot's previous micro-batch left its input gradient there
         _wait(stage.get_fwd_recv_ops(slot))
         output = stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
         if stage.is_last:
