@@ -310,6 +310,14 @@ class TrainArguments:
             "another pipeline split or schedule). A resume reads either, whatever this says."
         },
     )
+    checkpoint_async: bool = field(
+        default=False,
+        metadata={
+            "help": "checkpoint_format dcp: save asynchronously (torch.distributed.checkpoint.async_save): the state "
+            "is copied to CPU memory, training goes on while a background thread writes it, and the checkpoint is "
+            "renamed into place when the write completes (hf_p2r.training.checkpointing)."
+        },
+    )
     report_to: str = field(default="none", metadata={"help": "accelerate trackers: none, tensorboard, wandb, all."})
     remote_code: bool = field(
         default=True, metadata={"help": "Save the modeling code with pseudo/ and real/ (trust_remote_code)."}
@@ -414,6 +422,11 @@ class TrainArguments:
                 "whose updates are not delayed"
             )
         check_range("max_grad_norm", self.max_grad_norm, low=0.0)
+        if self.checkpoint_async and self.checkpoint_format != "dcp":
+            raise ConfigError(
+                "checkpoint_async: asynchronous saves write DCP checkpoints (checkpoint_format: dcp), this run's "
+                f"checkpoint_format is {self.checkpoint_format}"
+            )
         if self.pseudo_steps + self.real_steps == 0:
             raise ConfigError("real_steps: pseudo_steps + real_steps must be at least 1")
         if self.warmup_steps > self.total_steps:
