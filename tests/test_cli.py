@@ -13,7 +13,7 @@ import pytest
 TRAINER_ONLY = ["hf_p2r.training", "hf_p2r.training.train", "datasets"]
 
 
-@pytest.mark.parametrize("command", ["convert", "push", "plan", "env"])
+@pytest.mark.parametrize("command", ["convert", "export", "push", "plan", "env"])
 def test_building_the_command_line_imports_no_trainer_module(command):
     code = f"""
 import json, sys
@@ -49,6 +49,8 @@ HEAVY = ["torch", "transformers"]
         ["convert", "--help"],
         ["convert", "only-src"],
         ["convert", "a", "b", "--target", "gguf"],
+        ["export", "--help"],
+        ["export", "only-checkpoint"],
         ["nope"],
         ["plan", "--help"],
         ["plan", "--config", "c", "--gpus", "8", "--precision", "fp4"],
@@ -61,6 +63,8 @@ HEAVY = ["torch", "transformers"]
         "convert help",
         "missing argument",
         "bad choice",
+        "export help",
+        "export missing argument",
         "unknown command",
         "plan help",
         "plan bad choice",
