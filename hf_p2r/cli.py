@@ -19,10 +19,10 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from .commands import convert, env, plan, push, train
+from .commands import convert, env, export, plan, push, train
 from .errors import exit_code
 
-COMMANDS = {"train": train, "convert": convert, "push": push, "plan": plan, "env": env}
+COMMANDS = {"train": train, "convert": convert, "export": export, "push": push, "plan": plan, "env": env}
 # Errors that mean "bad input or environment", not a bug: shown as one line (exit status: `exit_code`).
 USER_ERRORS = (ValueError, OSError, KeyError)
 # Signals that end a command the way Ctrl-C (SIGINT) does.
