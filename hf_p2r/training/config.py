@@ -375,14 +375,18 @@ class TrainArguments:
         default=1,
         metadata={
             "help": "Data-parallel pipelines beside pipeline_parallel_size (a 2-D mesh of data_parallel_size x "
-            "pipeline_parallel_size processes); each reads per_device_batch_size blocks per step."
+            "pipeline_parallel_size processes); each reads per_device_batch_size blocks per step. With "
+            "pipeline_parallel_size 1 the whole model is one stage on each of the data_parallel_size processes "
+            "(torchrun; on CPU too): FSDP2-sharded with data_parallel_shard, else replicated, gradients averaged as "
+            "DDP does; num_microbatches is then gradient accumulation (gpipe or 1f1b)."
         },
     )
     data_parallel_shard: bool = field(
         default=False,
         metadata={
             "help": "Shard each pipeline stage with FSDP2 over the data-parallel pipelines (weights, gradients and "
-            "optimizer state split data_parallel_size ways); default: replicated stages that average gradients."
+            "optimizer state split data_parallel_size ways; with pipeline_parallel_size 1, the whole model: FSDP2 "
+            "applied by the trainer itself); default: replicated stages that average gradients."
         },
     )
 
@@ -438,14 +442,13 @@ class TrainArguments:
         check_range("pipeline_parallel_size", self.pipeline_parallel_size, low=1)
         check_range("num_microbatches", self.num_microbatches, low=1)
         check_range("data_parallel_size", self.data_parallel_size, low=1)
-        if self.pipeline_parallel_size > 1:
-            self._check_pipeline()
-        elif self.data_parallel_size != 1 or self.data_parallel_shard:
-            name = "data_parallel_size" if self.data_parallel_size != 1 else "data_parallel_shard"
+        if self.data_parallel_shard and self.data_parallel_size == 1:
             raise ConfigError(
-                f"{name}: applies to pipelined runs (pipeline_parallel_size > 1); without a pipeline, data parallelism "
-                "is the launcher's process count (accelerate launch --num_processes N, with FSDP2 or DeepSpeed)"
+                "data_parallel_shard: shards over data_parallel_size > 1 processes (or pipelines), got 1; with "
+                "accelerate launch, FSDP2 is the launcher's config (configs/accelerate/fsdp2.yaml)"
             )
+        if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+            self._check_pipeline()
         if self.lr_scheduler == "wsd" and self.warmup_steps + self.decay_steps > self.total_steps:
             raise ConfigError(
                 f"lr_decay_fraction: warm-up ({self.warmup_steps} steps) and decay ({self.decay_steps}) must fit in "
@@ -453,13 +456,16 @@ class TrainArguments:
             )
 
     def _check_pipeline(self) -> None:
-        """Refuse, in one line naming the fields, what a pipelined run does not support."""
+        """Refuse, in one line naming the fields, what the pipeline engine (stages, or the whole model one stage over
+        data_parallel_size processes) does not support."""
         schedule = get_schedule(self.pipeline_schedule)  # what it allows: the schedule registry
         try:
+            schedule.check_one_stage(self.pipeline_parallel_size)
             if self.data_parallel_shard:
                 schedule.check_shardable()
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        engine = "pipeline_parallel_size > 1" if self.pipeline_parallel_size > 1 else "data_parallel_size > 1"
         refused = [
             ("offload", self.offload is not None, "granular offload runs in one process"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps != 1, "num_microbatches splits the batch"),
@@ -469,9 +475,7 @@ class TrainArguments:
         ]
         for name, bad, why in refused:
             if bad:
-                raise ConfigError(f"{name}: not supported with pipeline_parallel_size > 1 ({why})")
-        if self.data_parallel_shard and self.data_parallel_size == 1:
-            raise ConfigError("data_parallel_shard: shards a stage over data_parallel_size > 1 pipelines, got 1")
+                raise ConfigError(f"{name}: not supported with {engine} ({why})")
         microbatches = self.num_microbatches or self.pipeline_parallel_size
         if self.per_device_batch_size % microbatches:
             raise ConfigError(
