@@ -582,13 +582,6 @@ def test_the_trainer_runs_data_parallel_sharded_pipelines_and_resumes(four, tmp_
     assert run["real_blocks"] == 4
 
 
-def test_data_parallel_fields_need_a_pipeline(tmp_path):
-    with pytest.raises(ValueError, match=r"^data_parallel_size: applies to pipelined runs"):
-        parse_config(tiny_argv(tmp_path, data_parallel_size=2))
-    with pytest.raises(ValueError, match=r"^data_parallel_shard: applies to pipelined runs"):
-        parse_config(tiny_argv(tmp_path, data_parallel_shard="true"))
-
-
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -597,7 +590,7 @@ def test_data_parallel_fields_need_a_pipeline(tmp_path):
             ["--data_parallel_size", "2", "--data_parallel_shard", "true", "--pipeline_schedule", "2bw"],
             r"^data_parallel_shard: not supported with pipeline_parallel_size > 1 \(PipeDream-2BW swaps",
         ),
-        (["--data_parallel_shard", "true"], r"^data_parallel_shard: shards a stage over data_parallel_size > 1"),
+        (["--data_parallel_shard", "true"], r"^data_parallel_shard: shards over data_parallel_size > 1"),
         (["--num_microbatches", "3"], r"^num_microbatches: 3 must divide per_device_batch_size"),
         (["--pipeline_schedule", "2bw", "--num_microbatches", "1"], r"^num_microbatches: PipeDream-2BW needs"),
     ],

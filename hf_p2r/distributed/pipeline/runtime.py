@@ -23,6 +23,18 @@ weights, gradients and optimizer state are split over the data-parallel processe
 reduce-scatter to the last micro-batch, and the replicas' sum runs on the local shards (the same layout on every stage
 of a column). A schedule that keeps two weight versions (2BW) swaps them in the module, which FSDP2's sharded
 parameters do not allow: the registry refuses sharded stages for it.
+
+Without a pipeline (`pipeline_parallel_size` 1, `data_parallel_size` N): the whole model is one stage, and the same
+code is data parallelism over N processes, FSDP2-sharded (`shard=True`: the layout of `accelerate launch` with the
+FSDP2 config, here on CPU/gloo as on GPUs) or replicated (the gradients averaged as DDP does). With one stage
+the stage's forward and backward run directly, micro-batch after micro-batch (`AccumulateSchedule`:
+gradient accumulation, the micro-batches cut as torch's schedules cut them), rather than through torch's one-stage
+1F1B/GPipe, which run but whose `PipelineStage` keeps an FSDP2 stage's weights gathered and its gradients whole until
+after the last backward (it defers FSDP2's reshard and reduce-scatter there, for the pipeline's sake): for the whole
+model as one stage that is the whole model unsharded at once. Run directly, FSDP2 gathers one block at a time in the
+forward and the backward and reduce-scatters each block's gradients after its backward, as with `accelerate launch`
+and the FSDP2 config; replicated stages all-reduce once per step. Schedules of several stages per process
+or of delayed updates (2BW) have nothing to do with one stage: the registry refuses them (`check_one_stage`).
 """
 
 import copy
@@ -270,7 +282,8 @@ class FlushSchedule:
         self.schedule, self.finish_gradients = schedule, finish_gradients
 
     def step(self, *args, target=None, losses: list | None = None) -> None:
-        self.schedule.step(*args, target=target, losses=losses)
+        # return_outputs=False: the last stage keeps no micro-batch's logits for a merge nobody reads.
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         self.finish_gradients()
 
     def drain(self) -> None:
@@ -286,10 +299,34 @@ class FlushSchedule:
         """Nothing of a flush schedule is saved."""
 
 
+class AccumulateSchedule(FlushSchedule):
+    """The whole model as one stage (`pipeline_parallel_size` 1): each micro-batch's forward and backward on the stage
+    module itself, the gradients summed (gradient accumulation), then finished as a flush schedule's. The batch is cut
+    as torch's schedules cut it (`tensor_split` on the batch dimension), so it computes what their one-stage 1F1B
+    does; FSDP2's own hooks gather, reshard and reduce-scatter each block (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, num_microbatches: int, loss_fn, finish_gradients: Callable[[], None]):
+        super().__init__(None, finish_gradients)
+        self.module, self.num_microbatches, self.loss_fn = module, num_microbatches, loss_fn
+
+    def step(self, input_ids: torch.Tensor, target=None, losses: list | None = None) -> None:
+        for ids, labels in zip(
+            input_ids.tensor_split(self.num_microbatches), target.tensor_split(self.num_microbatches), strict=True
+        ):
+            loss = self.loss_fn(self.module(ids), labels)
+            loss.backward()
+            if losses is not None:
+                losses.append(loss.detach())
+        self.finish_gradients()
+
+
 def make_schedule(pipeline: Pipeline):
-    """The schedule object driving this process's stages, as the registry describes `pipeline.spec`."""
+    """The schedule object driving this process's stages, as the registry describes `pipeline.spec` (one stage: the
+    micro-batches accumulated on it, `AccumulateSchedule`)."""
     spec, stages = pipeline.spec, pipeline.stages
     loss_fn = causal_lm_loss(pipeline.model_config.vocab_size)
+    if len(pipeline.split) == 1:  # `check_one_stage`: a flush schedule
+        return AccumulateSchedule(pipeline.modules[0], pipeline.num_microbatches, loss_fn, pipeline.finish_gradients)
     if spec.torch_name is None:  # hf-p2r's own: PipeDream-2BW
         return SchedulePipeDream2BW(
             stages[0],
@@ -405,7 +442,8 @@ def build_pipeline(
 
     `mesh` (`pipeline_mesh`) runs data-parallel pipelines: this process's pipeline is its "pp" row (`group` is then
     ignored); `shard` makes each stage FSDP2 units over the "dp" column, else the column's replicas average their
-    gradients (see the module docstring).
+    gradients (see the module docstring); `pipeline_mesh(1, N)` runs the whole model as one stage, N ways data
+    parallel (1f1b or gpipe: the micro-batches are gradient accumulation).
     """
     spec = get_schedule(schedule)
     if delay_correction != "none" and spec.name != "2bw":
@@ -424,6 +462,7 @@ def build_pipeline(
     elif group is None:
         group = dist.group.WORLD
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    spec.check_one_stage(size)
     num_stages = size * spec.stages_per_process(virtual_stages)
     spec.check_microbatches(num_microbatches, size)
     manual = split is not None
@@ -546,6 +585,7 @@ def pipeline_model_config(pipeline: Pipeline):
 
 
 __all__ = [
+    "AccumulateSchedule",
     "FlushSchedule",
     "Pipeline",
     "build_pipeline",

@@ -51,6 +51,20 @@ class PipelineSchedule:
                 f"{self.shard_refusal}; use replicated data-parallel stages: data_parallel_shard: false)"
             )
 
+    def check_one_stage(self, pipeline_parallel_size: int) -> None:
+        """Without a pipeline (`pipeline_parallel_size` 1: the whole model one stage, data parallel over the processes)
+        a schedule runs the micro-batches of one stage one after the other: gradient accumulation. 1F1B (one
+        micro-batch's activations at a time) and GPipe (all of them) do; a schedule of several stages per process or
+        of delayed updates (2BW: the delay only hides a pipeline's bubble) has nothing to run. `ValueError` naming
+        `pipeline_schedule`."""
+        if pipeline_parallel_size != 1 or not (self.virtual_stages or not self.flush):
+            return
+        why = "runs several stages per process" if self.virtual_stages else "delays the update to hide the bubble"
+        raise ValueError(
+            f"pipeline_schedule: {self.title} {why} of a pipeline, which pipeline_parallel_size 1 (the whole model one "
+            "stage) does not have; use 1f1b (or gpipe)"
+        )
+
     def stages_per_process(self, virtual_stages: int) -> int:
         """Stages a process runs: `virtual_stages` under an interleaved schedule, else one."""
         return virtual_stages if self.virtual_stages else 1

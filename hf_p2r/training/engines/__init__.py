@@ -1,6 +1,7 @@
 """The engines behind the one training loop (`base.Engine`): `AccelerateEngine` (one process, DDP, FSDP2, DeepSpeed,
-granular offload) and `PipelineEngine` (pipeline stages, data-parallel pipelines). `engine_for` picks one from the
-configuration; a new engine is a module here and a line there."""
+granular offload) and `PipelineEngine` (pipeline stages, data-parallel pipelines, or the whole model as one stage
+sharded over the data-parallel processes). `engine_for` picks one from the configuration; a new engine is a module
+here and a line there."""
 
 from ..config import TrainConfig
 from .accelerate import AccelerateEngine
@@ -9,9 +10,11 @@ from .pipeline import PipelineEngine
 
 
 def engine_for(config: TrainConfig) -> Engine:
-    """The engine that runs `config`: a pipeline when `pipeline_parallel_size > 1`, else Accelerate (which reads
-    its own launch configuration: one process, DDP, FSDP2, DeepSpeed)."""
-    if config.train.pipeline_parallel_size > 1:
+    """The engine that runs `config`: a pipeline when `pipeline_parallel_size > 1` or `data_parallel_size > 1` (the
+    whole model one stage, data parallel: FSDP2-sharded with `data_parallel_shard`, on CPU as on GPUs), else
+    Accelerate (which reads its own launch configuration: one process, DDP, FSDP2, DeepSpeed)."""
+    train = config.train
+    if train.pipeline_parallel_size > 1 or train.data_parallel_size > 1:
         return PipelineEngine(config)
     return AccelerateEngine(config)
 

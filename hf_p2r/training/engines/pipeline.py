@@ -1,5 +1,10 @@
-"""The pipeline engine (`pipeline_parallel_size > 1`): the model split into stages (`hf_p2r.distributed.pipeline`),
-optionally `data_parallel_size` pipelines side by side, replicated or FSDP2-sharded stages.
+"""The pipeline engine (`pipeline_parallel_size > 1` or `data_parallel_size > 1`): the model split into stages
+(`hf_p2r.distributed.pipeline`), optionally `data_parallel_size` pipelines side by side, replicated or FSDP2-sharded
+stages. With `pipeline_parallel_size: 1` the whole model is one stage and the same code is data parallelism over
+`data_parallel_size` processes: `data_parallel_shard: true` is FSDP2 applied by the engine itself (each block and the
+root `fully_shard`ed over the processes, as `accelerate launch` with configs/accelerate/fsdp2.yaml does on GPUs), so
+one code path runs sharded on CPU (gloo), where Accelerate turns FSDP off, and on GPUs; the micro-batches
+(`num_microbatches`) are gradient accumulation.
 
 Every process builds the model on the meta device and materialises only its stages (the weights a one-process run
 of the same seed has: `hf_p2r.distributed.materialize`); every process of a pipeline reads the same batch
@@ -12,8 +17,9 @@ model's names, which another split, number of stages or schedule resumes; `pseud
 written from the stages, each process its weights (`hf_p2r.checkpoint.sharded_write`). The validation loss is
 computed through the stages themselves (forward only, `Pipeline.evaluate`): no process holds the whole model for it.
 
-Launch with `torchrun --nproc-per-node 2 -m hf_p2r.train --config ... --pipeline_parallel_size 2` or
-`accelerate launch --num_processes 2 -m hf_p2r.train ...` (Accelerate only starts the processes and the group here).
+Launch with `torchrun --nproc-per-node 2 -m hf_p2r.train --config ... --pipeline_parallel_size 2` (or
+`--data_parallel_size 2 --data_parallel_shard true`) or `accelerate launch --num_processes 2 -m hf_p2r.train ...`
+(Accelerate only starts the processes and the group here).
 """
 
 from pathlib import Path
@@ -61,9 +67,10 @@ class PipelineEngine(Engine):
             project_dir=Path(args.output_dir),
         )
         if accelerator.num_processes != args.pipeline_parallel_size * args.data_parallel_size:
+            name = "pipeline_parallel_size" if args.pipeline_parallel_size > 1 else "data_parallel_size"
             raise ValueError(
-                f"pipeline_parallel_size: {args.pipeline_parallel_size} stages x data_parallel_size "
-                f"{args.data_parallel_size} need as many processes, the launcher started {accelerator.num_processes}"
+                f"{name}: {args.pipeline_parallel_size} stages x data_parallel_size {args.data_parallel_size} need as "
+                f"many processes, the launcher started {accelerator.num_processes}"
             )
         if config.model.num_experts:
             raise ValueError("num_experts: mixture-of-experts models are not supported with pipeline_parallel_size > 1")
@@ -209,7 +216,10 @@ class PipelineEngine(Engine):
         save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
 
     def title(self) -> str:
-        return f"{self.args.pipeline_schedule} x{self.args.pipeline_parallel_size}"
+        args = self.args
+        if args.pipeline_parallel_size == 1:  # no pipeline: the data-parallel layout
+            return f"{'FSDP2' if args.data_parallel_shard else 'replicated'} x{args.data_parallel_size}"
+        return f"{args.pipeline_schedule} x{args.pipeline_parallel_size}"
 
     def release(self) -> None:
         self.pipeline = None
