@@ -118,17 +118,42 @@ def convert_pseudo_to_real(
     ```
     """
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
+    get_target(target)
+    src = Path(src)
+    config = read_p2r_config_dict(src)
+    blocks = conversion_blocks(
+        config, src, src / CONFIG_NAME, num_unique_layers=num_unique_layers, target=target, dtype=dtype
+    )
+    return rewrite_checkpoint(
+        src,
+        dst,
+        config,
+        num_blocks=blocks,
+        target=target,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        overwrite=overwrite,
+        verify=verify,
+        progress=progress,
+    )
+
+
+def conversion_blocks(
+    config: dict, src: Path, config_path: Path, *, num_unique_layers: int | None, target: str, dtype: str | None
+) -> int:
+    """The blocks of the output of converting the checkpoint `src` (config dict `config`, as `read_p2r_config_dict`
+    gives it, read from `config_path`) to `target` with `num_unique_layers` and `dtype` (parsed): `InputError` naming
+    them for a conversion the converter refuses (nothing to do, a count that does not keep every depth's block, a model
+    the target cannot write), before anything is read or written."""
     spec = get_target(target)
     if num_unique_layers is not None and (
         isinstance(num_unique_layers, bool) or not isinstance(num_unique_layers, int)
     ):
         raise InputError(f"num_unique_layers must be an integer, got {num_unique_layers!r}")
-    src = Path(src)
-    config = read_p2r_config_dict(src)
     depth, stored = config["num_hidden_layers"], config["num_unique_layers"]
     if not config["share_layers"] and not spec.real_only and dtype is None:
         raise InputError(
-            f"{src / CONFIG_NAME}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
+            f"{config_path}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
             "delink; export it with target='llama' or 'mixtral' (--target), or cast it with dtype (--dtype)"
         )
     blocks = depth if num_unique_layers is None else num_unique_layers
@@ -148,19 +173,8 @@ def convert_pseudo_to_real(
                 f"{src}: num_unique_layers={blocks} cannot be reached from {stored} blocks (sharing_pattern="
                 f"{pattern!r}, {depth} layers): every depth must keep the block it ran; it can be {', '.join(shown)}"
             )
-    spec.check(config, src / CONFIG_NAME)
-    return rewrite_checkpoint(
-        src,
-        dst,
-        config,
-        num_blocks=blocks,
-        target=target,
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        overwrite=overwrite,
-        verify=verify,
-        progress=progress,
-    )
+    spec.check(config, config_path)
+    return blocks
 
 
 def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
