@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint import convert_pseudo_to_real, save_model
-from ..checkpoint.convert import parse_dtype
+from ..checkpoint.convert import conversion_blocks, parse_dtype
 from ..checkpoint.dcp_weights import dcp_weights, write_dcp_weights
 from ..checkpoint.headers import parse_size
 from ..checkpoint.io import resolve_destination
@@ -75,9 +75,8 @@ def export_checkpoint(
     def write_weights(folder: Path, tensors: dict) -> None:
         write_dcp_weights(checkpoint, folder, tensors, max_shard_size=max_shard_size, progress=progress)
 
-    depth = config.model.num_hidden_layers
-    blocks = depth if num_unique_layers is None else num_unique_layers
-    if target == "p2r" and blocks == state.num_blocks and dtype is None:  # the trainer's folder is the output
+    blocks = config.model.num_hidden_layers if num_unique_layers is None else num_unique_layers
+    if not get_target(target).vanilla and blocks == state.num_blocks and dtype is None:  # the trainer's folder
         return save_model(
             model,
             dst,
@@ -87,8 +86,17 @@ def export_checkpoint(
             write_weights=write_weights,
             progress=progress,
         )
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{destination.name}.export-", dir=destination.parent))
+    # What the converter refuses, refused now (before anything is written), naming the checkpoint.
+    conversion_blocks(
+        model.config.to_dict(),
+        checkpoint,
+        checkpoint / STATE_FILE,
+        num_unique_layers=num_unique_layers,
+        target=target,
+        dtype=parse_dtype(dtype),
+    )
+    near = next(folder for folder in destination.absolute().parents if folder.is_dir())  # (no folder made for it)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{destination.name}.export-", dir=near))
     try:
         source = scratch / checkpoint.resolve().name  # (the model card names the source: checkpoint-N)
         save_model(

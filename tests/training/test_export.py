@@ -156,3 +156,20 @@ def test_an_existing_destination_is_kept_without_overwrite(run, tmp_path, capsys
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left beside it
     assert main(["export", str(run / "checkpoints/checkpoint-4"), str(tmp_path / "out"), "--overwrite"]) == 0
     same_files(tmp_path / "out", run / "real")
+
+
+def test_a_conversion_the_converter_refuses_is_refused_first_naming_the_checkpoint(run, tmp_path, capsys):
+    """The converter's own rules (`conversion_blocks`), applied before anything is written."""
+    out = str(tmp_path / "out/model")
+    assert (
+        main(["export", str(run / "checkpoints/checkpoint-2"), out, "--target", "llama", "--num-unique-layers", "2"])
+        == 2
+    )
+    needs = (
+        "target='llama' needs the real model (one block per layer): num_unique_layers=2 is not num_hidden_layers (4)"
+    )
+    assert capsys.readouterr().err == f"hf-p2r export: error: {needs}\n"
+    assert main(["export", str(run / "checkpoints/checkpoint-4"), out, "--num-unique-layers", "2"]) == 2
+    state = run / "checkpoints/checkpoint-4/trainer_state.json"
+    assert capsys.readouterr().err.startswith(f"hf-p2r export: error: {state}: share_layers is false")
+    assert not list(tmp_path.iterdir())
