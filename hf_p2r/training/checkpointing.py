@@ -25,9 +25,12 @@ import re
 import resource
 import shutil
 import stat
+import sys
+import threading
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from pickle import UnpicklingError
@@ -47,8 +50,9 @@ from ..compat import prepared_models
 from ..errors import InputError, read_json
 from ..models.p2r import P2RForCausalLM
 from .config import DataArguments, ModelArguments, TrainConfig
+from .dcp import background_writes, is_dcp_checkpoint
 from .dcp import check_files as check_dcp_files
-from .dcp import is_dcp_checkpoint
+from .dcp import wait as wait_for_write
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
@@ -109,7 +113,15 @@ def save_checkpoint(
     process fails to write (a full disk), every process raises `OSError` naming the cause and the place, the temporary
     folder is removed and the checkpoints already there are kept (older ones are pruned only after the new one is in
     place). Call it only with finite weights and optimizer state (`all_finite`): what it keeps is what resumes.
+
+    With `checkpoint_async` (DCP's `save` within `hf_p2r.training.dcp.background_writes`) it returns once the state is
+    copied to CPU memory: the shards are written in the background, and the main process renames the folder into
+    place (then prunes) when its write completes, which DCP completes after every process's. A failed write removes
+    the temporary folder; `finish_checkpoint` (the next save, a delink, the end of the run, a signal) raises it as
+    above. Until the rename the checkpoint is only its temporary folder, which `list_checkpoints` ignores.
     """
+    global _pending
+    finish_checkpoint(accelerator)  # the previous save, if it still writes in the background
     write = write or accelerator.save_state
     destination = checkpoint_path(output_dir, state.step)
     payload = {
@@ -122,19 +134,91 @@ def save_checkpoint(
         write(folder)
         (folder / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
-    if accelerator.is_main_process:
-        with atomic_directory(destination, overwrite=True) as tmp:
+    main = accelerator.is_main_process
+    limit = config.train.save_total_limit if main else None  # (the main process prunes)
+    with ExitStack() as rename, background_writes() if config.train.checkpoint_async else nullcontext([]) as futures:
+        if main:
+            tmp = rename.enter_context(atomic_directory(destination, overwrite=True))  # renamed as the stack closes
             broadcast_object_list([str(tmp)])
-            _write_on_every_process(accelerator, write_main, tmp, destination)
-        limit = config.train.save_total_limit
-        if limit is not None:
-            for old in list_checkpoints(output_dir)[:-limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    else:
-        [tmp] = broadcast_object_list([None])
-        _write_on_every_process(accelerator, write, Path(tmp), destination)
+        else:
+            [tmp] = broadcast_object_list([None])
+        _write_on_every_process(accelerator, write_main if main else write, Path(tmp), destination)
+        if futures:  # the shards are still being written: the rename and the pruning when they are
+            [future] = futures
+            _pending = _BackgroundSave(future, Path(tmp), destination, rename.pop_all(), Path(output_dir), limit)
+            future.add_done_callback(_pending.complete)
+            return destination
+    _prune(output_dir, limit)
     accelerator.wait_for_everyone()
     return destination
+
+
+def _prune(output_dir: str | Path, limit: int | None) -> None:
+    """Keep the newest `limit` complete checkpoints (None: all); called after a new one is in place."""
+    if limit is not None:
+        for old in list_checkpoints(output_dir)[:-limit]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass
+class _BackgroundSave:
+    """A checkpoint whose shards a background thread writes (`checkpoint_async`): `complete` runs when the write ends
+    (in that thread): on the main process, which holds the entered `atomic_directory` in `rename`, the folder is
+    renamed into place and older checkpoints pruned, or, when the write failed, removed."""
+
+    future: Future
+    folder: Path  # the temporary folder
+    destination: Path
+    rename: ExitStack  # the main process's atomic_directory (empty elsewhere)
+    output_dir: Path
+    limit: int | None  # save_total_limit on the main process (None elsewhere, or keep all)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None  # what the rename or the pruning raised
+
+    def complete(self, future: Future) -> None:
+        try:
+            failure = future.exception()
+            if failure is None:
+                self.rename.close()
+                _prune(self.output_dir, self.limit)
+            else:
+                self.rename.__exit__(type(failure), failure, failure.__traceback__)
+        except BaseException as caught:  # noqa: BLE001 - raised by `wait`, on the main thread
+            self.error = caught
+        finally:
+            self.done.set()
+
+    def wait(self, folder: Path) -> None:
+        """The write's outcome, as the save protocol's `write` gives it: its failure raised (`dcp.wait`)."""
+        self.done.wait()
+        wait_for_write(self.future)
+        if self.error is not None:
+            raise self.error
+
+
+_pending: _BackgroundSave | None = None  # this process's checkpoint still written in the background
+
+
+def finish_checkpoint(accelerator: Accelerator) -> None:
+    """Wait for this process's checkpoint still written in the background (`checkpoint_async`), if any, and raise its
+    failure as `save_checkpoint` raises one (one collective: call on every process, at the same step)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        _write_on_every_process(accelerator, pending.wait, pending.folder, pending.destination)
+
+
+def abandon_checkpoint() -> None:
+    """On the way out of a run that failed: wait for this process's background write (if any) to end, renamed into
+    place or removed, before the process group goes; no collective, and its failure (told in one line on stderr) does
+    not replace the error that stops the run."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        try:
+            pending.wait(pending.folder)
+        except BaseException as error:  # noqa: BLE001 - the run's own error follows
+            print(f"{pending.destination.name} not saved ({_first_line(error)})", file=sys.stderr)
 
 
 def _write_on_every_process(accelerator: Accelerator, write, folder: Path, destination: Path) -> None:

@@ -24,8 +24,19 @@ start (the data order is a function of `seed` and the data position; the trainer
 
 `check_files` checks the files before anything loads: the `.metadata` file, and every shard it names present and as
 long as the pieces it holds there.
+
+Within `background_writes` (`checkpoint_async`, the save protocol's choice: `hf_p2r.training.checkpointing`), `save`
+starts `dcp.async_save` instead: the state is copied to CPU memory (torch's default stager: a copy even of CPU
+tensors, so training may change them at once), then a background thread writes it and the future completes.
+Its collectives run on a gloo group of their own (`_background_group`): the training's own collectives go on meanwhile
+on the default group (gloo on CPU, where two threads' collectives on one group would interleave; NCCL on GPUs, which
+`async_save` refuses: it needs a CPU backend).
 """
 
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -69,15 +80,62 @@ def check_files(path: Path) -> None:
             raise InputError(f"{file}: truncated ({found} bytes, {METADATA} places pieces up to byte {size})")
 
 
+_BACKGROUND: ContextVar[list[Future] | None] = ContextVar("background_writes", default=None)
+
+
+@contextmanager
+def background_writes() -> Iterator[list[Future]]:
+    """Within it, `save` returns once `state` is copied to CPU memory and writes it in a background thread
+    (`dcp.async_save`); the futures of the saves it started are in the list it yields (`wait` for each)."""
+    futures: list[Future] = []
+    token = _BACKGROUND.set(futures)
+    try:
+        yield futures
+    finally:
+        _BACKGROUND.reset(token)
+
+
 def save(folder: Path, state: dict) -> None:
     """Every process writes its part of `state` into `folder` (a collective when a process group is up). A failure is
     raised as it happened (an `OSError` for a full disk...), this process's own if it had one, else the first
-    process's: DCP's `CheckpointException` (a `BaseException`) would pass the save protocol's handlers."""
+    process's: DCP's `CheckpointException` (a `BaseException`) would pass the save protocol's handlers. Within
+    `background_writes`, only the copy to CPU memory happens here: `wait` raises the write's failure."""
+    futures = _BACKGROUND.get()
     try:
-        dcp.save(state, checkpoint_id=folder)
+        if futures is None:
+            dcp.save(state, checkpoint_id=folder)
+        else:
+            futures.append(dcp.async_save(state, checkpoint_id=folder, process_group=_background_group()))
     except CheckpointException as error:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise _failure(error, rank if rank in error.failures else min(error.failures)) from None
+        raise _raised(error) from None
+
+
+def wait(future: Future) -> None:
+    """Wait for the asynchronous `save` of `future`; its failure raised as `save` raises one (DCP gives every process
+    the same outcome: a shard that failed anywhere fails the save everywhere)."""
+    try:
+        future.result()
+    except CheckpointException as error:
+        raise _raised(error) from None
+
+
+def _raised(error: CheckpointException) -> BaseException:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return _failure(error, rank if rank in error.failures else min(error.failures))
+
+
+_GROUP: dict = {}  # the default process group -> the gloo group of its background writes
+
+
+def _background_group() -> dist.ProcessGroup | None:
+    """The gloo group over every process that the background writes' collectives use, made once per default group (a
+    collective: every process saves at the same step); None without a process group (one process)."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if _GROUP.get("world") is not world:
+        _GROUP.update(world=world, group=dist.new_group(backend="gloo"))
+    return _GROUP["group"]
 
 
 def load(path: Path, state: dict) -> None:

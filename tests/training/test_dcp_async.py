@@ -1,0 +1,279 @@
+"""Asynchronous DCP checkpoints (`checkpoint_async`, `hf_p2r.training.checkpointing.save_checkpoint`): the state is
+copied to CPU memory, training goes on while a background thread writes the shards, and the checkpoint is renamed into
+place when the write completes. What is saved is what a synchronous save writes (bitwise), a checkpoint is never seen
+partial, a failed write keeps the checkpoints already there, and `save_total_limit` prunes only complete ones."""
+
+import errno
+import functools
+import importlib
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from hf_p2r.training import parse_config, train
+from hf_p2r.training.checkpointing import TrainState, finish_checkpoint, list_checkpoints, save_checkpoint
+from hf_p2r.training.config import ConfigError
+from hf_p2r.training.dcp import load_model_state, model_state
+from hf_p2r.training.dcp import save as save_dcp
+
+from ..distributed import spawn
+from .helpers import tiny_argv, trajectory
+from .test_dcp import PIPELINE, SCHEDULE, copy_run, losses, resume
+
+ASYNC = dict(checkpoint_async="true")
+train_module = importlib.import_module("hf_p2r.training.train")  # (the package exports its function `train`)
+
+
+def saved_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of DCP checkpoint `checkpoint`, by its flattened name (read through torch's own converter)."""
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    dcp_to_torch_save(checkpoint, scratch)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(scratch, weights_only=True))
+    return flat
+
+
+def assert_same_checkpoints(one: Path, other: Path, scratch: Path) -> None:
+    names = [path.name for path in list_checkpoints(one)]
+    assert names == [path.name for path in list_checkpoints(other)] and names
+    for name in names:
+        got = saved_tensors(one / "checkpoints" / name, scratch / f"{name}-a.pt")
+        want = saved_tensors(other / "checkpoints" / name, scratch / f"{name}-b.pt")
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[key], want[key]) for key in want), name
+        a, b = (json.loads((run / "checkpoints" / name / "trainer_state.json").read_text()) for run in (one, other))
+        for saved in (a, b):  # (what differs: the wall time, the folder, the option itself)
+            del saved["state"]["train_time_s"], saved["config"]["output_dir"], saved["config"]["checkpoint_async"]
+        assert a == b
+
+
+# --- one process ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run (L=4, k=1, delinked at step 2, a checkpoint every step) saved synchronously and asynchronously."""
+    folder = tmp_path_factory.mktemp("dcp_async")
+    assert train(parse_config(tiny_argv(folder / "sync", **SCHEDULE))) == 0
+    assert train(parse_config(tiny_argv(folder / "async", **SCHEDULE, **ASYNC))) == 0
+    return folder
+
+
+def test_an_async_run_saves_what_a_synchronous_one_saves(runs):
+    """The same losses, the same checkpoints (every tensor bitwise, the same trainer state), each renamed into place
+    (no temporary folder left)."""
+    assert trajectory(runs / "async") == trajectory(runs / "sync")
+    assert_same_checkpoints(runs / "async", runs / "sync", runs / "scratch")
+    assert sorted(p.name for p in (runs / "async/checkpoints").iterdir()) == [f"checkpoint-{s}" for s in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("checkpoint", [1, 3])
+def test_an_async_checkpoint_resumes_bitwise(runs, tmp_path, checkpoint):
+    """Before the delink (pseudo, 1 block) and after (real, 4 blocks): every logged value as the uninterrupted run."""
+    run = copy_run(runs / "async", tmp_path / "run")
+    assert resume(run, checkpoint, **ASYNC) == 0
+    assert trajectory(run) == trajectory(runs / "sync")
+
+
+def test_async_is_refused_without_dcp(tmp_path):
+    with pytest.raises(ConfigError, match=r"^checkpoint_async: asynchronous saves write DCP checkpoints") as raised:
+        parse_config(tiny_argv(tmp_path / "run", **ASYNC))
+    assert "\n" not in str(raised.value)
+
+
+class Gate:
+    """`write_data`: `FileSystemWriter.write_data` (run by DCP's background thread) waiting until `open` is set."""
+
+    def __init__(self):
+        self.open, self.waiting = threading.Event(), threading.Event()
+        original = FileSystemWriter.write_data
+
+        def write_data(writer, *args, **kwargs):
+            self.waiting.set()
+            if not self.open.wait(timeout=120):
+                raise TimeoutError("the test never opened the gate")
+            return original(writer, *args, **kwargs)
+
+        self.write_data = write_data
+
+
+def _linear_and_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _snapshot(model, optimizer) -> dict[str, torch.Tensor]:
+    state = model_state(model, optimizer)
+    return {
+        **{f"model.{k}": v.clone() for k, v in state["model"].items()},
+        **{f"optimizer.{k}.{n}": v.clone() for k, s in state["optimizer"].items() for n, v in s.items()},
+    }
+
+
+def test_a_checkpoint_appears_only_complete_and_holds_the_state_of_its_step(tmp_path, monkeypatch):
+    """The write of checkpoint 2 held back: the save returns, the checkpoint is only its temporary folder (not listed,
+    checkpoint 1 not pruned although save_total_limit is 1), and the weights and optimizer state the training then
+    changes in place do not reach it; once the write completes it is renamed into place, then checkpoint 1 pruned."""
+    config = parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, **ASYNC, save_total_limit=1))
+    accelerator, (model, optimizer) = Accelerator(cpu=True), _linear_and_adamw()
+
+    def write(folder: Path) -> None:
+        save_dcp(folder, model_state(model, optimizer))
+
+    checkpoints = tmp_path / "run/checkpoints"
+    save_checkpoint(accelerator, tmp_path / "run", TrainState(step=1), config, write=write)
+    finish_checkpoint(accelerator)
+    assert [p.name for p in checkpoints.iterdir()] == ["checkpoint-1"]
+
+    gate = Gate()
+    monkeypatch.setattr(FileSystemWriter, "write_data", gate.write_data)
+    expected = _snapshot(model, optimizer)
+    save_checkpoint(accelerator, tmp_path / "run", TrainState(step=2), config, write=write)
+    assert gate.waiting.wait(timeout=120)
+    [temporary] = [p.name for p in checkpoints.iterdir() if p.name != "checkpoint-1"]
+    assert temporary.startswith(".checkpoint-2.tmp-")
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-1"]
+    model(torch.ones(2, 8)).sum().backward()  # the training goes on: a step changes weights and optimizer state
+    optimizer.step()
+    assert not torch.equal(model.weight, expected["model.weight"])
+    gate.open.set()
+    finish_checkpoint(accelerator)
+    assert [p.name for p in checkpoints.iterdir()] == ["checkpoint-2"]
+
+    fresh, fresh_optimizer = _linear_and_adamw()
+    load_model_state(checkpoints / "checkpoint-2", fresh, fresh_optimizer)
+    loaded = _snapshot(fresh, fresh_optimizer)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_a_failed_async_write_keeps_the_checkpoints_already_there(tmp_path, monkeypatch):
+    """The background write of checkpoint 2 fails (the disk full): the next save finds out and stops the run with the
+    save protocol's one line; the temporary folder is gone and checkpoint 1 kept (save_total_limit 1 pruned nothing)."""
+    write_data, calls = FileSystemWriter.write_data, []
+
+    def full_at_the_second(self, *args, **kwargs):
+        calls.append(threading.current_thread() is threading.main_thread())
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", "__0_0.distcp")
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_at_the_second)
+    with pytest.raises(
+        OSError, match=r"^checkpoint-2 not saved: no space left on device \(ENOSPC\) writing __0_0"
+    ) as e:
+        train(parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, **ASYNC, eval_steps=0, save_total_limit=1)))
+    assert "\n" not in str(e.value)
+    assert calls == [False, False]  # written in the background thread; the run stopped at the next save
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["checkpoint-1"]
+
+
+def test_a_run_that_fails_waits_for_its_background_write(tmp_path, monkeypatch):
+    """An error in step 2 while checkpoint 1 is still being written (slowly): the run's own error comes out, after the
+    write ended and its checkpoint was renamed into place (before the process group goes, nothing left half-done)."""
+    write_data = FileSystemWriter.write_data
+
+    def slow(self, *args, **kwargs):
+        threading.Event().wait(1.0)
+        return write_data(self, *args, **kwargs)
+
+    batches, next_batch = [], train_module.next_batch
+
+    def failing_at_step_2(*args):
+        batches.append(1)
+        if len(batches) == 2:
+            raise RuntimeError("a failure in step 2")
+        return next_batch(*args)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow)
+    monkeypatch.setattr(train_module, "next_batch", failing_at_step_2)
+    with pytest.raises(RuntimeError, match="^a failure in step 2$"):
+        train(parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, **ASYNC, eval_steps=0)))
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["checkpoint-1"]
+
+
+# --- two processes (gloo) ---------------------------------------------------------------------------------------------
+def _pipelines(folder: str, rank: int, world: int) -> dict:
+    """Two pipeline stages (1F1B, delinked at step 2), saved synchronously and asynchronously; the async run resumed
+    from its checkpoint 3 (after the delink) with async saves."""
+    root, out = Path(folder), {}
+
+    def run(name, checkpoint=None, source=None, **fields):
+        output_dir = root / name
+        if source is not None and rank == 0:
+            shutil.copytree(root / source, output_dir)
+        dist.barrier()
+        if checkpoint is None:
+            assert train(parse_config(tiny_argv(output_dir, **{**PIPELINE, **fields}))) == 0
+        else:
+            assert resume(output_dir, checkpoint, **{**PIPELINE, **fields}) == 0
+        dist.barrier()
+        out[name] = losses(output_dir)
+
+    run("sync")
+    run("async", **ASYNC)
+    run("async from 3", 3, "async", **ASYNC)
+    return out
+
+
+def test_two_processes_save_asynchronously_what_they_save_synchronously(tmp_path):
+    out = spawn.run(functools.partial(_pipelines, str(tmp_path)), 2, tmp_path)
+    assert out["async"] == out["sync"]
+    assert out["async from 3"] == out["sync"]
+    assert_same_checkpoints(tmp_path / "async", tmp_path / "sync", tmp_path / "scratch")
+    assert (tmp_path / "async/checkpoints/checkpoint-3/__1_0.distcp").is_file()  # each process wrote its shards
+
+
+def _held_back_on_one_process(folder: str, rank: int, world: int) -> dict:
+    """Process 1's write of checkpoint 2 held back while both processes run collectives of their own on the default
+    group (what training does meanwhile): the checkpoint is not in place on process 0 until process 1's write is."""
+    run = Path(folder) / "run"
+    config = parse_config(tiny_argv(run, **SCHEDULE, **ASYNC, save_total_limit=1))
+    accelerator, (model, optimizer) = Accelerator(cpu=True), _linear_and_adamw()
+
+    def write(path: Path) -> None:
+        save_dcp(path, model_state(model, optimizer))
+
+    save_checkpoint(accelerator, run, TrainState(step=1), config, write=write)
+    finish_checkpoint(accelerator)
+    gate = Gate()
+    if rank == 1:
+        FileSystemWriter.write_data = gate.write_data  # (a spawned process of its own: nothing to restore)
+    else:
+        gate.open.set()
+    save_checkpoint(accelerator, run, TrainState(step=2), config, write=write)
+    sums = []
+    for _ in range(20):
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        sums.append(value.item())
+    seen = [p.name for p in list_checkpoints(run)]
+    dist.barrier()
+    gate.open.set()
+    finish_checkpoint(accelerator)
+    return {"sums": sums, "while held back": seen, "after": sorted(p.name for p in (run / "checkpoints").iterdir())}
+
+
+def test_a_checkpoint_waits_for_every_process_write(tmp_path):
+    out = spawn.run(functools.partial(_held_back_on_one_process, str(tmp_path)), 2, tmp_path)
+    assert out["sums"] == [2.0] * 20
+    assert out["while held back"] == ["checkpoint-1"]
+    assert out["after"] == ["checkpoint-2"]
