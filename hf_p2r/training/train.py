@@ -28,7 +28,7 @@ from accelerate.utils import gather_object, set_seed
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..distributed.materialize import materialize
-from .checkpointing import TrainState, read_state, resolve_checkpoint
+from .checkpointing import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
 from .config import TrainConfig
 from .data import BlockOrder, BlockStream, build_blocks, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
@@ -81,6 +81,7 @@ def train(config: TrainConfig) -> int:
     try:
         return run(config, engine)
     finally:
+        abandon_checkpoint()  # an error's way out: a checkpoint still written in the background (checkpoint_async) ends
         engine.close()  # every way out (done, stopped by a signal, an error) releases what it built and ends the run
 
 
@@ -128,6 +129,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
         while True:
             target = config.blocks_at(state.step)
             if state.num_blocks < target:
+                finish_checkpoint(accelerator)  # a checkpoint written in the background (checkpoint_async) first
                 if target == depth:  # the pseudo stage ends: its model is kept as pseudo/
                     check_finite(accelerator, output_dir, state, depth, "pseudo/", engine.weights())
                     engine.save_model(output_dir / "pseudo", tokenizer)
@@ -167,6 +169,8 @@ def run(config: TrainConfig, engine: Engine) -> int:
                 saved = engine.training_state()
                 check_finite(accelerator, output_dir, state, depth, "checkpoint", saved)
                 engine.save_checkpoint(output_dir, state, saved)
+                if final or signum:  # the run stops: a checkpoint written in the background completes first
+                    finish_checkpoint(accelerator)
             if signum and not final:
                 log.progress.close()
                 log.say(
