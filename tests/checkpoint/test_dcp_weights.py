@@ -4,19 +4,25 @@ largest tensor, not of the model (measured in a child process on /proc/self/stat
 control loads the whole state dict first, as an exporter that gathers it would, and the measurement sees it)."""
 
 import filecmp
+import functools
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader as TorchReader
+from transformers.core_model_loading import revert_weight_conversion
 
 from hf_p2r.checkpoint import write_checkpoint
 from hf_p2r.checkpoint.dcp_weights import dcp_weights, write_dcp_weights
 from hf_p2r.errors import InputError
 from hf_p2r.models.p2r import P2RConfig, P2RForCausalLM
 from hf_p2r.training import dcp
+
+from ..distributed import spawn
 
 # 8 real layers of 3.2 M parameters (12.8 MB in float32): 106 MB in all; the largest tensor is 2.9 MB.
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, vocab_size=1024, num_hidden_layers=8)
@@ -104,3 +110,39 @@ def test_memory_is_bounded_by_the_largest_tensor_not_the_model(tmp_path, whole):
     # then copies it into the one asked for, and the allocator keeps some of what it freed.
     bound = 8 * largest + 8 * mb
     assert (peak >= total) if whole else (peak < bound < total / 3)
+
+
+def _fsdp2_checkpoints(folder: str, rank: int, world: int) -> dict:
+    """Each process saves its FSDP2 shards (`fully_shard_p2r` on each block and the root) of a dense and a MoE model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_p2r.distributed import fully_shard_p2r
+
+    from ..training.test_compile import tiny_model
+
+    for moe in (False, True):
+        model = fully_shard_p2r(tiny_model(depth=4, blocks=4, moe=moe), mesh=init_device_mesh("cpu", (world,)))
+        state = dcp.model_state(model, torch.optim.AdamW(model.parameters()))["model"]
+        dcp.save(Path(folder) / ("moe" if moe else "dense"), {"model": state})
+    return {}
+
+
+@pytest.mark.slow  # two spawned processes: 40 s on a 2-core machine
+def test_fsdp2_shards_of_two_processes_write_the_files_of_the_whole_model(tmp_path):
+    """Whichever layout wrote the checkpoint: here each tensor in two pieces (a MoE layer's 3-D experts split between
+    the processes), written as the whole model's `save_pretrained` names them."""
+    from ..training.test_compile import tiny_model
+
+    spawn.run(functools.partial(_fsdp2_checkpoints, str(tmp_path)), 2, tmp_path)
+    for kind, name in (("dense", "mlp.up_proj.weight"), ("moe", "mlp.experts.gate_up_proj")):
+        checkpoint = tmp_path / kind
+        chunks = TorchReader(checkpoint).read_metadata().state_dict_metadata
+        assert len(chunks[f"model.model.layers.0.{name}"].chunks) == 2  # each process wrote its half
+        model = tiny_model(depth=4, blocks=4, moe=kind == "moe")  # the same initial weights (its seed)
+        (tmp_path / kind / "whole").mkdir(), (tmp_path / kind / "streamed").mkdir()
+        write_checkpoint(checkpoint / "whole", revert_weight_conversion(model, model.state_dict()), progress=False)
+        with torch.device("meta"):
+            skeleton = type(model)(model.config)
+        tensors = revert_weight_conversion(skeleton, skeleton.state_dict())  # the names save_pretrained writes
+        write_dcp_weights(checkpoint, checkpoint / "streamed", tensors, progress=False)
+        assert filecmp.cmp(checkpoint / "whole/model.safetensors", checkpoint / "streamed/model.safetensors", False)
