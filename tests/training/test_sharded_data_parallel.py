@@ -41,8 +41,9 @@ KEYS = ("loss", "grad_norm", "val_loss")
 # Measured against one process on the same global batch (2 processes): losses differ by at most 8.8e-8 (relative; the
 # mean of the processes' token means against one mean, FSDP2's averaging reduce-scatter against one backward),
 # gradient norms by 1.9e-7, validation losses not at all; the one-process resumes of the 2-process checkpoints alike.
-# 4 processes: losses 0, gradient norms 1.9e-7, validation losses 8.5e-8 from one process; the 2-process checkpoints
-# resumed on 4: bitwise after the delink (3), within 8.8e-8 before it (1).
+# 2 micro-batches per process: the same figures. 4 processes: losses 0, gradient norms 1.9e-7, validation losses
+# 8.5e-8 from one process; the 2-process checkpoints resumed on 4: bitwise after the delink (3), within 8.8e-8 before
+# it (1).
 TOLERANCE = dict(rtol=1e-6, atol=0.0)
 # Measured: the weights of `pseudo/` differ from the one-process folder's by at most 3.6e-8, those of `real/` by 1.2e-7
 # (a third of the elements in their last bits; weights of magnitude up to 1).
@@ -132,6 +133,7 @@ def _two(folder: str, rank: int, world: int) -> dict:
     root = Path(folder)
     out = {"layout": shard_layout(world), "direct": unsharded_blocks(True), "torch": unsharded_blocks(False)}
     run(root / "sharded", **SHARDED)
+    run(root / "2 micro-batches", **dict(SHARDED, num_microbatches=2))
     run(root / "sharded from 1", 1, root / "sharded", **SHARDED)
     run(root / "sharded from 3", 3, root / "sharded", **SHARDED)
     run(root / "replicated from 3", 3, root / "sharded", **dict(SHARDED, data_parallel_shard="false"))
@@ -160,6 +162,12 @@ def test_two_sharded_processes_train_as_one_process(one_process, two):
     """Pseudo (1 block), the delink, real (4 blocks): every loss, gradient norm and validation loss."""
     folder, _ = two
     assert_same_run(folder / "sharded", one_process, **TOLERANCE)
+
+
+def test_micro_batches_are_gradient_accumulation(one_process, two):
+    """`num_microbatches: 2` (one block each per process): the same run as one process on the whole batch."""
+    folder, _ = two
+    assert_same_run(folder / "2 micro-batches", one_process, **TOLERANCE)
 
 
 def test_each_process_holds_only_its_shards(two):
