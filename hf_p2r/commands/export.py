@@ -20,7 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "from the trainer's own folder. DST appears complete or not at all.",
     )
     parser.add_argument(
-        "checkpoint", metavar="CHECKPOINT", help="DCP checkpoint folder (.metadata, *.distcp, trainer_state.json)"
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="DCP checkpoint folder (.metadata, *.distcp, trainer_state.json), or a run's output_dir: its newest "
+        "checkpoint",
     )
     parser.add_argument("dst", metavar="DST", help="output folder (written beside it, renamed at the end)")
     parser.add_argument(

@@ -22,7 +22,7 @@ from ..checkpoint.headers import parse_size
 from ..checkpoint.io import resolve_destination
 from ..checkpoint.targets import get_target
 from ..errors import InputError
-from .checkpointing import STATE_FILE, read_trainer_state
+from .checkpointing import CHECKPOINTS, STATE_FILE, read_trainer_state, resolve_checkpoint
 from .config import DataArguments, ModelArguments, TrainArguments, TrainConfig
 from .data import load_tokenizer
 from .dcp import check_files
@@ -41,7 +41,8 @@ def export_checkpoint(
     progress: bool = True,
 ) -> Path:
     """Write the model of DCP checkpoint folder `checkpoint` (`output_dir/checkpoints/checkpoint-N` of a run with
-    `checkpoint_format: dcp`) into `dst` as a Hugging Face folder; returns `dst`.
+    `checkpoint_format: dcp`, or a run's `output_dir`: its newest checkpoint) into `dst` as a Hugging Face folder;
+    returns `dst`.
 
     The arguments are `convert_pseudo_to_real`'s, with its meaning: by default the real model (a pseudo checkpoint is
     delinked), `num_unique_layers=k` (the checkpoint's own block count keeps a pseudo model as it is), `target="llama"`
@@ -57,8 +58,10 @@ def export_checkpoint(
     >>> export_checkpoint("run/checkpoints/checkpoint-200", "model-200", target="llama")
     ```
     """
-    checkpoint = Path(checkpoint)
     parse_size(max_shard_size), parse_dtype(dtype), get_target(target)  # before reading anything
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / STATE_FILE).exists() and (checkpoint / CHECKPOINTS).is_dir():  # a run's output folder
+        checkpoint = resolve_checkpoint(checkpoint, "latest")
     destination = resolve_destination(dst)
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         raise FileExistsError(f"{dst}: folder is not empty (overwrite=True, or --overwrite, replaces it)")

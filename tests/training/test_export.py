@@ -55,6 +55,8 @@ def test_a_checkpoint_exports_as_the_folder_the_trainer_saves(run, tmp_path):
     export_checkpoint(run / "checkpoints/checkpoint-4", tmp_path / "real", progress=False)
     assert "model.safetensors" in same_files(tmp_path / "pseudo", run / "pseudo")
     assert "modeling_p2r.py" in same_files(tmp_path / "real", run / "real")
+    export_checkpoint(run, tmp_path / "newest", progress=False)  # a run's folder: its newest checkpoint, checkpoint-4
+    same_files(tmp_path / "newest", run / "real")
 
 
 @pytest.mark.parametrize(
