@@ -19,7 +19,7 @@ from ..checkpoint import convert_pseudo_to_real, save_model
 from ..checkpoint.convert import conversion_blocks, parse_dtype
 from ..checkpoint.dcp_weights import dcp_weights, write_dcp_weights
 from ..checkpoint.headers import parse_size
-from ..checkpoint.io import resolve_destination
+from ..checkpoint.io import file_within, resolve_destination, why_skipped
 from ..checkpoint.targets import get_target
 from ..errors import InputError
 from .checkpointing import CHECKPOINTS, STATE_FILE, read_trainer_state, resolve_checkpoint
@@ -66,8 +66,10 @@ def export_checkpoint(
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         raise FileExistsError(f"{dst}: folder is not empty (overwrite=True, or --overwrite, replaces it)")
     dcp_weights(checkpoint)  # a DCP checkpoint, its files within it
-    if not (checkpoint / STATE_FILE).is_file():
+    if not (checkpoint / STATE_FILE).exists():
         raise InputError(f"{checkpoint}: no {STATE_FILE} (a DCP checkpoint of hf-p2r's trainer has one)")
+    if file_within(checkpoint, checkpoint / STATE_FILE) is None:
+        raise InputError(f"{checkpoint / STATE_FILE}: refused: {why_skipped(checkpoint, checkpoint / STATE_FILE)}")
     state, _, saved = read_trainer_state(checkpoint / STATE_FILE)
     check_files(checkpoint)
     config = run_config(saved, checkpoint / STATE_FILE)

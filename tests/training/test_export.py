@@ -110,6 +110,10 @@ def _damage(checkpoint: Path, case: str, tmp_path: Path) -> None:
         outside = tmp_path / "elsewhere.distcp"
         shutil.move(shard, outside)
         shard.symlink_to(outside)
+    elif case == "trainer state linked out":
+        outside = tmp_path / "elsewhere.json"
+        shutil.move(checkpoint / "trainer_state.json", outside)
+        (checkpoint / "trainer_state.json").symlink_to(outside)
     elif case == "not a DCP checkpoint":
         (checkpoint / ".metadata").unlink()
     elif case == "damaged metadata":
@@ -128,6 +132,7 @@ BAD = {
     "truncated shard": r"__0_0\.distcp: truncated \(\d+ bytes, \.metadata places pieces up to byte \d+\)",
     "missing shard": r"__0_0\.distcp: missing",
     "link out of the folder": r"__0_0\.distcp: refused: a link out of .* \(to .*elsewhere\.distcp\)",
+    "trainer state linked out": r"trainer_state\.json: refused: a link out of .* \(to .*elsewhere\.json\)",
     "not a DCP checkpoint": r"checkpoint-4: not a DCP checkpoint \(no \.metadata",
     "damaged metadata": r"\.metadata: damaged \(UnpicklingError",
     "no trainer state": r"checkpoint-4: no trainer_state\.json",
