@@ -208,6 +208,11 @@ def finish_checkpoint(accelerator: Accelerator) -> None:
         _write_on_every_process(accelerator, pending.wait, pending.folder, pending.destination)
 
 
+def checkpoint_writing() -> bool:
+    """Whether this process's last checkpoint is still being written in the background (`checkpoint_async`)."""
+    return _pending is not None and not _pending.done.is_set()
+
+
 def abandon_checkpoint() -> None:
     """On the way out of a run that failed: wait for this process's background write (if any) to end, renamed into
     place or removed, before the process group goes; no collective, and its failure (told in one line on stderr) does
