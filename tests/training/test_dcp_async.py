@@ -277,3 +277,37 @@ def test_a_checkpoint_waits_for_every_process_write(tmp_path):
     assert out["sums"] == [2.0] * 20
     assert out["while held back"] == ["checkpoint-1"]
     assert out["after"] == ["checkpoint-2"]
+
+
+def _fsdp2(folder: str, rank: int, world: int) -> dict:
+    """FSDP2 over two processes: the same state saved synchronously, then asynchronously, its write held back while a
+    training step runs (its own collectives; the weights and optimizer state changed in place)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_p2r.training.dcp import background_writes
+    from hf_p2r.training.dcp import wait as wait_for_write
+
+    from .test_dcp import BATCH, _model_and_optimizer, _steps
+
+    ids = BATCH.chunk(world)[rank]
+    model, optimizer = _model_and_optimizer(init_device_mesh("cpu", (world,)))
+    _steps(model, optimizer, ids, 2)
+    save_dcp(Path(folder) / "sync", model_state(model, optimizer))
+    gate = Gate()
+    FileSystemWriter.write_data = gate.write_data  # (a spawned process of its own: nothing to restore)
+    with background_writes() as futures:
+        save_dcp(Path(folder) / "async", model_state(model, optimizer))
+    _steps(model, optimizer, ids, 1)  # before the write (held back until then) begins
+    gate.open.set()
+    [future] = futures
+    wait_for_write(future)
+    return {}
+
+
+def test_fsdp2_shards_are_saved_asynchronously_as_synchronously(tmp_path):
+    """DTensor shards copied to CPU memory by torch's stager: the checkpoint holds the state of the save's step."""
+    spawn.run(functools.partial(_fsdp2, str(tmp_path)), 2, tmp_path)
+    got = saved_tensors(tmp_path / "async", tmp_path / "scratch/a.pt")
+    want = saved_tensors(tmp_path / "sync", tmp_path / "scratch/b.pt")
+    assert got.keys() == want.keys() and "model.model.layers.0.mlp.up_proj.weight" in want
+    assert all(torch.equal(got[key], want[key]) for key in want)
