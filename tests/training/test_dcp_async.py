@@ -8,6 +8,7 @@ import functools
 import importlib
 import json
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -208,6 +209,39 @@ def test_a_run_that_fails_waits_for_its_background_write(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="^a failure in step 2$"):
         train(parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, **ASYNC, eval_steps=0)))
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["checkpoint-1"]
+
+
+def test_a_signal_stops_the_run_after_its_checkpoint_is_written(tmp_path, monkeypatch, capsys):
+    """SIGTERM in step 2: the run saves checkpoint 2 and waits for its background write before it says "checkpoint
+    saved" and returns 143; a write that fails there stops the run with the save's one line instead."""
+    write_data, writes = FileSystemWriter.write_data, []
+
+    def third_fails(self, *args, **kwargs):
+        writes.append(1)
+        threading.Event().wait(0.5)  # slow: the wait for it shows
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", "__0_0.distcp")
+        return write_data(self, *args, **kwargs)
+
+    batches, next_batch = [], train_module.next_batch
+
+    def signal_in_step_2(*args):
+        batches.append(1)
+        if len(batches) in (2, 3):  # step 2 of each run: the first run, then the one resumed from checkpoint 1
+            signal.raise_signal(signal.SIGTERM)
+        return next_batch(*args)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", third_fails)
+    monkeypatch.setattr(train_module, "next_batch", signal_in_step_2)
+    run = tmp_path / "run"
+    assert train(parse_config(tiny_argv(run, **SCHEDULE, **ASYNC, eval_steps=0))) == 143
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert "checkpoint saved: resume with --resume_from_checkpoint latest" in capsys.readouterr().out
+    shutil.rmtree(run / "checkpoints/checkpoint-2")
+    with pytest.raises(OSError, match=r"^checkpoint-2 not saved: no space left on device \(ENOSPC\)"):
+        resume(run, 1, **ASYNC, eval_steps=0)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["checkpoint-1"]
+    assert "checkpoint saved" not in capsys.readouterr().out
 
 
 # --- two processes (gloo) ---------------------------------------------------------------------------------------------
