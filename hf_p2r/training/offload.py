@@ -50,7 +50,7 @@ import math
 import types
 import warnings
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,6 +61,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..compat import in_backward, tensor_version
+from ..distributed.materialize import materialize
 from ..planning.memory import offload_working_set_bytes
 from .config import TrainArguments
 
@@ -328,6 +329,24 @@ def _slab_bytes(specs: list[tuple]) -> int:
     return sum(-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for shape, dtype in specs)
 
 
+def _check_materialized(model: nn.Module) -> None:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if meta := next((name for name, tensor in tensors if tensor.is_meta), None):
+        raise ValueError(f"offload: {meta} is on the meta device: materialize the model, or pass `materialize`")
+
+
+def _outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The largest modules of `model` that hold none of `blocks` (what stays resident when `blocks` are offloaded)."""
+    inside = {id(sub) for block in blocks for sub in block.modules()}
+    holding = {id(module) for module in model.modules() if any(id(sub) in inside for sub in module.modules())}
+    found, covered = [], set()
+    for module in model.modules():  # parents before their children
+        if id(module) not in holding and id(module) not in covered:
+            found.append(module)
+            covered.update(id(sub) for sub in module.modules())
+    return found
+
+
 def _slab(specs: list[tuple], pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One host allocation (pinned if `pin`) and a tensor per (shape, dtype) of `specs` laid out in it.
 
@@ -398,6 +417,10 @@ class GranularOffload:
             `synchronize` before reading offloaded weights or optimizer state other than through a forward or
             `state_dict`). `clip_grad_norm_` then leaves the offloaded gradients' scaling to that step. torch.optim
             classes only; another class steps its offloaded part at once, as without it.
+        materialize: for a model on the meta device, `materialize(modules, device)` allocates and initialises the
+            tensors of `modules` on `device` (`hf_p2r.distributed.materialize`, as `apply_offload` passes it): called
+            once for the resident modules (on the compute device), then for each offloaded block (on the CPU) just
+            before it is copied into its slab, so the host holds the offloaded blocks and one block at most.
 
     Apply it after the model has its final structure and placement (after `accelerator.prepare(model)`, after
     `delink`); do not move the model while it is applied (`remove()` first). Build the optimizer after applying it.
@@ -419,6 +442,7 @@ class GranularOffload:
         optimizer_step: str = "host",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         overlap_step: bool = False,
+        materialize: Callable[[list[nn.Module], torch.device], object] | None = None,
     ):
         _check_supported(model)
         self.model = model
@@ -459,7 +483,7 @@ class GranularOffload:
         self._blocks: dict[int, _Block] = {}
         self._moved: list[tuple[nn.Parameter, torch.device]] = []
         self._moved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
-        self._place(cuda)
+        self._place(cuda, materialize)
         self._stale = False  # an optimizer stepped since the compute-dtype copies were made
         self._handles = self._install()
 
@@ -500,10 +524,25 @@ class GranularOffload:
 
     # ----------------------------------------------------------------------------------------------- install/remove
 
-    def _place(self, pin: bool) -> None:
+    def _place(self, pin: bool, materialize=None) -> None:
         blocks = decoder_layers(self.model)
-        offloaded = {id(p) for i in self.layers for p in blocks[i].parameters()}
+        if materialize is None:
+            _check_materialized(self.model)
+        if materialize is not None:  # a model on the meta device: the resident modules materialised on the device
+            resident = _outside(self.model, [blocks[i] for i in self.layers])
+            materialize(resident, self.device)
+            # `remove` puts them on the CPU, where a model without offload lives, as it does a model placed from there.
+            host = torch.device("cpu")
+            self._moved += [(p, host) for p in _unique(p for module in resident for p in module.parameters())]
+            self._moved_buffers += [
+                (module, name, buffer.to(host))
+                for root in resident
+                for module in root.modules()
+                for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False)
+            ]
         for i in self.layers:
+            if materialize is not None:  # each offloaded block on the CPU, then copied into its slab before the next
+                materialize([blocks[i]], torch.device("cpu"))
             params = _unique(blocks[i].parameters())
             slab, tensors = _slab(_slab_specs(params, self.compute_dtype), pin)
             n = len(params)
@@ -522,6 +561,8 @@ class GranularOffload:
         # {parameter: (master, staging buffer)} for the gradient path; {parameter: (block, index)}.
         self._host = {p: (m, s) for b in self._blocks.values() for p, m, s in zip(b.params, b.masters, b.staging)}
         self._where = {p: (b, i) for b in self._blocks.values() for i, p in enumerate(b.params)}
+        _check_materialized(self.model)
+        offloaded = {id(p) for i in self.layers for p in blocks[i].parameters()}
         for p in _unique(self.model.parameters()):
             if id(p) not in offloaded and p.device != self.device:
                 self._moved.append((p, p.device))
@@ -1117,6 +1158,7 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         return None
     args.check_offload_budget(accelerator.device.type)  # ConfigError: `auto` with no device memory to plan for
     budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
+    meta = any(param.is_meta for param in model.parameters())
     return GranularOffload(
         model,
         args.offload_spec,
@@ -1129,7 +1171,13 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         optimizer_step=args.offload_optimizer,
         chunk_bytes=max(1, int(args.offload_chunk_mb * 2**20)),
         overlap_step=True,  # the engine calls `synchronize` before it reads weights or optimizer state itself
+        # A model on the meta device: each part materialised straight into its home (`materialize`'s values).
+        materialize=partial(_materialize_parts, model, args.seed) if meta else None,
     )
+
+
+def _materialize_parts(model: nn.Module, seed: int, modules: list[nn.Module], device: torch.device) -> None:
+    materialize(model, seed, keep=modules, device=device)
 
 
 def measure_offload_activations(model: nn.Module, args: TrainArguments, block_size: int, accelerator) -> int:

@@ -66,11 +66,14 @@ class AccelerateEngine(Engine):
         accelerator, args = self.accelerator, self.args
         self.shape_model(model)
         # The model comes on the meta device: FSDP2 shards it there and each process materialises its shards only;
-        # otherwise (one process, DDP, DeepSpeed, granular offload) the whole model is materialised on the CPU, and
-        # offload then places its blocks.
+        # granular offload materialises each part straight into its home (`apply_offload`: resident modules on the
+        # device, each offloaded block on the CPU then into its pinned slab before the next), so the host never holds
+        # more than the offloaded blocks and one block; otherwise (one process, DDP, DeepSpeed, and `offload: auto`,
+        # which measures activations with a forward on the CPU first) the whole model is materialised on the CPU.
         if accelerator.is_fsdp2:
             model = self.shard_on_meta(model)
-        materialize(model, args.seed)
+        if args.offload is None or args.offload == "auto":
+            materialize(model, args.seed)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
         self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
         self.offload = apply_offload(model, args, accelerator, self.activation_bytes)
