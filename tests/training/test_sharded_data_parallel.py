@@ -7,8 +7,8 @@ validation losses equal one process on the same global batch (tolerance measured
 (not the whole model) and checkpoints them as halves, `pseudo/` and `real/` equal the one-process folders, and the
 DCP checkpoint resumes sharded (bitwise), replicated, on one process and on 4 sharded processes (slow), where a fresh
 4-process run also equals one process. The one-stage step runs the stage directly (`AccumulateSchedule`), so FSDP2
-keeps only a block or two unsharded at once, where torch's one-stage 1F1B holds every block unsharded. Refusals are
-one line naming the field.
+keeps only a block or two unsharded at once, where torch's one-stage 1F1B holds every block unsharded, and gathers a
+shared block once per step. Refusals are one line naming the field.
 """
 
 import functools
@@ -127,6 +127,35 @@ def unsharded_blocks(direct: bool) -> int:
     return most
 
 
+PATTERNS = {
+    "real": {},
+    "cycle": dict(share_layers=True, num_unique_layers=1, sharing_pattern="cycle"),
+    "sequence": dict(share_layers=True, num_unique_layers=2, sharing_pattern="sequence"),
+}
+
+
+def collectives(world: int) -> dict:
+    """{pattern: ([all-gathers, reduce-scatters] of one step of one micro-batch, parameters left unsharded by an
+    evaluation)} of an 8-depth model as one stage sharded over `world` processes. Counting patches torch.distributed
+    for the rest of the process: call it last."""
+    from ..distributed.test_fsdp2 import CollectiveCounter
+
+    counter, out = CollectiveCounter(), {}
+    for pattern, fields in PATTERNS.items():
+        torch.manual_seed(0)
+        pipeline = build_pipeline(P2RForCausalLM(tiny_config(**fields)), schedule="1f1b", num_microbatches=1,
+                                  seq_len=16, mesh=pipeline_mesh(1, world), shard=True)  # fmt: skip
+        ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+        pipeline.step(ids)  # FSDP2's lazy initialisation
+        before = counter.snapshot()
+        pipeline.step(ids)
+        counts = [after - earlier for after, earlier in zip(counter.snapshot(), before, strict=True)]
+        pipeline.evaluate([ids])
+        gathered = sum(not isinstance(param, DTensor) for param in pipeline.parameters())
+        out[pattern] = (counts, gathered)
+    return out
+
+
 def _two(folder: str, rank: int, world: int) -> dict:
     """2 processes: the shards a process holds, the gathered blocks, the sharded run and its checkpoints resumed
     sharded and replicated."""
@@ -142,6 +171,7 @@ def _two(folder: str, rank: int, world: int) -> dict:
 
         saved = FileSystemReader(root / "sharded/checkpoints/checkpoint-3").read_metadata().state_dict_metadata
         out["chunks"] = [list(chunk.sizes) for chunk in saved["model.model.layers.2.mlp.up_proj.weight"].chunks]
+    out["collectives"] = collectives(world)
     return out
 
 
@@ -213,6 +243,16 @@ def test_fsdp2_gathers_a_block_or_two_at_once_not_the_whole_stage(two):
     _, out = two
     assert out["direct"] <= 2
     assert out["torch"] == 8
+
+
+def test_a_shared_block_is_gathered_once_per_step(two):
+    """FSDP2 units: the root (embeddings, norm, head) and each block. The root all-gathers once per step; a real block
+    twice (forward, backward), a shared block once however many depths run it (`gather_shared_once`, as the Accelerate
+    engine's FSDP2); each unit reduce-scatters once. An evaluation leaves every parameter sharded (a shared block is
+    not resharded by its forward)."""
+    _, out = two
+    assert out["collectives"] == {"real": [[1 + 2 * 8, 1 + 8], 0], "cycle": [[1 + 1, 1 + 1], 0],
+                                  "sequence": [[1 + 2, 1 + 2], 0]}  # fmt: skip
 
 
 def _four(folder: str, rank: int, world: int) -> dict:

@@ -90,7 +90,7 @@ def _delink_sharded(pipeline: Pipeline, new_config, sources: list[int]) -> dict[
     modules, stages = [], []
     for old, old_stage in zip(pipeline.modules, pipeline.stages, strict=True):
         new = P2RPipelineStage(skeleton, old.depths, old.embed_tokens is not None, old.lm_head is not None, new_config)
-        shard_stage(new, pipeline.data_mesh)
+        shard_stage(new, pipeline.data_mesh, skeleton if len(pipeline.split) == 1 else None)
         new.to_empty(device=local_tensor(next(old.parameters())).device)
         olds = dict(old.named_parameters())
         with torch.no_grad():

@@ -32,8 +32,9 @@ gradient accumulation, the micro-batches cut as torch's schedules cut them), rat
 1F1B/GPipe, which run but whose `PipelineStage` keeps an FSDP2 stage's weights gathered and its gradients whole until
 after the last backward (it defers FSDP2's reshard and reduce-scatter there, for the pipeline's sake): for the whole
 model as one stage that is the whole model unsharded at once. Run directly, FSDP2 gathers one block at a time in the
-forward and the backward and reduce-scatters each block's gradients after its backward, as with `accelerate launch`
-and the FSDP2 config; replicated stages all-reduce once per step. Schedules of several stages per process
+forward and the backward and reduce-scatters each block's gradients after its backward, and a shared block is
+gathered once per step, kept over its depths (`gather_shared_once`), as with `accelerate launch` and the FSDP2 config;
+replicated stages all-reduce once per step. Schedules of several stages per process
 or of delayed updates (2BW) have nothing to do with one stage: the registry refuses them (`check_one_stage`).
 """
 
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -264,8 +266,10 @@ class Pipeline:
         finally:
             for module, mode in zip(self.modules, modes, strict=True):
                 module.train(mode)
-                if self.sharded:  # FSDP2 keeps a root's weights gathered after a forward (for the backward)
-                    module.reshard()
+                if self.sharded:  # FSDP2 keeps a root's (and `gather_shared_once`'s blocks') weights gathered
+                    for unit in module.modules():
+                        if isinstance(unit, FSDPModule):
+                            unit.reshard()
         return losses if self.is_last else None
 
     def refresh(self) -> None:
@@ -477,7 +481,7 @@ def build_pipeline(
     if shard:
         check_shardable(modules)
         for module in modules:
-            shard_stage(module, mesh["dp"])
+            shard_stage(module, mesh["dp"], model if num_stages == 1 else None)
     if any(param.is_meta for param in model.parameters()):
         if seed is None:
             raise ValueError("build_pipeline: the model is on the meta device; pass the run's seed to materialise it")

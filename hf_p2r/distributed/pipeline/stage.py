@@ -18,6 +18,7 @@ from transformers.masking_utils import create_causal_mask
 
 from ...models.p2r import P2RForCausalLM
 from ...models.p2r.modeling_p2r import CACHE_KWARG
+from ..fsdp import gather_shared_once
 
 
 class P2RPipelineStage(nn.Module):
@@ -109,12 +110,17 @@ def check_shardable(modules: list[P2RPipelineStage]) -> None:
                 )
 
 
-def shard_stage(module: P2RPipelineStage, mesh: DeviceMesh) -> P2RPipelineStage:
+def shard_stage(module: P2RPipelineStage, mesh: DeviceMesh, whole: P2RForCausalLM | None = None) -> P2RPipelineStage:
     """FSDP2 on a stage, in place: one unit per block it holds (a shared block is one unit, run at several depths),
-    then the stage itself (embeddings, final norm, head), as `fully_shard_p2r` does for a whole model."""
+    then the stage itself (embeddings, final norm, head), as `fully_shard_p2r` does for a whole model. `whole`: the
+    model whose blocks the stage holds, when the stage is all of it (no pipeline: run by FSDP2's own hooks, not torch's
+    `PipelineStage`): its shared blocks then stay gathered over the step, one all-gather each per step instead of two
+    per depth (`gather_shared_once`, as the Accelerate engine's FSDP2 does)."""
     for block in module.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(module, mesh=mesh)
+    if whole is not None:
+        gather_shared_once(whole)
     return module
 
 
