@@ -303,3 +303,10 @@ def test_data_parallel_size_picks_the_pipeline_engine_which_needs_its_processes(
     config = parse_config(tiny_argv(tmp_path, data_parallel_size=2, data_parallel_shard="true"))
     with pytest.raises(ValueError, match=r"^data_parallel_size: 1 stages x data_parallel_size 2 need as many"):
         engine_for(config)
+
+
+def test_a_mixture_of_experts_model_is_refused_in_one_line(tmp_path):
+    config = parse_config(tiny_argv(tmp_path, data_parallel_size=2, data_parallel_shard="true", num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^num_experts: mixture-of-experts models are not supported by the pipeline"):
+        engine_for(config)

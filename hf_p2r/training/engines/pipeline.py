@@ -58,6 +58,12 @@ class PipelineEngine(Engine):
     def __init__(self, config: TrainConfig):
         super().__init__(config)
         args = self.args
+        if config.model.num_experts:
+            raise ValueError(
+                "num_experts: mixture-of-experts models are not supported by the pipeline engine "
+                "(pipeline_parallel_size > 1 or data_parallel_size > 1) yet; shard one with accelerate launch and the "
+                "FSDP2 config"
+            )
         cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
         self.joined = dist.is_initialized()  # a caller's process group (tests) is left to the caller at the end
         self.accelerator = accelerator = Accelerator(
@@ -72,8 +78,6 @@ class PipelineEngine(Engine):
                 f"{name}: {args.pipeline_parallel_size} stages x data_parallel_size {args.data_parallel_size} need as "
                 f"many processes, the launcher started {accelerator.num_processes}"
             )
-        if config.model.num_experts:
-            raise ValueError("num_experts: mixture-of-experts models are not supported with pipeline_parallel_size > 1")
         self.pipeline: Pipeline | None = None
         self.data_size = args.data_parallel_size  # each pipeline reads its slice (`data_rank`, once built)
 
