@@ -354,3 +354,73 @@ def offload_working_set_bytes(
     if offloaded <= 0:
         return 0
     return min(prefetch + 1, offloaded) * weight_bytes + min(offloaded, shared + 2) * grad_bytes
+
+
+# Host memory of one process of a CPU run (gloo, fp32, AdamW) of the trainer's pipeline engine, above what the same
+# layout's run of a tiny model holds (Python, torch, gloo, the corpus: about 0.5 GiB). Measured by
+# scripts/bench_scale.py (benchmarks/scale.md), which prints this figure beside each measurement and its margin.
+HOST_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's two moments
+HOST_GATHERED_BYTES_PER_PARAMETER = 8  # a sharded pipeline stage's weights gathered and its gradients whole
+HOST_TEMPORARY_BYTES_PER_PARAMETER = 4  # AdamW's foreach step: one fp32 temporary of the parameters a process steps
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Bytes one process's peak resident size rises above a tiny model's run of the same layout (see
+    `host_memory_per_process`)."""
+
+    state: int  # its share of the training state
+    gathered: int  # weights and gradients held whole for a while: a sharded stage's, or one FSDP2 block's
+    temporary: int  # the optimizer step's temporaries
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.temporary
+
+
+def host_memory_per_process(
+    parameters: int, processes: int, *, stages: int = 1, sharded: bool = True, block_parameters: int = 0
+) -> HostMemory:
+    """The per-process host memory of a CPU run of a model of `parameters` (the real model's: the pseudo model's are
+    fewer) over `processes` processes in `stages` pipeline stages, each stage sharded (FSDP2, `data_parallel_shard:
+    true`) or replicated over its `processes / stages` data-parallel copies; `block_parameters`: the largest block's.
+
+    - state: 16 bytes per parameter the process holds: 1 / `processes` of the model when sharded, else its stage's;
+    - gathered: a sharded stage of a pipeline keeps its weights gathered and its gradients whole from the step's first
+      forward to its last backward (torch's `PipelineStage` defers FSDP2's reshard and reduce-scatter to there):
+      8 bytes per parameter of the stage; FSDP2 over the whole model (one stage) gathers one block at a time: 4 bytes
+      per parameter of the largest block;
+    - temporary: AdamW's step (foreach) makes an fp32 temporary of the parameters the process steps, 4 bytes each.
+
+    >>> memory = host_memory_per_process(164_000_000, 8, stages=2)   # 2 stages x 4 sharded
+    >>> memory.state, memory.gathered, memory.temporary
+    (328000000, 656000000, 82000000)
+    """
+    if processes % stages:
+        raise ValueError(f"processes: {processes} is not a multiple of the {stages} pipeline stages")
+    held = parameters / processes if sharded else parameters / stages
+    if not sharded or processes == stages:
+        gathered = 0
+    elif stages > 1:
+        gathered = HOST_GATHERED_BYTES_PER_PARAMETER * parameters / stages
+    else:
+        gathered = HOST_TEMPORARY_BYTES_PER_PARAMETER * block_parameters
+    return HostMemory(
+        state=math.ceil(HOST_STATE_BYTES_PER_PARAMETER * held),
+        gathered=math.ceil(gathered),
+        temporary=math.ceil(HOST_TEMPORARY_BYTES_PER_PARAMETER * held),
+    )
+
+
+def real_parameters(config: P2RConfig) -> int:
+    """Parameters of `config`'s model, counted from its inventory (nothing allocated)."""
+    return sum(tensor.numel for tensor in parameter_tensors(config))
+
+
+def block_parameters(tensors: list[ParameterTensor]) -> int:
+    """Parameters of the largest stored block among `tensors` (`parameter_tensors(config)`)."""
+    per_block: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor.block is not None:
+            per_block[tensor.block] = per_block.get(tensor.block, 0) + tensor.numel
+    return max(per_block.values(), default=0)

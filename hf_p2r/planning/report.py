@@ -1,7 +1,7 @@
 """The table `hf-p2r plan` prints."""
 
 from ..models.p2r import P2RConfig
-from .memory import GiB, ParameterTensor, parameter_tensors
+from .memory import GiB, ParameterTensor, block_parameters, host_memory_per_process, parameter_tensors
 from .plan import Estimate, Hardware, Workload
 
 COLUMNS = ("#", "layout", "weights", "grads", "optim", "activ", "buffers", "GPU total", "CPU/node", "step s", "bubble")
@@ -92,7 +92,34 @@ def format_plan(
             lines.append(
                 f"{len(shown)} of {len(estimates)} layouts shown ({which}): --top N shows N, --all shows every one"
             )
+    real = "real" if "real" in configs else list(configs)[-1]  # the real model's memory is the run's peak
+    held = tensors[real] if tensors is not None else parameter_tensors(configs[real])
+    lines += ["", host_memory_line(held, gpus)]
     return "\n".join(lines)
+
+
+def host_memory_line(tensors: list[ParameterTensor], processes: int) -> str:
+    """The real model's host memory per process in a CPU run of `processes` processes (`host_memory_per_process`):
+    FSDP2 over all of them, 2 stages of sharded replicas where `processes` is even, and one process."""
+    parameters, block = sum(t.numel for t in tensors), block_parameters(tensors)
+    layouts = []
+    if processes > 1:
+        layouts.append((f"FSDP2 over {processes}", dict(stages=1, sharded=True)))
+    if processes > 2 and processes % 2 == 0:
+        layouts.append((f"2 stages x {processes // 2} sharded", dict(stages=2, sharded=True)))
+    figures = [
+        f"{name} {_size(host_memory_per_process(parameters, processes, block_parameters=block, **kw).total)}"
+        for name, kw in layouts
+    ]
+    figures.append(f"one process {_size(host_memory_per_process(parameters, 1).total)}")
+    return (
+        f"host memory per process of a CPU run of the real model on {processes} process{'es' * (processes > 1)} (fp32 "
+        f"AdamW, gloo; above the ~0.5 GiB of Python, torch and the corpus; benchmarks/scale.md): " + "; ".join(figures)
+    )
+
+
+def _size(size: int) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.0f} MiB"
 
 
 def _count(number: int) -> str:
