@@ -30,6 +30,7 @@ import threading
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,11 @@ def save_checkpoint(
             broadcast_object_list([str(tmp)])
         else:
             [tmp] = broadcast_object_list([None])
-        _write_on_every_process(accelerator, write_main if main else write, Path(tmp), destination)
+        try:
+            _write_on_every_process(accelerator, write_main if main else write, Path(tmp), destination)
+        except BaseException:
+            wait_for_futures(futures)  # a write begun in the background ends before its folder is removed
+            raise
         if futures:  # the shards are still being written: the rename and the pruning when they are
             [future] = futures
             _pending = _BackgroundSave(future, Path(tmp), destination, rename.pop_all(), Path(output_dir), limit)

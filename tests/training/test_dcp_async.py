@@ -166,6 +166,42 @@ def test_a_checkpoint_appears_only_complete_and_holds_the_state_of_its_step(tmp_
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
+def test_a_save_that_fails_after_its_write_began_waits_for_it(tmp_path, monkeypatch):
+    """The trainer state fails to be written (a full disk) once the shards' background write has begun: that write
+    ends before the temporary folder is removed and the error raised."""
+    from types import SimpleNamespace
+
+    from hf_p2r.training import checkpointing
+
+    config = parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, **ASYNC))
+    accelerator, (model, optimizer) = Accelerator(cpu=True), _linear_and_adamw()
+    write_data, ended = FileSystemWriter.write_data, threading.Event()
+
+    def slow(self, *args, **kwargs):
+        threading.Event().wait(0.5)
+        try:
+            return write_data(self, *args, **kwargs)
+        finally:
+            ended.set()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "trainer_state.json")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow)
+    monkeypatch.setattr(checkpointing, "json", SimpleNamespace(dumps=full))
+    with pytest.raises(OSError, match=r"^checkpoint-1 not saved: no space left on device \(ENOSPC\) writing trainer"):
+        save_checkpoint(
+            accelerator,
+            tmp_path / "run",
+            TrainState(step=1),
+            config,
+            write=lambda f: save_dcp(f, model_state(model, optimizer)),
+        )
+    assert ended.is_set()
+    assert not list((tmp_path / "run").rglob("*checkpoint-1*"))  # (its temporary folder removed)
+    finish_checkpoint(accelerator)  # nothing left pending
+
+
 def test_a_failed_async_write_keeps_the_checkpoints_already_there(tmp_path, monkeypatch):
     """The background write of checkpoint 2 fails (the disk full): the next save finds out and stops the run with the
     save protocol's one line; the temporary folder is gone and checkpoint 1 kept (save_total_limit 1 pruned nothing)."""
