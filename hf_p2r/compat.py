@@ -9,7 +9,8 @@ By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_reg
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
 (`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
 `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
-`initialize_pipeline_stage`). A new read goes beside its library's, with a test.
+`initialize_pipeline_stage`), torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with
+a test.
 """
 
 import importlib
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 __all__ = [
     "active_output_collector",
     "causal_lm_tp_plan",
+    "dcp_reader",
     "defer_auto_registration",
     "dynamo_counters",
     "forward_without_checkpointing",
@@ -302,3 +304,58 @@ def initialize_pipeline_stage(schedule, slots: int, args, kwargs, target) -> Non
         schedule._initialize_stage(args, kwargs, target)
     else:
         schedule._initialize_stage(args, kwargs)
+
+
+# What a DCP checkpoint's `.metadata` pickle may name: DCP's own metadata records, torch.Size, dtypes and layouts, and
+# the path it was saved to. Anything else (os.system, builtins.eval, ...) is refused before it is called.
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # Python 3.13+
+    "collections": {"OrderedDict"},
+}
+
+
+def dcp_reader(path):
+    """torch.distributed.checkpoint's `FileSystemReader` for `path` whose `.metadata` (a pickle, which torch's reader
+    loads with `pickle.load`: any code a crafted file names would run) is unpickled naming only DCP's metadata records,
+    torch.Size, dtypes, layouts and paths; anything else is `pickle.UnpicklingError` before it is called. The shards'
+    tensors torch reads itself, with `torch.load(weights_only=True)`. Reads the reader's private `_get_metadata_path`,
+    `fs` and `load_id` (the same in torch 2.11 and 2.15) to do what its `read_metadata` does."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            allowed = name in _DCP_METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            )
+            if not allowed:
+                raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+            return super().find_class(module, name)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+                metadata = MetadataUnpickler(file).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)

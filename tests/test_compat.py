@@ -2,12 +2,14 @@
 
 import inspect
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from hf_p2r.compat import (
+    dcp_reader,
     forget_preparation,
     in_backward,
     initialize_pipeline_stage,
@@ -262,3 +264,41 @@ def test_initialize_pipeline_stage_calls_torchs_own_with_the_arguments_it_takes(
     initialize_pipeline_stage(schedule, 8, ("x",), {"k": 1}, "target")
     assert schedule._n_microbatches == 8
     assert calls == [(("x",), {"k": 1}, "target")[: min(len(taken), 3)]]
+
+
+def test_dcp_reader_reads_what_torchs_reader_reads_and_refuses_other_globals(tmp_path):
+    """A DCP checkpoint of a model, AdamW state, a MoE-like 3-D tensor and a counter: the reader's metadata equals
+    torch's own reader's, and `dcp.load` through it loads the tensors. A `.metadata` pickle naming anything else
+    (here `os.system`, which a crafted checkpoint would run under torch's `pickle.load`) is refused before the call."""
+    import os
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    state = {
+        "model": dict(model.state_dict()),
+        "optimizer": {str(i): dict(s) for i, s in enumerate(optimizer.state.values())},
+        "experts": torch.arange(24.0, dtype=torch.bfloat16).reshape(2, 3, 4),
+        "counters": torch.tensor([3, 4]),
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "ok", no_dist=True)
+    ours = dcp_reader(tmp_path / "ok").read_metadata()
+    theirs = dcp.FileSystemReader(tmp_path / "ok").read_metadata()
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+    loaded = {"experts": torch.zeros(2, 3, 4, dtype=torch.bfloat16), "counters": torch.zeros(2, dtype=torch.long)}
+    dcp.load(loaded, storage_reader=dcp_reader(tmp_path / "ok"), no_dist=True)
+    assert torch.equal(loaded["experts"], state["experts"]) and loaded["counters"].tolist() == [3, 4]
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(pickle.UnpicklingError, match=r"^posix\.system is not part of a DCP checkpoint's metadata$"):
+        dcp_reader(tmp_path / "bad").read_metadata()
+    assert not (tmp_path / "ran").exists()
