@@ -178,11 +178,12 @@ class Pipeline:
         """Clip the gradients of the whole pipelined model to `max_norm` (replicas counted once); returns the norm."""
         params = dict(self.named_parameters()) if params is None else params
         owned = self._owned_names(params)
-        square = torch.zeros((), dtype=torch.float64)
+        # On the stages' device: a collective of NCCL (the GPU launch's only backend) takes no CPU tensor.
+        square = torch.zeros((), dtype=torch.float64, device=self.stages[0].device)
         for name in owned:
             grad = params[name].grad
             if grad is not None:
-                square += local_tensor(grad).detach().double().pow(2).sum().cpu()
+                square += local_tensor(grad).detach().double().pow(2).sum()
         # Replicated columns hold the same gradients: the pipeline's sum is the norm. Sharded ones hold a part each.
         dist.all_reduce(square, group=None if self.sharded else self.group)
         norm = square.sqrt()
@@ -191,7 +192,7 @@ class Pipeline:
             for param in params.values():
                 if param.grad is not None:
                     param.grad.mul_(coefficient)
-        return norm.float()
+        return norm.float().cpu()
 
     def _owned_names(self, params) -> list[str]:
         """Names whose gradient this process counts in the norm: a replica is counted by the lowest rank holding it."""

@@ -146,9 +146,10 @@ class PipelineEngine(Engine):
     def mean_loss(self, losses: list[torch.Tensor | None], signum: int) -> tuple[float, int]:
         # Every process gets the last stages' mean loss (over the data-parallel pipelines) and the same stop.
         [loss] = losses  # the pipeline's micro-batches are its accumulation (gradient_accumulation_steps: 1)
-        shared = torch.tensor([0.0 if loss is None else loss.item(), float(loss is not None)])
+        device = self.accelerator.device  # NCCL (a GPU launch's only backend) reduces no CPU tensor
+        shared = torch.tensor([0.0 if loss is None else loss.item(), float(loss is not None)], device=device)
         dist.all_reduce(shared)
-        signal = torch.tensor(float(signum))
+        signal = torch.tensor(float(signum), device=device)
         dist.all_reduce(signal, op=dist.ReduceOp.MAX)
         return shared[0].item() / shared[1].item(), int(signal.item())
 
@@ -176,7 +177,7 @@ class PipelineEngine(Engine):
         size = args.per_device_batch_size
         batches = [blocks[chosen[start : start + size]]["input_ids"] for start in range(0, count, size)]
         losses = pipeline.evaluate(batches)
-        value = torch.zeros(1)
+        value = torch.zeros(1, device=self.accelerator.device)  # NCCL broadcasts no CPU tensor
         if losses is not None:
             value[0] = sum(loss.item() * len(ids) for loss, ids in zip(losses, batches, strict=True)) / count
         last = pipeline.pipelines[0][(len(pipeline.split) - 1) % pipeline.size]  # the last stage of the first pipeline
