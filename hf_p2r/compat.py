@@ -307,12 +307,13 @@ def initialize_pipeline_stage(schedule, slots: int, args, kwargs, target) -> Non
 
 
 # What a DCP checkpoint's `.metadata` pickle may name: DCP's own metadata records, torch.Size, dtypes and layouts, and
-# the path it was saved to. Anything else (os.system, builtins.eval, ...) is refused before it is called.
+# the path it was saved to. Anything else (os.system, builtins.eval, ...) is refused before it is called. Not
+# BytesStorageMetadata: hf-p2r's checkpoints hold tensors only, and DCP loads a "bytes" entry with
+# torch.load(weights_only=False), which a crafted checkpoint could declare for any key.
 _DCP_METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
         "TensorStorageMetadata",
-        "BytesStorageMetadata",
         "ChunkStorageMetadata",
         "TensorProperties",
         "MetadataIndex",
@@ -332,7 +333,8 @@ def dcp_reader(path):
     """torch.distributed.checkpoint's `FileSystemReader` for `path` whose `.metadata` (a pickle, which torch's reader
     loads with `pickle.load`: any code a crafted file names would run) is unpickled naming only DCP's metadata records,
     torch.Size, dtypes, layouts and paths; anything else is `pickle.UnpicklingError` before it is called. The shards'
-    tensors torch reads itself, with `torch.load(weights_only=True)`. Reads the reader's private `_get_metadata_path`,
+    tensors torch reads itself, with `torch.load(weights_only=True)`; an entry of pickled bytes (which DCP would load
+    with `weights_only=False`) is refused with the rest. Reads the reader's private `_get_metadata_path`,
     `fs` and `load_id` (the same in torch 2.11 and 2.15) to do what its `read_metadata` does."""
     import pickle
 

@@ -302,3 +302,7 @@ def test_dcp_reader_reads_what_torchs_reader_reads_and_refuses_other_globals(tmp
     with pytest.raises(pickle.UnpicklingError, match=r"^posix\.system is not part of a DCP checkpoint's metadata$"):
         dcp_reader(tmp_path / "bad").read_metadata()
     assert not (tmp_path / "ran").exists()
+    # Pickled bytes (DCP loads them with torch.load(weights_only=False)): hf-p2r's checkpoints hold none.
+    dcp.save({"note": "text"}, checkpoint_id=tmp_path / "bytes", no_dist=True)
+    with pytest.raises(pickle.UnpicklingError, match=r"BytesStorageMetadata is not part of"):
+        dcp_reader(tmp_path / "bytes").read_metadata()
