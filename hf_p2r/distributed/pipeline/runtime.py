@@ -26,16 +26,17 @@ parameters do not allow: the registry refuses sharded stages for it.
 
 Without a pipeline (`pipeline_parallel_size` 1, `data_parallel_size` N): the whole model is one stage, and the same
 code is data parallelism over N processes, FSDP2-sharded (`shard=True`: the layout of `accelerate launch` with the
-FSDP2 config, here on CPU/gloo as on GPUs) or replicated (the gradients averaged as DDP does). With one stage
-the stage's forward and backward run directly, micro-batch after micro-batch (`AccumulateSchedule`:
-gradient accumulation, the micro-batches cut as torch's schedules cut them), rather than through torch's one-stage
-1F1B/GPipe, which run but whose `PipelineStage` keeps an FSDP2 stage's weights gathered and its gradients whole until
-after the last backward (it defers FSDP2's reshard and reduce-scatter there, for the pipeline's sake): for the whole
-model as one stage that is the whole model unsharded at once. Run directly, FSDP2 gathers one block at a time in the
-forward and the backward and reduce-scatters each block's gradients after its backward, and a shared block is
-gathered once per step, kept over its depths (`gather_shared_once`), as with `accelerate launch` and the FSDP2 config;
-replicated stages all-reduce once per step. Schedules of several stages per process
-or of delayed updates (2BW) have nothing to do with one stage: the registry refuses them (`check_one_stage`).
+FSDP2 config, here on CPU/gloo as on GPUs) or replicated (the gradients averaged as DDP does). The stage's forward and
+backward then run directly, micro-batch after micro-batch (`AccumulateSchedule`: gradient accumulation, the batch cut
+as torch's schedules cut it; one micro-batch's activations at a time, so 1f1b and gpipe are the same there), rather
+than through torch's one-stage 1F1B/GPipe, which run but whose `PipelineStage` keeps an FSDP2 stage's weights gathered
+and its gradients whole until after the last backward (it defers FSDP2's reshard and reduce-scatter there, for the
+pipeline's sake): for the whole model as one stage, the whole model unsharded at once. Run directly, FSDP2 gathers a
+block at a time in the forward and the backward (the next one prefetched) and reduce-scatters each block's gradients
+after its backward, and a shared block is gathered once per step, kept over its depths (`gather_shared_once`), as
+with `accelerate launch` and the FSDP2 config; replicated stages all-reduce once per step. Schedules of several
+stages per process or of delayed updates (2BW) have nothing to do with one stage: the registry refuses them
+(`check_one_stage`).
 """
 
 import copy

@@ -74,8 +74,9 @@ class PipelineSchedule:
         return self.weight_versions if stages > 1 else 1
 
     def in_flight(self, stages: int, stage: int, microbatches: int) -> int:
-        """Micro-batches whose activations stage `stage` of `stages` holds at once, at most."""
-        return microbatches if self.holds_every_microbatch else min(stages - stage, microbatches)
+        """Micro-batches whose activations stage `stage` of `stages` holds at once, at most (one stage runs them one
+        after the other, whatever the schedule: `runtime.AccumulateSchedule`)."""
+        return microbatches if self.holds_every_microbatch and stages > 1 else min(stages - stage, microbatches)
 
     def bubble(self, stages: int, microbatches: int) -> float:
         """Idle share of a step with equal stages and free communication: (d - 1) / (m + d - 1) for a flush, none
