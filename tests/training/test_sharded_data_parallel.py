@@ -310,3 +310,12 @@ def test_a_mixture_of_experts_model_is_refused_in_one_line(tmp_path):
                                     num_experts_per_tok=2, moe_intermediate_size=32))  # fmt: skip
     with pytest.raises(ValueError, match=r"^num_experts: mixture-of-experts models are not supported by the pipeline"):
         engine_for(config)
+
+
+def test_one_stage_holds_one_micro_batch_whatever_the_schedule():
+    """The registry's fact the planner sizes activations from: one stage runs its micro-batches one after the other
+    (`AccumulateSchedule`), so GPipe holds one there, every one of them only in a pipeline."""
+    from hf_p2r.distributed.pipeline.schedules import get_schedule
+
+    assert [get_schedule(name).in_flight(1, 0, 4) for name in ("gpipe", "1f1b")] == [1, 1]
+    assert [get_schedule(name).in_flight(2, 0, 4) for name in ("gpipe", "1f1b")] == [4, 2]
