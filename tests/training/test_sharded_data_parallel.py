@@ -163,6 +163,7 @@ def _two(folder: str, rank: int, world: int) -> dict:
     out = {"layout": shard_layout(world), "direct": unsharded_blocks(True), "torch": unsharded_blocks(False)}
     run(root / "sharded", **SHARDED)
     run(root / "2 micro-batches", **dict(SHARDED, num_microbatches=2))
+    run(root / "replicated", **dict(SHARDED, data_parallel_shard="false"))
     run(root / "sharded from 1", 1, root / "sharded", **SHARDED)
     run(root / "sharded from 3", 3, root / "sharded", **SHARDED)
     run(root / "replicated from 3", 3, root / "sharded", **dict(SHARDED, data_parallel_shard="false"))
@@ -192,6 +193,13 @@ def test_two_sharded_processes_train_as_one_process(one_process, two):
     """Pseudo (1 block), the delink, real (4 blocks): every loss, gradient norm and validation loss."""
     folder, _ = two
     assert_same_run(folder / "sharded", one_process, **TOLERANCE)
+
+
+def test_two_replicated_processes_train_as_one_process(one_process, two):
+    """`data_parallel_shard: false`: the whole model on each process, the gradients averaged as DDP does (one
+    coalesced all-reduce per step)."""
+    folder, _ = two
+    assert_same_run(folder / "replicated", one_process, **TOLERANCE)
 
 
 def test_micro_batches_are_gradient_accumulation(one_process, two):
