@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm.auto import tqdm
 
+from ..compat import dcp_reader
 from ..errors import InputError
 from .headers import DTYPE_CODE_OF, parse_size, plan_shards, printable, write_index
 from .io import file_within, why_skipped
@@ -54,7 +55,7 @@ def dcp_weights(checkpoint: str | os.PathLike) -> dict[str, tuple[torch.dtype, t
     if file_within(checkpoint, checkpoint / METADATA) is None:
         raise InputError(f"{checkpoint / METADATA}: refused: {why_skipped(checkpoint, checkpoint / METADATA)}")
     try:
-        metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+        metadata = dcp_reader(checkpoint).read_metadata()
     except Exception as error:  # noqa: BLE001 - a pickle that does not load: EOFError, UnpicklingError, ...
         raise InputError(
             f"{checkpoint / METADATA}: damaged ({type(error).__name__}: {error})".splitlines()[0]
@@ -81,7 +82,7 @@ def read_dcp_tensor(checkpoint: str | os.PathLike, name: str, dtype: torch.dtype
     try:
         with warnings.catch_warnings():  # (torch says it loads in one process even when told so)
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({MODEL + name: tensor}, checkpoint_id=checkpoint, no_dist=True)
+            dcp.load({MODEL + name: tensor}, storage_reader=dcp_reader(checkpoint), no_dist=True)
     except CheckpointException as error:  # a BaseException holding each process's failure
         failure = next(iter(error.failures.values()))
         failure = failure[0] if isinstance(failure, tuple) else failure

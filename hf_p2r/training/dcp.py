@@ -23,7 +23,9 @@ start (the data order is a function of `seed` and the data position; the trainer
 `attention_dropout` 0, their only random layer).
 
 `check_files` checks the files before anything loads: the `.metadata` file, and every shard it names present and as
-long as the pieces it holds there.
+long as the pieces it holds there. `.metadata` is a pickle: it is read by `compat.dcp_reader`, which lets it name only
+DCP's metadata records (torch's own reader would run whatever a crafted file names); the shards' tensors torch reads
+with `torch.load(weights_only=True)`.
 
 Within `background_writes` (`checkpoint_async`, the save protocol's choice: `hf_p2r.training.checkpointing`), `save`
 starts `dcp.async_save` instead: the state is copied to CPU memory (torch's default stager: a copy even of CPU
@@ -52,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..compat import dcp_reader
 from ..distributed.pipeline import Pipeline
 from ..errors import InputError
 
@@ -66,7 +69,7 @@ def check_files(path: Path) -> None:
     """`InputError` naming the first damaged file of DCP checkpoint `path`: an unreadable `.metadata`, a shard it names
     that is missing, or one shorter than the pieces it holds there (truncated)."""
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = dcp_reader(path).read_metadata()
         needed: dict[str, int] = {}
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -143,7 +146,7 @@ def load(path: Path, state: dict) -> None:
     missing name, another shape) is a `ValueError` with the first process's first failure (DCP raises a
     `BaseException` holding every process's traceback), the same on every process."""
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, storage_reader=dcp_reader(path))
     except CheckpointException as error:
         rank = min(error.failures)
         failure = _failure(error, rank)
@@ -214,7 +217,7 @@ def load_pipeline_state(path: Path, pipeline: Pipeline, optimizer: torch.optim.O
     """Load DCP checkpoint `path` into this process's stages and `optimizer` (over `pipeline.parameters()`), in place,
     whatever split, number of stages or schedule saved it (see the module docstring for 2BW <-> a flush schedule)."""
     init_optimizer_state(optimizer)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = dcp_reader(path).read_metadata().state_dict_metadata
     state = pipeline_state(pipeline, optimizer)  # this process's tensors themselves: DCP loads into them
     schedule = state.pop("schedule", None)  # 2BW's, when this run's schedule is 2BW
     if schedule is not None and "schedule.counters" in saved:  # 2BW -> 2BW, read into new tensors (then placed by

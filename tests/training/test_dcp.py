@@ -5,6 +5,8 @@ run's: bitwise where the layout keeps the arithmetic, within the tolerance each 
 damaged or missing shard is one line naming the file, before anything changes."""
 
 import functools
+import os
+import pickle
 import shutil
 import subprocess
 from pathlib import Path
@@ -74,10 +76,25 @@ def _delete(path):
     path.unlink()
 
 
+class _Payload:
+    """What a crafted `.metadata` would hold: a call made when the pickle loads."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _crafted(path):
+    path.write_bytes(pickle.dumps(_Payload(path.parent / "ran")))
+
+
 DAMAGE = {
     "truncated shard": ("__0_0.distcp", truncate, r"__0_0\.distcp: truncated \(\d+ bytes, \.metadata places"),
     "missing shard": ("__0_0.distcp", _delete, r"__0_0\.distcp: missing \(a shard of this DCP checkpoint"),
     "damaged metadata": (".metadata", truncate, r"checkpoint-3/\.metadata: damaged \("),
+    "crafted metadata": (".metadata", _crafted, r"\.metadata: damaged \(UnpicklingError: posix\.system is not part"),
 }
 
 
@@ -91,6 +108,7 @@ def test_a_damaged_shard_is_one_line_naming_its_file_and_changes_nothing(one_pro
         resume(run, 3)
     assert str(run / "checkpoints/checkpoint-3") in str(raised.value) and "\n" not in str(raised.value)
     assert snapshot(run) == before
+    assert not (run / "checkpoints/checkpoint-3/ran").exists()  # the crafted pickle's call was never made
 
 
 def launch(output_dir, *options: str, resume_from: int | None = None, **fields) -> None:
