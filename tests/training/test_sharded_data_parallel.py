@@ -3,7 +3,8 @@
 processes (gloo) as on GPUs.
 
 Through the trainer, pseudo -> delink -> real with DCP checkpoints, 2 processes: the losses, gradient norms and
-validation losses equal one process on the same global batch (tolerance measured), each process holds DTensor shards
+validation losses equal one process on the same global batch (tolerance measured), with 2 micro-batches per process
+(gradient accumulation) and replicated (`data_parallel_shard: false`) too, each process holds DTensor shards
 (not the whole model) and checkpoints them as halves, `pseudo/` and `real/` equal the one-process folders, and the
 DCP checkpoint resumes sharded (bitwise), replicated, on one process and on 4 sharded processes (slow), where a fresh
 4-process run also equals one process. The one-stage step runs the stage directly (`AccumulateSchedule`), so FSDP2
