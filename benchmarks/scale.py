@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -306,7 +307,10 @@ def summarise(
     }
 
 
-def run_layout(workdir: Path, name: str, layout: str, params: tuple, allocator: str = "fixed") -> tuple[dict, Path]:
+def run_layout(
+    workdir: Path, name: str, layout: str, params: tuple, allocator: str = "fixed", keep: bool = False
+) -> tuple[dict, Path]:
+    """One run measured; its weights and checkpoints deleted after it unless `keep` (a 170M model's are 5 GB)."""
     spec = LAYOUTS[layout]
     output_dir = workdir / f"{name}--{layout}--{allocator}".replace(" ", "_").replace("/", "_")
     started = time.perf_counter()
@@ -319,7 +323,26 @@ def run_layout(workdir: Path, name: str, layout: str, params: tuple, allocator: 
         f"{row['wall_s']:.0f} s",
         flush=True,
     )
+    if not keep:
+        discard(output_dir)
     return row, output_dir
+
+
+def discard(output_dir: Path) -> None:
+    """The run's model folders and checkpoints (its metrics and measurements stay)."""
+    for name in ("checkpoints", "pseudo", "real"):
+        shutil.rmtree(output_dir / name, ignore_errors=True)
+
+
+def copy_for_resume(source: Path, destination: Path) -> Path:
+    """`source` without its model folders and with checkpoint-RESUME_FROM alone: what a resume from it reads."""
+    keep = f"checkpoint-{RESUME_FROM}"
+
+    def left_out(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if n in ("pseudo", "real") or (n.startswith("checkpoint-") and n != keep)]
+
+    shutil.copytree(source, destination, ignore=left_out)
+    return destination
 
 
 def check_bound(rows: list[dict]) -> None:
@@ -381,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             for layout in layouts:
                 if name == "170M" and layout not in BIG_LAYOUTS:
                     continue
-                row, output_dir = run_layout(workdir, name, layout, params)
+                source = name == resume_model and layout == args.resume_layout
+                row, output_dir = run_layout(workdir, name, layout, params, keep=source)
                 rows.append(row)
-                if name == resume_model and layout == args.resume_layout:
+                if source:
                     uninterrupted = output_dir
         if not args.quick:
             for name, layout in CONTRAST:
@@ -397,8 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if uninterrupted is not None:
             want = losses(uninterrupted)
             for layout, spec in resumed_on.items():
-                copy = workdir / f"resume--{layout}".replace(" ", "_")
-                subprocess.run(["cp", "-r", str(uninterrupted), str(copy)], check=True)
+                copy = copy_for_resume(uninterrupted, workdir / f"resume--{layout}".replace(" ", "_"))
                 checkpoint = copy / "checkpoints" / f"checkpoint-{RESUME_FROM}"
                 started = time.perf_counter()
                 ranks = launch(
@@ -407,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                     copy / "bench-resume",
                 )
                 got = losses(copy)
+                discard(copy)
                 after = [step for step in want if step > RESUME_FROM]
                 difference = max(abs(got[s] - want[s]) / abs(want[s]) for s in after)
                 resume = summarise(resume_model, layout, ranks, spec["processes"], parameters(MODELS[resume_model]), 0)
