@@ -18,9 +18,10 @@ resumes on 1 (or FSDP2 on one process and back), a pipeline of 2 stages on 3 or 
 resumed from a 2BW checkpoint continues from the newest weights (those its module holds, which the optimizer stepped)
 and drops the older version and the delay correction's buffers: a flush schedule has one weight version and no
 delayed update. A 2BW run resumed from a flush checkpoint starts its schedule as a new 2BW run does: both versions
-are the loaded weights, no correction yet. RNG states are not saved: the trainer draws no random numbers after its
-start (the data order is a function of `seed` and the data position; the trainer's models keep
-`attention_dropout` 0, their only random layer).
+are the loaded weights, no correction yet. A 2BW run may switch `pipeline_delay_correction` at a resume (the engine
+says so in a line): off drops the checkpoint's correction buffers, on starts the correction afresh. RNG states are
+not saved: the trainer draws no random numbers after its start (the data order is a function of `seed` and the data
+position; the trainer's models keep `attention_dropout` 0, their only random layer).
 
 `check_files` checks the files before anything loads: the `.metadata` file, and every shard it names present and as
 long as the pieces it holds there. `.metadata` is a pickle: it is read by `compat.dcp_reader`, which lets it name only
@@ -241,6 +242,15 @@ def load_pipeline_state(path: Path, pipeline: Pipeline, optimizer: torch.optim.O
     batches, updated = (int(value) for value in state["schedule"]["counters"])
     loaded = {"batches": batches, "updated": updated, **state["schedule"]}
     pipeline.schedule.load_state_dict(loaded, pipeline.name_of)
+
+
+def saved_schedule(path: Path) -> set[str]:
+    """What 2BW state DCP checkpoint `path` holds: "other_version" (a 2BW checkpoint), "previous_update" (its delay
+    correction's buffers)."""
+    keys = dcp_reader(path).read_metadata().state_dict_metadata
+    return {
+        part for part in ("other_version", "previous_update") if any(k.startswith(f"schedule.{part}.") for k in keys)
+    }
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -189,6 +189,8 @@ def _pipelines(folder: str, rank: int, world: int) -> dict:
     run("2bw corrected", **correction)
     run("2bw corrected split 1-3 from 3", 3, "2bw corrected", **correction, pipeline_split=[1, 3])
     run("2bw corrected from 1f1b 3", 3, "1f1b", **correction)
+    run("2bw corrected from 2bw 3", 3, "2bw", **correction)  # the correction switched on at a resume
+    run("2bw from 2bw corrected 3", 3, "2bw corrected", **TWO_BW)  # ... and off
     if rank == 0:
         out["files"] = sorted(p.name for p in (root / "1f1b/checkpoints/checkpoint-3").iterdir())
     return out
@@ -232,6 +234,20 @@ def test_2bw_and_a_flush_schedule_resume_each_other(pipelined):
     assert back[:3] == two_bw[:3] and back[3:] != two_bw[3:]
     for run, source in ((switched, flush), (corrected, flush), (back, two_bw)):
         assert max(abs(a - b) for a, b in zip(run, source, strict=True)) <= SCHEDULE_SWITCH_TOLERANCE
+
+
+def test_the_delay_correction_may_be_switched_at_a_resume(pipelined):
+    """2BW resumed with the correction switched off drops its buffers: it continues from the checkpoint's weights
+    (the step after it bitwise the corrected run's), then takes plain delayed updates. Switched on, the correction
+    starts afresh (no d(t-1) in the checkpoint): its first update is the plain one, and 2BW's delay puts the first
+    corrected one past this short run's end, so its losses are the plain run's (that the correction then acts is
+    shown by `test_2bw_and_a_flush_schedule_resume_each_other`'s corrected run, which starts it afresh alike)."""
+    _, out = pipelined
+    plain, corrected = out["2bw"], out["2bw corrected"]
+    off = out["2bw from 2bw corrected 3"]
+    assert off[:4] == corrected[:4] and off[4:] != corrected[4:]
+    assert max(abs(a - b) for a, b in zip(off, corrected, strict=True)) <= SCHEDULE_SWITCH_TOLERANCE
+    assert out["2bw corrected from 2bw 3"] == plain
 
 
 # Measured: a 2-stage 1F1B checkpoint (2 micro-batches) resumed on one process (the batch whole) differs by at most

@@ -293,13 +293,8 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         with torch.no_grad():
             for name, param in self.versions[1 - newest].items():
                 param.copy_(state["other_version"][name_of(name)])
-        if self.delay_correction != "none":
-            if "previous_update" not in state:
-                raise ValueError(
-                    "resume_from_checkpoint: the checkpoint was saved without pipeline_delay_correction; resume "
-                    "with the run's pipeline_delay_correction"
-                )
-            saved = state["previous_update"]
+        if self.delay_correction != "none":  # a checkpoint saved without it: the correction starts afresh
+            saved = state.get("previous_update", {})
             self.previous_update = {
                 name: saved[name_of(name)].to(param.device).clone()
                 for name, param in self.versions[newest].items()

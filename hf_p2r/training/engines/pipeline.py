@@ -41,7 +41,7 @@ from ...distributed.pipeline import (
 )
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint
 from ..config import TrainConfig
-from ..dcp import is_dcp_checkpoint
+from ..dcp import is_dcp_checkpoint, saved_schedule
 from ..dcp import load_pipeline_state as load_dcp_state
 from ..dcp import pipeline_state as dcp_state
 from ..dcp import save as save_dcp
@@ -137,8 +137,25 @@ class PipelineEngine(Engine):
         with loading_checkpoint(self.accelerator, checkpoint):
             if sharded:
                 load_dcp_state(checkpoint, self.pipeline, self.optimizer)
+                saved = saved_schedule(checkpoint)
             else:
-                load_pipeline_state(self.pipeline, self.optimizer, torch.load(part, weights_only=True))
+                loaded = torch.load(part, weights_only=True)
+                load_pipeline_state(self.pipeline, self.optimizer, loaded)
+                saved = {key for key in ("other_version", "previous_update") if key in loaded}
+        self.say_correction(saved)
+
+    def say_correction(self, saved: set[str]) -> None:
+        """A line when a 2BW checkpoint's delay correction does not carry into this 2BW run: the correction switched
+        off drops its buffers (d(t-1)); switched on, it starts afresh, as a new run's does."""
+        if self.args.pipeline_schedule != "2bw" or "other_version" not in saved:  # (flush <-> 2BW: README)
+            return
+        corrected, correcting = "previous_update" in saved, self.args.pipeline_delay_correction != "none"
+        if corrected and not correcting:
+            say(self.accelerator, "resume: the checkpoint's delay-correction buffers are dropped (this run has "
+                "pipeline_delay_correction: none)")  # fmt: skip
+        elif correcting and not corrected:
+            say(self.accelerator, "resume: the checkpoint was saved without pipeline_delay_correction: the correction "
+                "starts afresh, as in a new run")  # fmt: skip
 
     def forward_backward(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         return self.pipeline.step(input_ids)
