@@ -11,7 +11,6 @@ HELP = "convert a pseudo checkpoint into a real one, or a real one into Llama/Mi
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..checkpoint.targets import TARGETS  # torch-free: --help and argument errors answer at once
 
     parser = subparsers.add_parser(
         "convert",
@@ -36,13 +35,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DST",
         help="output folder (written to a temporary folder beside it, renamed at the end; a link is written through)",
     )
-    parser.add_argument(
-        "--num-unique-layers",
-        type=int,
-        metavar="K",
-        help="partial delink to K blocks (default: the real model, one block per layer); K must keep every depth's "
-        "block (the error lists the values that do); SRC's own count only copies (with --dtype: casts)",
+    add_output_options(
+        parser,
+        blocks_help="partial delink to K blocks (default: the real model, one block per layer); K must keep every "
+        "depth's block (the error lists the values that do); SRC's own count only copies (with --dtype: casts)",
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="reopen the output before the rename and check every tensor's name, shape, dtype and bytes against the "
+        "source's; prints what was verified (on stderr)",
+    )
+    parser.set_defaults(func=run)
+
+
+def add_output_options(parser: argparse.ArgumentParser, blocks_help: str) -> None:
+    """The options of the folder written (`hf-p2r convert`'s, and `hf-p2r export`'s, which converts alike): blocks,
+    shard size, dtype, target, --overwrite."""
+    from ..checkpoint.targets import TARGETS  # torch-free: --help and argument errors answer at once
+
+    parser.add_argument("--num-unique-layers", type=int, metavar="K", help=blocks_help)
     parser.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -56,22 +68,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="p2r",
         help="; ".join(f"{name}: {target.help}" for name, target in TARGETS.items())
         + f". {' and '.join(name for name, target in TARGETS.items() if target.real_only)} write the real model, from "
-        "a pseudo or a real SRC",
+        "a pseudo or a real one",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
-    parser.add_argument(
-        "--verify",
-        action="store_true",
-        help="reopen the output before the rename and check every tensor's name, shape, dtype and bytes against the "
-        "source's; prints what was verified (on stderr)",
-    )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import convert_pseudo_to_real
 
-    with _notes_on_stderr():
+    with notes_on_stderr(args.command):
         out = convert_pseudo_to_real(
             args.src,
             args.dst,
@@ -87,18 +92,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Lines(logging.Formatter):
+    def __init__(self, command: str):
+        super().__init__()
+        self.command = command
+
     def format(self, record: logging.LogRecord) -> str:
         kind = "warning: " if record.levelno >= logging.WARNING else ""
-        return f"hf-p2r convert: {kind}{record.getMessage()}"
+        return f"hf-p2r {self.command}: {kind}{record.getMessage()}"
 
 
 @contextlib.contextmanager
-def _notes_on_stderr() -> Iterator[None]:
+def notes_on_stderr(command: str) -> Iterator[None]:
     """What the converter logs (skipped files, a conversion that changes nothing, what --verify checked) as lines
-    `hf-p2r convert: [warning: ]...` on stderr; stdout keeps only DST's path."""
+    `hf-p2r COMMAND: [warning: ]...` on stderr; stdout keeps only DST's path."""
     logger = logging.getLogger("hf_p2r.checkpoint")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Lines())
+    handler.setFormatter(_Lines(command))
     previous = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
