@@ -479,24 +479,27 @@ def render(report: dict) -> str:
         "(P: the real model's parameters); *planner* is `hf-p2r plan`'s per-process host figure for the same P and N "
         "and *margin* (measured - planner) / planner; *phase* is where the highest process peaked. Start-up: launch "
         "to the first training step (slowest process). Save: the slowest process's DCP save of the real model, "
-        "weights and AdamW state.",
+        "weights and AdamW state. *malloc*: `fixed` runs with `MALLOC_MMAP_THRESHOLD_=131072` (every allocation of "
+        "128 KiB or more its own mapping, returned to the system when freed), `glibc` with glibc's default, whose "
+        "threshold rises to the largest block freed so far (up to 32 MiB): FSDP2's gathered blocks and the optimizer's "
+        "temporaries then come from the heap, and the pages they free stay resident.",
         "",
-        "| model | P | layout | N | peak/process MiB | above tiny | bound | within | planner | margin | phase | "
-        "total MiB | start-up s | save s | save / 1 process |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
+        "| model | P | layout | N | malloc | peak/process MiB | above tiny | bound | within | planner | margin | "
+        "phase | total MiB | start-up s | save s | save / 1 process |",
+        "|---|---:|---|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         within = "" if "within_bound" not in r else ("yes" if r["within_bound"] else "**no**")
         margin = "" if "planner_margin" not in r else f"{r['planner_margin']:+.0%}"
         ratio = f"{r['save_vs_one_process']:.2f}x" if r.get("save_vs_one_process") else ""
         lines.append(
-            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['layout']} | {r['processes']} | "
+            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['layout']} | {r['processes']} | {r['allocator']} | "
             f"{_mib(r['peak_bytes_max'])} | {_mib(r.get('above_tiny_bytes'))} | {_mib(r.get('bound_bytes'))} | "
             f"{within} | {_mib(r.get('planner_bytes'))} | {margin} | {r['peak_phase']} | "
             f"{_mib(r['peak_bytes_total'])} | {r['startup_s']:.1f} | "
             f"{_seconds(r['save_s'])} | {ratio} |"
         )
-    lines += _depth_lines(report["rows"])
+    lines += _depth_lines(report["rows"]) + _phase_lines(report["rows"]) + WHY
     if report["resumes"]:
         first = report["resumes"][0]
         lines += [
@@ -520,7 +523,9 @@ def render(report: dict) -> str:
 
 def _depth_lines(rows: list[dict]) -> list[str]:
     """Per sharded layout: the peak above tiny minus the state share, per depth (flat: no process holds the model)."""
-    depth_rows = [r for r in rows if r["model"].startswith("w512") and "above_tiny_bytes" in r]
+    depth_rows = [
+        r for r in rows if r["model"].startswith("w512") and "above_tiny_bytes" in r and r["allocator"] == "fixed"
+    ]
     if not depth_rows:
         return []
     lines = [
@@ -528,7 +533,9 @@ def _depth_lines(rows: list[dict]) -> list[str]:
         "## Against the number of layers (width 512)",
         "",
         "Peak above tiny minus the process's share of the training state (16 B x P / N): what a process holds beyond "
-        "its share. Flat in the depth where no process ever holds the whole model; it grows with P where one does.",
+        "its share. Where no process holds a whole stage it grows with the share (AdamW's fp32 temporary, 4 B x P / "
+        "N, and one gathered block), not with the model; a pipeline's sharded stage adds its stage gathered (8 B x P "
+        "/ stages), replicated stages their whole stage's state.",
         "",
         "| layout | " + " | ".join(sorted({r["model"] for r in depth_rows}, key=_depth)) + " |",
         "|---|" + "---:|" * len({r["model"] for r in depth_rows}),
@@ -540,6 +547,50 @@ def _depth_lines(rows: list[dict]) -> list[str]:
             cells.append(f"{_mib(r['above_tiny_bytes'] - share)} MiB (P {r['parameters'] / 1e6:.0f}M)")
         lines.append(f"| {layout} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _phase_lines(rows: list[dict]) -> list[str]:
+    """The highest process's peak per phase, for the largest model's rows and the allocator contrast."""
+    largest = max((r["parameters"] for r in rows), default=0)
+    shown = [r for r in rows if r["model"] != "tiny" and (r["parameters"] == largest or r["allocator"] != "fixed")]
+    shown += [r for r in rows if r["allocator"] != "fixed" and r["model"] != "tiny" and r not in shown]
+    if not shown:
+        return []
+    phases = list(dict.fromkeys(p for r in shown for p in r["phase_peak_bytes_of_the_highest_process"]))
+    lines = [
+        "",
+        "## Where the highest process peaks",
+        "",
+        "Peak resident MiB of the highest process within each phase of the run (VmHWM reset at each phase's start; "
+        "*steps* is everything between the engine calls timed: forward and backward, the loss, logging).",
+        "",
+        "| model | layout | malloc | " + " | ".join(phases) + " |",
+        "|---|---|---|" + "---:|" * len(phases),
+    ]
+    for r in shown:
+        peaks = r["phase_peak_bytes_of_the_highest_process"]
+        cells = " | ".join(_mib(peaks.get(p)) for p in phases)
+        lines.append(f"| {r['model']} | {r['layout']} | {r['allocator']} | {cells} |")
+    return lines
+
+
+# Why a process holds more than its share (the planner's terms, hf_p2r.planning.host_memory_per_process).
+WHY = [
+    "",
+    "## Why a row is over the bound",
+    "",
+    "- Pipelines of sharded stages (`pipeline_parallel_size` > 1 with `data_parallel_shard: true`): torch's "
+    "`PipelineStage` defers FSDP2's reshard and reduce-scatter to the end of the step, so each process holds its "
+    "stage's weights gathered and its gradients whole during the step: 8 bytes per parameter of its stage on top of "
+    "its share (the planner's *gathered* term), more than issue 25's 2 bytes per parameter of the model once a stage "
+    "is more than a quarter of it. The peak is in the forward and backward (*steps*).",
+    "- FSDP2 over the whole model (`pipeline_parallel_size: 1`) gathers one block at a time: beyond its share it holds "
+    "one block's weights and gradient and AdamW's temporary of its share. Under 2 bytes per parameter of the model "
+    "when a block is a small part of it; with 4 layers one block is a quarter of the model.",
+    "- Replicated stages hold their whole stage's training state (16 bytes per parameter of the stage): a contrast, "
+    "not a sharded layout.",
+    "- With glibc's default allocator (`malloc` glibc) the pages freed by FSDP2's gathers stay resident.",
+]
 
 
 def _depth(model: str) -> int:
