@@ -43,46 +43,30 @@ MODELS = {
     "w512-L16": dict(WIDE, num_hidden_layers=16),
     "170M": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=8, num_hidden_layers=12),
 }
+
+
+def engine_layout(stages: int, replicas: int, sharded: bool, batch: int) -> dict:
+    """A layout of the trainer's pipeline engine: `stages` x `replicas` processes, `batch` sequences per replica
+    (split in 2 micro-batches where there are stages)."""
+    fields = dict(
+        pipeline_parallel_size=stages,
+        data_parallel_size=replicas,
+        data_parallel_shard=str(sharded).lower(),
+        per_device_batch_size=batch,
+    )
+    if stages > 1:
+        fields["num_microbatches"] = 2
+    return dict(processes=stages * replicas, fields=fields)
+
+
 # Each layout's trainer fields and process count; the global batch is 4 sequences where the layout allows it (a
 # 1F1B pipeline needs as many micro-batches as stages: 2 per pipeline).
 LAYOUTS = {
     "1 process": dict(processes=1, fields=dict(per_device_batch_size=4)),
-    "4 sharded (FSDP2)": dict(
-        processes=4,
-        fields=dict(
-            pipeline_parallel_size=1, data_parallel_size=4, data_parallel_shard="true", per_device_batch_size=1
-        ),
-    ),
-    "4 = 2 stages x 2 sharded": dict(
-        processes=4,
-        fields=dict(
-            pipeline_parallel_size=2,
-            data_parallel_size=2,
-            data_parallel_shard="true",
-            per_device_batch_size=2,
-            num_microbatches=2,
-        ),
-    ),
-    "4 = 2 stages x 2 replicated": dict(
-        processes=4,
-        fields=dict(
-            pipeline_parallel_size=2,
-            data_parallel_size=2,
-            data_parallel_shard="false",
-            per_device_batch_size=2,
-            num_microbatches=2,
-        ),
-    ),
-    "8 = 2 stages x 4 sharded": dict(
-        processes=8,
-        fields=dict(
-            pipeline_parallel_size=2,
-            data_parallel_size=4,
-            data_parallel_shard="true",
-            per_device_batch_size=2,
-            num_microbatches=2,
-        ),
-    ),
+    "4 sharded (FSDP2)": engine_layout(1, 4, True, 1),
+    "4 = 2 stages x 2 sharded": engine_layout(2, 2, True, 2),
+    "4 = 2 stages x 2 replicated": engine_layout(2, 2, False, 2),
+    "8 = 2 stages x 4 sharded": engine_layout(2, 4, True, 2),
 }
 # The ~170M model runs where issue 25 asks (4 and 8 processes) and on one process (the save time's reference).
 BIG_LAYOUTS = ("1 process", "4 sharded (FSDP2)", "8 = 2 stages x 4 sharded")
@@ -114,15 +98,8 @@ CONTRAST = (("tiny", "4 sharded (FSDP2)"), ("w512-L16", "4 sharded (FSDP2)"))  #
 RESUME_FROM = 3  # the real-stage checkpoint the other layouts resume
 # Resumed layouts of the 4-process checkpoint, with the 4-process run's global batch of 4.
 RESUMED_ON = {
-    "2 sharded (FSDP2)": dict(
-        processes=2,
-        fields=dict(
-            pipeline_parallel_size=1, data_parallel_size=2, data_parallel_shard="true", per_device_batch_size=2
-        ),
-    ),
-    "2 = 2 stages": dict(
-        processes=2, fields=dict(pipeline_parallel_size=2, per_device_batch_size=4, num_microbatches=2)
-    ),
+    "2 sharded (FSDP2)": engine_layout(1, 2, True, 2),
+    "2 = 2 stages": engine_layout(2, 1, False, 4),
     "1 process": LAYOUTS["1 process"],
 }
 # Issue 25's bound: state share 16 bytes / parameter / N, plus 2 bytes / parameter.

@@ -59,8 +59,13 @@ def test_markdown_is_rendered_from_the_json(report):
     result, markdown = report
     assert markdown == bench.render(result)
     assert "python scripts/bench_scale.py --quick" in markdown
-    table = [line for line in markdown.splitlines() if line.startswith("| w512-L4 |")]
-    assert len(table) == 2
+    rows = [r for r in result["rows"] if r["model"] == "w512-L4"]
+    start = f"| w512-L4 | {rows[0]['parameters'] / 1e6:.1f}M |"
+    table = [line for line in markdown.splitlines() if line.startswith(start)]
+    assert len(table) == len(rows) == 2
+    after = markdown.split("## Where the highest process peaks")[1]
+    phases = [line for line in after.splitlines() if "w512-L4" in line]
+    assert len(phases) == 2  # the largest model's rows
 
 
 def test_committed_markdown_is_the_render_of_the_committed_json():
