@@ -41,6 +41,16 @@ EXCUSED = [
         "measures on a CUDA GPU, which this machine lacks (each says so in one line and exits non-zero here)",
     ),
     (r"^make gpu-report DRY=1$", "the report's CPU dry run: tests/test_gpu_report.py runs it"),
+    (
+        r"^python scripts/bench_async_save\.py$",
+        "rewrites the committed benchmarks/async_save.md with this machine's figures: "
+        "tests/test_bench_async_save.py runs it small into a temporary folder",
+    ),
+    (
+        r"^python scripts/bench_scale\.py$",
+        "the scale benchmark trains 25 multi-process runs (16 minutes here): tests/test_bench_scale.py runs its "
+        "--quick mode",
+    ),
     (r"^make (test|compat|lock)\b", "the test suite and the dependency pins: CI runs them itself"),
     (r"^accelerate config$", "asks questions interactively"),
     (r"^hf-p2r push (?!.*--dry-run)", "uploads to the Hugging Face Hub (the dry run above runs)"),
