@@ -55,7 +55,7 @@ EXCUSED = [
     (r"^accelerate config$", "asks questions interactively"),
     (r"^hf-p2r push (?!.*--dry-run)", "uploads to the Hugging Face Hub (the dry run above runs)"),
     (
-        r"^(hf-p2r( convert| plan)?|accelerate( launch)?|torchrun|make|python( scripts/train\.py)?)$",
+        r"^(hf-p2r( convert| plan| export)?|accelerate( launch)?|torchrun|make|python( scripts/train\.py)?)$",
         "a name in the prose, not a command",
     ),
 ]
