@@ -142,6 +142,16 @@ def _background_group() -> dist.ProcessGroup | None:
     return _GROUP["group"]
 
 
+def release_background_group() -> None:
+    """Destroy the background writes' gloo group now (after the last write completed), not at the interpreter's exit,
+    where gloo's threads abort the process ("terminate called without an active exception", SIGABRT: seen once in a
+    two-process test under load on torch 2.15). The engines call it when they release what they built."""
+    group = _GROUP.pop("group", None)
+    _GROUP.clear()
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
 def load(path: Path, state: dict) -> None:
     """`dcp.load` of `state` (its tensors loaded in place) from `path`; a checkpoint that does not fit `state` (a
     missing name, another shape) is a `ValueError` with the first process's first failure (DCP raises a

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf_p2r.training.dcp import release_background_group
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -68,5 +70,6 @@ def _worker(rank: int, body, world_size: int, port: int, result: str) -> None:
     finally:
         # Cycles that hold gloo's objects (a pipeline and its schedule) collected now, not during the interpreter's
         # exit, where gloo aborts the process (SIGABRT, "terminate called without an active exception").
+        release_background_group()  # checkpoint_async's gloo group, likewise
         gc.collect()
         dist.destroy_process_group()

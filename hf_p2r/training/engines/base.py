@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..checkpointing import TrainState
 from ..config import TrainConfig
+from ..dcp import release_background_group
 
 
 class Engine:
@@ -115,7 +116,9 @@ class Engine:
         schedule refers back to its pipeline, for one) can be destroyed during finalization, where gloo aborts the
         process ("terminate called without an active exception", SIGABRT) and replaces the run's exit code: seen in
         3-4 of 14 two-process runs that built pipelines and gathered objects without collecting first, none in 14
-        with this collection (tests/distributed/spawn.py and the pipeline benchmarks' workers do the same)."""
+        with this collection (tests/distributed/spawn.py and the pipeline benchmarks' workers do the same). The
+        asynchronous checkpoints' gloo group goes the same way (`release_background_group`)."""
+        release_background_group()
         gc.collect()
 
     def close(self) -> None:
