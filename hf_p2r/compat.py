@@ -9,8 +9,8 @@ By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_reg
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
 (`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
 `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
-`initialize_pipeline_stage`), torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with
-a test.
+`initialize_pipeline_stage`, `pipeline_stage_backward`), torch.distributed.checkpoint (`dcp_reader`). A new read
+goes beside its library's, with a test.
 """
 
 import importlib
@@ -34,6 +34,7 @@ __all__ = [
     "output_capture_for_compiled_code",
     "parse_size_to_int",
     "pipeline_order",
+    "pipeline_stage_backward",
     "prepared_models",
     "reshard_after_backward",
     "tensor_version",
@@ -304,6 +305,15 @@ def initialize_pipeline_stage(schedule, slots: int, args, kwargs, target) -> Non
         schedule._initialize_stage(args, kwargs, target)
     else:
         schedule._initialize_stage(args, kwargs)
+
+
+def pipeline_stage_backward(stage_output, output_grads, input_values) -> tuple:
+    """One micro-batch's whole backward through a pipeline stage, as torch's `PipelineStage` runs it (autograd from
+    the stage's outputs and their gradients; the gradients of the stage's inputs returned): torch's private
+    `torch.distributed.pipelining._backward.stage_backward`, the same signature from torch 2.11 to 2.15."""
+    from torch.distributed.pipelining._backward import stage_backward
+
+    return stage_backward(stage_output, output_grads, input_values)
 
 
 # What a DCP checkpoint's `.metadata` pickle may name: DCP's own metadata records, torch.Size, dtypes and layouts, and

@@ -15,6 +15,7 @@ from hf_p2r.compat import (
     initialize_pipeline_stage,
     local_tensor,
     parse_size_to_int,
+    pipeline_stage_backward,
     prepared_models,
     reshard_after_backward,
     tensor_version,
@@ -241,6 +242,20 @@ def test_dynamo_counters_count_compiled_graphs_and_graph_breaks():
     after = dynamo_counters()
     assert after["stats"]["unique_graphs"] - before.get("stats", {}).get("unique_graphs", 0) == 2
     assert sum(after["graph_break"].values()) > sum(before.get("graph_break", {}).values())
+
+
+def test_pipeline_stage_backward_returns_the_inputs_gradients_and_accumulates_the_weights():
+    """A middle stage (its outputs' gradients received) and a last stage (its loss, no gradient): the gradients of the
+    stage's inputs come back, a parameter's accumulate into `.grad`."""
+    weight = nn.Parameter(torch.tensor([2.0, 3.0]))
+    hidden = torch.tensor([1.0, 5.0], requires_grad=True)
+    (grad,) = pipeline_stage_backward((hidden * weight,), (torch.tensor([1.0, 10.0]),), [hidden])
+    assert torch.equal(grad, torch.tensor([2.0, 30.0]))
+    assert torch.equal(weight.grad, torch.tensor([1.0, 50.0]))
+    hidden = torch.tensor([1.0, 1.0], requires_grad=True)
+    (grad,) = pipeline_stage_backward((hidden * weight).sum(), None, [hidden])
+    assert torch.equal(grad, torch.tensor([2.0, 3.0]))
+    assert torch.equal(weight.grad, torch.tensor([2.0, 51.0]))
 
 
 def test_initialize_pipeline_stage_calls_torchs_own_with_the_arguments_it_takes():
