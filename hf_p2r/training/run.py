@@ -140,6 +140,7 @@ def prepare_output_dir(
     accelerator.wait_for_everyone()  # every process has loaded before the main one changes anything
     if accelerator.is_main_process:
         if resumed is not None:
+            output_dir.mkdir(parents=True, exist_ok=True)  # a checkpoint of another run may start a new folder
             discard_after(output_dir, resumed.step)
             truncate_metrics(output_dir / METRICS_FILE, resumed.metrics_records)
         else:

@@ -79,6 +79,22 @@ def test_resume_continues_exactly(full_run, tmp_path, resume_step):
     assert [p.name for p in list_checkpoints(output_dir)] == [p.name for p in list_checkpoints(full_run)]
 
 
+def test_resume_into_a_new_output_dir_continues_exactly_and_leaves_the_source_run_alone(full_run, tmp_path):
+    """Another run's checkpoint resumed into a folder that does not exist yet (found by the GPU report's FSDP2 part:
+    the metrics file's temporary copy was written into the missing folder): the new folder holds what came after the
+    checkpoint, equal to the uninterrupted run's, and the source run is not touched."""
+    source = tmp_path / "source"
+    shutil.copytree(full_run, source)
+    before = {path: path.read_bytes() for path in sorted(source.rglob("*")) if path.is_file()}
+    output_dir = tmp_path / "new" / "run"
+    checkpoint = source / "checkpoints" / "checkpoint-5"
+    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE, resume_from_checkpoint=checkpoint))) == 0
+    assert trajectory(output_dir) == [r for r in trajectory(full_run) if r["step"] > 5]
+    assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-6", "checkpoint-7"]
+    assert (output_dir / "real" / "config.json").is_file()
+    assert {path: path.read_bytes() for path in sorted(source.rglob("*")) if path.is_file()} == before
+
+
 def test_resume_comparison_can_fail(full_run, tmp_path):
     """Control: resuming with another optimizer carry changes the losses after the delink, and the test sees it."""
     output_dir = tmp_path / "run"
