@@ -40,14 +40,16 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest --durations=15
 
-# One GPU, under ten minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
-# by ratio and design against FSDP2, a bf16 trainer run with offload: auto; writes benchmarks/gpu/ (report.md names
-# the device). On a GPU machine without .venv: `source .gpu/device-setup.sh && make gpu-report` (its python3).
+# One GPU, under twelve minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
+# by ratio and design against FSDP2, a bf16 trainer run with offload: auto, the trainer under Accelerate's FSDP2 with
+# DCP checkpoints, a resume and hf-p2r export; writes benchmarks/gpu/ (report.md names the device). BUDGET=540: every
+# part within 540 s, in order (those left out are recorded as skipped). On a GPU machine without .venv: `source .gpu/device-setup.sh && make gpu-report` (its python3).
 # DRY=1: every part at tiny size on CPU into a temporary folder (tests/test_gpu_report.py runs it).
 DRY ?=
+BUDGET ?=
 REPORT_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
 gpu-report:
-	$(REPORT_PYTHON) scripts/gpu_report.py $(if $(DRY),--dry-run)
+	$(REPORT_PYTHON) scripts/gpu_report.py $(if $(DRY),--dry-run) $(if $(BUDGET),--budget $(BUDGET))
 
 # Declared = tested: the floors pyproject declares (requirements/floors.txt), then the newest releases it allows.
 # `make -j2 compat` runs the two test passes side by side; the installs stay one after the other (each writes the

@@ -1,14 +1,16 @@
 """One command that measures hf-p2r on one GPU (issue 29): the GPU tests, throughput and MFU (eager and compiled),
-the loss path's memory, offload by ratio and design against FSDP2's CPUOffloadPolicy, and a bf16 trainer run with
-`offload: auto` through the delink. It writes `OUT/<part>.json` for each part and `OUT/report.md`, a page that names
+the loss path's memory, offload by ratio and design against FSDP2's CPUOffloadPolicy, a bf16 trainer run with
+`offload: auto` through the delink, and (issue 25) the trainer under Accelerate's FSDP2 config with DCP checkpoints, a
+resume and `hf-p2r export`. It writes `OUT/<part>.json` for each part and `OUT/report.md`, a page that names
 the device and says, for each of issue 29's targets, met, missed or not measured.
 
-    make gpu-report                                  # = python scripts/gpu_report.py: one CUDA GPU, < 10 min
+    make gpu-report                                  # = python scripts/gpu_report.py: one CUDA GPU, < 12 min
     make gpu-report DRY=1                            # = --dry-run: every part at tiny size on CPU (about a minute)
     python scripts/gpu_report.py --parts throughput,offload --out /tmp/g
+    python scripts/gpu_report.py --budget 540        # the parts in order, all within 9 minutes (others skipped)
 
 Each part runs as its own process (a failing or hanging part is recorded, with its output's tail, and the next one
-runs) under a time limit that keeps the whole under ten minutes on an H100 (`PARTS`). The parts reuse the project's
+runs) under a time limit (`PARTS`: 12 minutes in all; `--budget` bounds the whole). The parts reuse the project's
 benchmarks through their command lines (`benchmarks/throughput.py`'s runners, `benchmarks/loss_memory.py`,
 `benchmarks/offload.py`) and the trainer (`python -m hf_p2r.train`). The dry run (the test suite runs it) checks the
 commands, not the machine: its figures are not results.
@@ -43,7 +45,7 @@ TARGETS = {
     "full_offload_vs_fsdp2": 2.0,
 }
 
-# (part, time limit in seconds on the GPU, on the dry run). The GPU limits add up to 570 s; the offload benchmark
+# (part, time limit in seconds on the GPU, on the dry run). The GPU limits add up to 720 s; the offload benchmark
 # runs once per offload design (two where it has device_chunked). The dry run's limits only guard against a hang (its
 # parts take 5-30 s each on two idle cores).
 PARTS = {
@@ -52,6 +54,7 @@ PARTS = {
     "loss_memory": (45, 180),
     "offload": (240, 180),
     "trainer": (75, 180),
+    "fsdp2_dcp": (150, 300),
 }
 
 TINY_TRAINER = dict(
@@ -78,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="every part at tiny size on CPU (checks the commands)")
     parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/gpu; dry run: a temporary one)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for all the parts together (a GPU lent for a few minutes): each part runs under the smaller of "
+        "its limit and what is left, in the order of --parts; a part with under 30 s left is skipped",
+    )
     parser.add_argument("--worker", choices=["throughput"], help=argparse.SUPPRESS)  # one part, in its own process
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
@@ -99,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for part in parts:
         limit = PARTS[part][1 if args.dry_run else 0]
+        if args.budget is not None:
+            limit = min(limit, round(args.budget - (time.perf_counter() - started)))
+            if limit < 30:
+                report["parts"][part] = {"status": "skipped", "seconds": 0.0, "command": "(over --budget)"}
+                print(f"gpu_report: {part}: skipped (--budget {args.budget:.0f} s spent)", flush=True)
+                continue
         print(f"gpu_report: {part} (limit {limit} s) ...", flush=True)
         record = RUNNERS[part](out, args.dry_run, limit)
         report["parts"][part] = {key: value for key, value in record.items() if key != "result"}
@@ -106,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_report: {part}: {record['status']} in {record['seconds']:.0f} s", flush=True)
     report["seconds"] = time.perf_counter() - started
     report["targets"] = targets(out)
+    report["fsdp2_dcp"] = ((read_json(out / "fsdp2_dcp.json") or {}).get("result") or {}) or None
     write_json(out / "report.json", report)
     page = render_markdown(report)
     write_text(out / "report.md", page)
     print(page)
     print(f"gpu_report: wrote {out}")
-    return 0 if all(p["status"] == "ok" for p in report["parts"].values()) else 1
+    return 0 if all(p["status"] in ("ok", "skipped") for p in report["parts"].values()) else 1
 
 
 def device_name() -> str:
@@ -268,6 +284,79 @@ def part_trainer(out: Path, dry: bool, limit: int) -> dict:
     return record
 
 
+def part_fsdp2_dcp(out: Path, dry: bool, limit: int) -> dict:
+    """Issue 25 on the GPU: the trainer under `accelerate launch --config_file configs/accelerate/fsdp2.yaml` with one
+    process (FSDP2 over NCCL, bf16; on CPU Accelerate runs it unsharded) through pseudo -> delink -> real with DCP
+    checkpoints; a second run resumed from the real stage's middle checkpoint, whose losses are compared with the
+    uninterrupted run's; and `hf-p2r export` of the last checkpoint to a Llama folder, whose logits are compared with
+    the trainer's `real/` folder (on the CPU, fp32)."""
+    pseudo, real = (2, 2) if dry else (20, 20)
+    middle, last = pseudo + real // 2, pseudo + real
+    fields = dict(pseudo_steps=pseudo, real_steps=real, save_steps=real // 2, checkpoint_format="dcp")
+    fields.update(
+        partial_delink_blocks="[]", warmup_steps=1, eval_steps=real, logging_steps=1, overwrite_output_dir="true"
+    )
+    if dry:
+        fields.update({k: v for k, v in TINY_TRAINER.items() if k not in fields and k != "offload_budget_gb"})
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/fsdp2.yaml"]
+    launch += ["--num_processes", "1", *(["--cpu", "--mixed_precision", "no"] if dry else [])]
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    runs = {"uninterrupted": out / "fsdp2_run", "resumed": out / "fsdp2_resumed"}
+    record = {"status": "ok", "seconds": 0.0, "steps": {}}
+    started = time.perf_counter()
+    for name, folder in runs.items():
+        argv = [item for key, value in {**fields, "output_dir": folder}.items() for item in (f"--{key}", str(value))]
+        if name == "resumed":
+            argv += ["--resume_from_checkpoint", str(runs["uninterrupted"] / "checkpoints" / f"checkpoint-{middle}")]
+        result = run([*launch, "scripts/train.py", "--config", "configs/demo.yaml", *argv], _left(limit, started), env)
+        record["steps"][name] = result
+        if result["status"] != "ok":
+            record.update(status=result["status"], output_tail=result["output_tail"])
+            break
+    if record["status"] == "ok":
+        exported = out / "fsdp2_llama"
+        checkpoint = runs["uninterrupted"] / "checkpoints" / f"checkpoint-{last}"
+        command = [sys.executable, "-m", "hf_p2r.cli", "export", str(checkpoint), str(exported), "--target", "llama"]
+        result = run([*command, "--overwrite"], _left(limit, started), env)
+        record["steps"]["export"] = result
+        if result["status"] != "ok":
+            record.update(status=result["status"], output_tail=result["output_tail"])
+        else:
+            record["result"] = _compare_fsdp2_runs(runs, middle, runs["uninterrupted"] / "real", exported)
+    record["seconds"] = time.perf_counter() - started
+    record["command"] = "; ".join(step["command"] for step in record["steps"].values())
+    return record
+
+
+def _left(limit: int, started: float) -> int:
+    return max(round(limit - (time.perf_counter() - started)), 1)
+
+
+def _compare_fsdp2_runs(runs: dict[str, Path], middle: int, real: Path, exported: Path) -> dict:
+    """The resumed run's training losses against the uninterrupted run's after the checkpoint, and the exported Llama
+    folder's logits against the trainer's `real/` folder on one batch (CPU, fp32)."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    losses = {
+        name: {r["step"]: r["loss"] for r in map(json.loads, _lines(folder / "metrics.jsonl")) if "loss" in r}
+        for name, folder in runs.items()
+    }
+    steps = sorted(step for step in losses["resumed"] if step > middle and step in losses["uninterrupted"])
+    differences = [abs(losses["resumed"][s] - losses["uninterrupted"][s]) for s in steps]
+    p2r = AutoModelForCausalLM.from_pretrained(real, trust_remote_code=True, dtype=torch.float32).eval()
+    llama = LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    batch = torch.randint(3, p2r.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = (p2r(batch).logits - llama(batch).logits).abs().max().item()
+    return {
+        "resume_steps_compared": steps,
+        "resume_max_abs_loss_difference": max(differences) if differences else None,
+        "resume_losses": {name: [losses[name].get(s) for s in steps] for name in losses},
+        "export_max_abs_logit_difference": logits,
+        "delinks": [r for r in map(json.loads, _lines(runs["uninterrupted"] / "metrics.jsonl")) if r.get("event")],
+    }
+
+
 def _lines(path: Path) -> list[str]:
     try:
         return [line for line in path.read_text().splitlines() if line.strip()]
@@ -281,6 +370,7 @@ RUNNERS = {
     "loss_memory": part_loss_memory,
     "offload": part_offload,
     "trainer": part_trainer,
+    "fsdp2_dcp": part_fsdp2_dcp,
 }
 
 
@@ -407,6 +497,16 @@ def render_markdown(report: dict) -> str:
             measured += f" ({value['design']})"
         met = {None: "—", True: "met", False: "missed"}[value["met"]] if not dry else "— (dry run)"
         lines.append(f"| {name} | {value['target']} | {measured} | {met} |")
+    fsdp2 = report.get("fsdp2_dcp")
+    if fsdp2:
+        lines += [
+            "",
+            "Issue 25, FSDP2 through `accelerate launch` on one process with DCP checkpoints: the run resumed from the "
+            f"real stage's middle checkpoint differs from the uninterrupted one by at most "
+            f"{fsdp2['resume_max_abs_loss_difference']:.3g} in loss over steps {fsdp2['resume_steps_compared']}; "
+            f"`hf-p2r export --target llama` of its last checkpoint differs from its `real/` folder by at most "
+            f"{fsdp2['export_max_abs_logit_difference']:.3g} in logits (fp32, CPU).",
+        ]
     lines += ["", "Each part's figures, command and output tail: `<part>.json` beside this page."]
     return "\n".join(lines) + "\n"
 

@@ -63,6 +63,12 @@ def test_the_parts_measure_what_the_gpu_run_measures(dry_run):
     assert "--mixed_precision bf16" in trainer["command"] and "--offload auto" in trainer["command"]
     assert [(d["num_blocks_before"], d["num_blocks"]) for d in trainer["result"]["delinks"]] == [(1, 4)]
     assert trainer["result"]["last"]["stage"] == "real"
+    fsdp2 = json.loads((out / "fsdp2_dcp.json").read_text())
+    assert "configs/accelerate/fsdp2.yaml" in fsdp2["command"] and "--checkpoint_format dcp" in fsdp2["command"]
+    assert fsdp2["result"]["resume_steps_compared"]  # on the CPU a resume is exact and the export is the model
+    assert fsdp2["result"]["resume_max_abs_loss_difference"] == 0.0
+    assert fsdp2["result"]["export_max_abs_logit_difference"] == 0.0
+    assert "Issue 25, FSDP2" in (out / "report.md").read_text()
 
 
 def test_the_offload_design_option_is_read_from_the_benchmark_help():
@@ -95,3 +101,22 @@ def test_an_unknown_part_is_refused_naming_the_option(tmp_path):
         text=True,
     )
     assert done.returncode == 2 and done.stderr.startswith("gpu_report: --parts: unknown nope")
+
+
+def test_a_budget_skips_the_parts_it_cannot_fit_and_says_so(tmp_path):
+    """--budget (a GPU lent for a few minutes): with 10 s no part has its 30 s, each is recorded as skipped, the page
+    still written."""
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_report.py", "--dry-run", "--budget", "10", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {name: part["status"] for name, part in report["parts"].items()} == dict.fromkeys(
+        gpu_report.PARTS, "skipped"
+    )
+    assert "| tests | skipped |" in (tmp_path / "report.md").read_text()
