@@ -1,9 +1,13 @@
 """Shared settings for the training tests: a model and corpus small enough for a step in milliseconds."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
+from hf_p2r.training import parse_config, train
 from hf_p2r.training.metrics import read_metrics
 
 from ..distributed.spawn import CPU_ONLY
@@ -61,3 +65,25 @@ DETERMINISTIC = ("step", "stage", "num_blocks", "event", "loss", "lr", "grad_nor
 def trajectory(output_dir) -> list[dict]:
     """The deterministic part of every metrics record of a run."""
     return [{k: r[k] for k in DETERMINISTIC if k in r} for r in read_metrics(Path(output_dir) / "metrics.jsonl")]
+
+
+def losses(output_dir, key="loss") -> list[float]:
+    """Every value of `key` a run logged, in order."""
+    return [record[key] for record in trajectory(output_dir) if key in record]
+
+
+def run_on_every_process(
+    root, name: str, fields: dict, checkpoint: int | None = None, source: str | None = None
+) -> list[float]:
+    """One run of a body started by `spawn.run`, trained by every process into `root / name` with `fields`; with
+    `checkpoint`, resumed from its checkpoint of that step (the run `source` copied there first by process 0). The
+    processes wait for each other before it and after it; returns its losses."""
+    output_dir = Path(root) / name
+    if source is not None and dist.get_rank() == 0:
+        shutil.copytree(Path(root) / source, output_dir)
+    dist.barrier()
+    if checkpoint is not None:
+        fields = dict(fields, resume_from_checkpoint=f"{output_dir}/checkpoints/checkpoint-{checkpoint}")
+    assert train(parse_config(tiny_argv(output_dir, **fields))) == 0
+    dist.barrier()
+    return losses(output_dir)

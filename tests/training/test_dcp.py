@@ -21,15 +21,11 @@ from hf_p2r.training.checkpointing import list_checkpoints
 
 from ..distributed import spawn
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, REPO, losses, run_on_every_process, subprocess_env, tiny_argv, trajectory
 from .test_resume import snapshot, truncate
 
 # L=4, k=1: delinked to the real model at step 2; a checkpoint every step (1, 2 pseudo; 3, 4 real).
 SCHEDULE = dict(pseudo_steps=2, real_steps=2, save_steps=1, checkpoint_format="dcp")
-
-
-def losses(output_dir, key="loss") -> list[float]:
-    return [record[key] for record in trajectory(output_dir) if key in record]
 
 
 def resume(output_dir, checkpoint: int, **fields) -> int:
@@ -167,16 +163,7 @@ def _pipelines(folder: str, rank: int, world: int) -> dict:
     root, out = Path(folder), {}
 
     def run(name, checkpoint=None, source=None, **fields):
-        output_dir = root / name
-        if source is not None and rank == 0:
-            shutil.copytree(root / source, output_dir)
-        dist.barrier()
-        if checkpoint is None:
-            assert train(parse_config(tiny_argv(output_dir, **{**PIPELINE, **fields}))) == 0
-        else:
-            assert resume(output_dir, checkpoint, **{**PIPELINE, **fields}) == 0
-        dist.barrier()
-        out[name] = losses(output_dir)
+        out[name] = run_on_every_process(root, name, {**PIPELINE, **fields}, checkpoint, source)
 
     run("1f1b")  # split [2, 2]
     run("1f1b split 1-3 from 1", 1, "1f1b", pipeline_split=[1, 3])
@@ -379,21 +366,11 @@ def _sharded_pipelines(folder: str, rank: int, world: int) -> dict:
     """4 processes: 2 pipelines of 2 FSDP2-sharded stages, resumed as 2 pipelines of replicated stages and as one
     pipeline of 4 stages (the same global batch)."""
     root, out = Path(folder), {}
-    for name, checkpoint, fields in (
-        ("sharded", None, SHARDED_PIPELINES),
-        ("replicated", 3, dict(SHARDED_PIPELINES, data_parallel_shard="false")),
-        ("4 stages", 3, dict(PIPELINE, pipeline_parallel_size=4, num_microbatches=4)),
-    ):
-        output_dir = root / name
-        if checkpoint is not None and rank == 0:
-            shutil.copytree(root / "sharded", output_dir)
-        dist.barrier()
-        if checkpoint is None:
-            assert train(parse_config(tiny_argv(output_dir, **fields))) == 0
-        else:
-            assert resume(output_dir, checkpoint, **fields) == 0
-        dist.barrier()
-        out[name] = losses(output_dir)
+    out["sharded"] = run_on_every_process(root, "sharded", SHARDED_PIPELINES)
+    replicated = dict(SHARDED_PIPELINES, data_parallel_shard="false")
+    out["replicated"] = run_on_every_process(root, "replicated", replicated, 3, "sharded")
+    four_stages = dict(PIPELINE, pipeline_parallel_size=4, num_microbatches=4)
+    out["4 stages"] = run_on_every_process(root, "4 stages", four_stages, 3, "sharded")
     if rank == 0:
         from torch.distributed.checkpoint import FileSystemReader
 

@@ -26,8 +26,8 @@ from hf_p2r.training.dcp import load_model_state, model_state
 from hf_p2r.training.dcp import save as save_dcp
 
 from ..distributed import spawn
-from .helpers import tiny_argv, trajectory
-from .test_dcp import PIPELINE, SCHEDULE, copy_run, losses, resume
+from .helpers import run_on_every_process, tiny_argv, trajectory
+from .test_dcp import PIPELINE, SCHEDULE, copy_run, resume
 
 ASYNC = dict(checkpoint_async="true")
 train_module = importlib.import_module("hf_p2r.training.train")  # (the package exports its function `train`)
@@ -284,24 +284,12 @@ def test_a_signal_stops_the_run_after_its_checkpoint_is_written(tmp_path, monkey
 def _pipelines(folder: str, rank: int, world: int) -> dict:
     """Two pipeline stages (1F1B, delinked at step 2), saved synchronously and asynchronously; the async run resumed
     from its checkpoint 3 (after the delink) with async saves."""
-    root, out = Path(folder), {}
-
-    def run(name, checkpoint=None, source=None, **fields):
-        output_dir = root / name
-        if source is not None and rank == 0:
-            shutil.copytree(root / source, output_dir)
-        dist.barrier()
-        if checkpoint is None:
-            assert train(parse_config(tiny_argv(output_dir, **{**PIPELINE, **fields}))) == 0
-        else:
-            assert resume(output_dir, checkpoint, **{**PIPELINE, **fields}) == 0
-        dist.barrier()
-        out[name] = losses(output_dir)
-
-    run("sync")
-    run("async", **ASYNC)
-    run("async from 3", 3, "async", **ASYNC)
-    return out
+    async_pipeline = {**PIPELINE, **ASYNC}
+    return {
+        "sync": run_on_every_process(folder, "sync", PIPELINE),
+        "async": run_on_every_process(folder, "async", async_pipeline),
+        "async from 3": run_on_every_process(folder, "async from 3", async_pipeline, 3, "async"),
+    }
 
 
 def test_two_processes_save_asynchronously_what_they_save_synchronously(tmp_path):
