@@ -48,7 +48,7 @@ def build_optimizer(
     for _, param in model.named_parameters():
         if param.requires_grad:
             algorithm = "muon" if id(param) in muon else "adamw"
-            buckets.setdefault((algorithm, param.ndim >= 2, scale_of.get(id(param), 1.0)), []).append(param)
+            buckets.setdefault((algorithm, is_matrix(param), scale_of.get(id(param), 1.0)), []).append(param)
     groups = [
         {
             "params": params,
@@ -74,7 +74,13 @@ def muon_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters `optimizer: muon` gives to Muon: the blocks' matrices (attention and MLP projections,
     an MoE block's router) and an MoE block's 3-D expert tensors (one matrix per expert). Embeddings, the head, norms
     and biases stay on AdamW. `model`: anything with the model's parameter names (a P2R model or a pipeline)."""
-    return {id(param) for name, param in model.named_parameters() if block_of(name) is not None and param.ndim >= 2}
+    return {id(param) for name, param in model.named_parameters() if block_of(name) is not None and is_matrix(param)}
+
+
+def is_matrix(param: nn.Parameter) -> bool:
+    """Whether the parameter has two dimensions or more as the model declares it: DeepSpeed ZeRO-3 holds a partitioned
+    parameter as an empty tensor and keeps its shape in `ds_shape` (the engine builds the optimizer on partitions)."""
+    return len(getattr(param, "ds_shape", param.shape)) >= 2
 
 
 def check_optimizer_supported(accelerator: Accelerator, args: TrainArguments) -> None:
