@@ -12,11 +12,16 @@ reduce-scatter per step, so the pseudo stage moves k blocks per step, not L, for
 Under Accelerate (`fsdp_version: 2`, `fsdp_transformer_layer_cls_to_wrap: P2RDecoderLayer`) the stored blocks are
 the units already; call `gather_shared_once(model)` after `accelerator.prepare` to get the schedule above. Accelerate
 turns FSDP on only for accelerators: on CPU the plugin is ignored, which is why the CPU tests call `fully_shard_p2r`
-(and Accelerate's `fsdp2_prepare_model`) directly. DeepSpeed's delink goes through `gather_deepspeed_model`.
+(and Accelerate's `fsdp2_prepare_model`) directly.
+
+DeepSpeed: `partition_zero3` turns a meta-device model into ZeRO-3 partitions one module at a time (what
+`deepspeed.zero.Init` does for a model built inside it), `materialize_zero3` with the layout-independent
+initialisation (`hf_p2r.distributed.materialize`); `delink_deepspeed` delinks a DeepSpeed engine's model (ZeRO-3:
+straight into the new model's partitions), `gather_deepspeed_model` copies it whole.
 """
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from ..compat import local_tensor, reshard_after_backward
 from ..models.p2r import P2RPreTrainedModel, delink_sources
+from .materialize import materialize
 
 
 def fully_shard_p2r(
@@ -61,7 +67,7 @@ def fully_shard_p2r(
     return model
 
 
-def gather_shared_once(model: P2RPreTrainedModel) -> P2RPreTrainedModel:
+def gather_shared_once(model: P2RPreTrainedModel, depths: Iterable[int] | None = None) -> P2RPreTrainedModel:
     """Make every shared block of an FSDP2-sharded pseudo model all-gather once per step instead of twice per depth
     that runs it. Returns the model; real blocks are left as they are.
 
@@ -69,11 +75,14 @@ def gather_shared_once(model: P2RPreTrainedModel) -> P2RPreTrainedModel:
     its last use in the backward (the first depth), where it reshards as usual. Like the root unit, it stays
     unsharded after a forward without backward (evaluation) until the next backward. Call it after
     `fully_shard_p2r(..., shared_gather_once=False)` or after `accelerator.prepare`; calling it twice is harmless.
+    `depths`: the depths this process runs (a pipeline stage's; default all): a block is shared if two of them run
+    it, and the first of them is its last use in the backward; blocks no depth of them runs are left alone.
     """
     config = model.config
     first_depth: dict[int, int] = {}
     uses: dict[int, int] = {}
-    for depth, block in enumerate(config.block_of_depth):
+    for depth in range(len(config.block_of_depth)) if depths is None else sorted(depths):
+        block = config.block_of_depth[depth]
         first_depth.setdefault(block, depth)
         uses[block] = uses.get(block, 0) + 1
     for index, block in enumerate(model.base_model.layers):
@@ -215,6 +224,124 @@ def gather_deepspeed_model(engine) -> P2RPreTrainedModel:
     return model.train(module.training)
 
 
+def zero3_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The model's modules in the groups `partition_zero3` materialises together, in the model's order: each module
+    that holds parameters or buffers of its own, with the modules whose parameters are tied to its own (a head tied
+    to the embeddings) and its submodules (they are materialised with it, so never in a group of their own)."""
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    first_name: dict[int, str] = {}
+    groups: dict[str, list[nn.Module]] = {}  # owning module name -> the modules that take its tensors
+    for module_name, module in model.named_modules():
+        for key, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            name = f"{module_name}.{key}" if module_name else key
+            owning = tied.get(name, first_name.setdefault(id(param), name))
+            groups.setdefault(owning.rpartition(".")[0], []).append(module)
+        if any(True for _ in module.buffers(recurse=False)):
+            groups.setdefault(module_name, []).append(module)
+    units, covered = [], set()
+    for modules in groups.values():
+        unit = [module for module in {id(m): m for m in modules}.values() if id(module) not in covered]
+        if unit:
+            covered |= {id(sub) for module in unit for sub in module.modules()}
+            units.append(unit)
+    return units
+
+
+def partition_zero3(
+    model: nn.Module,
+    fill: Callable[[list[nn.Module]], Any],
+    config: dict | str | None = None,
+    *,
+    like: nn.Parameter | None = None,
+) -> nn.Module:
+    """Materialise the meta-device `model` as DeepSpeed ZeRO-3 partitions, in place: no process ever holds more than
+    one group of `zero3_units` whole beside its own partitions. Returns the model, for `deepspeed.initialize` (or
+    `accelerator.prepare`), which takes the partitioned parameters as they are.
+
+    For each group `fill(modules)` allocates and fills the whole tensors of those modules (and their submodules) on
+    the CPU, then `deepspeed.zero.Init(module=..., config_dict_or_path=config)` (the first group) or the partitioned
+    parameters' own `convert_to_zero_parameters` (the rest: the same settings) keeps this process's partition of each
+    parameter and frees the whole tensor: what `zero.Init` does for a model constructed inside it, one module at a
+    time. Every process must call it (DeepSpeed broadcasts each parameter from the first process of its group, then
+    partitions it), with the same `fill` results for the weights to be layout-independent. Buffers (the rotary
+    tables) stay whole on every process, as ZeRO-3 keeps them.
+
+    `config` is the DeepSpeed configuration (its `zero_optimization.offload_param` places the partitions in CPU
+    memory, as `deepspeed.initialize` would). `like`, a ZeRO-3 parameter, partitions every group with its settings
+    instead (a delink: the old model's).
+    """
+    import deepspeed
+
+    anchor = like  # a partitioned parameter: converts the others with its Init's settings
+    for unit in zero3_units(model):
+        fill(unit)
+        pending = {id(p): p for module in unit for p in module.parameters() if not hasattr(p, "ds_id")}
+        if pending and anchor is None:
+            holder = nn.ModuleList(unit)  # Init(module=...) partitions one module's parameters (a tie once)
+            deepspeed.zero.Init(module=holder, config_dict_or_path=config)
+            anchor = next(iter(pending.values()))
+        elif pending:
+            anchor.convert_to_zero_parameters(param_list=list(pending.values()))
+    return model
+
+
+def materialize_zero3(model: nn.Module, seed: int, config: dict | str | None = None) -> nn.Module:
+    """`partition_zero3` with the layout-independent initialisation (`hf_p2r.distributed.materialize` under `seed`):
+    the partitions gather to the weights `materialize(model, seed)` gives one process, bitwise."""
+    return partition_zero3(model, lambda unit: materialize(model, seed, keep=unit), config)
+
+
+def delink_deepspeed(engine, num_unique_layers: int | None = None) -> nn.Module:
+    """The delinked copy of a DeepSpeed engine's P2R model, for a new engine (`deepspeed.initialize` or
+    `accelerator.prepare`, with a new optimizer: DeepSpeed's flat ZeRO partitions have no per-parameter state to carry).
+    Every rank must call it (it gathers).
+
+    Under ZeRO-3 (partitioned parameters) the new model is built on the meta device and partitioned by
+    `partition_zero3` with the old parameters' settings (`like`), each new module filled from the full fp32 master
+    weights of the old parameters it copies (`safe_get_full_fp32_param`, one parameter at a time), so no process
+    holds either model whole. Under ZeRO-1/2 every process holds the model anyway:
+    `gather_deepspeed_model(engine).delink(num_unique_layers)`.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    if not any(hasattr(p, "ds_id") for p in module.parameters()):
+        return gather_deepspeed_model(engine).delink(num_unique_layers)
+    old_config = module.config
+    target = old_config.num_hidden_layers if num_unique_layers is None else num_unique_layers
+    if not old_config.share_layers:
+        raise ValueError("this model is already real (share_layers=False): there is nothing to delink")
+    sources = delink_sources(
+        old_config.num_hidden_layers, old_config.num_unique_layers, target, old_config.sharing_pattern
+    )
+    parameter_map = module.delink_parameter_map(target)
+    old_parameters, old_buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    new_config = copy.deepcopy(old_config)
+    new_config.share_layers = len(sources) < old_config.num_hidden_layers
+    new_config.num_unique_layers = len(sources)
+    with torch.device("meta"):
+        new_model = type(module)(new_config)
+    names = {id(sub): name for name, sub in new_model.named_modules()}
+
+    @torch.no_grad()
+    def fill(unit: list[nn.Module]) -> None:
+        placed: dict[int, nn.Parameter] = {}  # a tied parameter: one tensor in every slot
+        for root in unit:
+            for sub in root.modules():
+                prefix = names[id(sub)] + "." if names[id(sub)] else ""
+                for key, param in sub.named_parameters(recurse=False):
+                    if id(param) not in placed:
+                        source = old_parameters[parameter_map[prefix + key]]
+                        whole = safe_get_full_fp32_param(source).detach().to("cpu", copy=True)
+                        placed[id(param)] = nn.Parameter(whole, requires_grad=source.requires_grad)
+                    setattr(sub, key, placed[id(param)])
+                for key, _ in sub.named_buffers(recurse=False):
+                    setattr(sub, key, old_buffers[prefix + key].detach().to("cpu", copy=True))
+
+    partition_zero3(new_model, fill, like=next(iter(old_parameters.values())))
+    return new_model.train(module.training)
+
+
 def _copy_buffers(source: nn.Module, target: nn.Module, device: torch.device | str | None = None) -> None:
     """Give `target` copies of `source`'s buffers (the rotary tables, which meta-device construction leaves empty)."""
     for name, buffer in source.named_buffers():
@@ -227,4 +354,13 @@ def _layout(tensor: torch.Tensor) -> str:
     return f"placements={placements}, local shape={tuple(local_tensor(tensor).shape)}"
 
 
-__all__ = ["delink_fully_sharded", "fully_shard_p2r", "gather_deepspeed_model", "gather_shared_once"]
+__all__ = [
+    "delink_deepspeed",
+    "delink_fully_sharded",
+    "fully_shard_p2r",
+    "gather_deepspeed_model",
+    "gather_shared_once",
+    "materialize_zero3",
+    "partition_zero3",
+    "zero3_units",
+]

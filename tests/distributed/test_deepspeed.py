@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-1/2/3, and ZeRO-Offload at stages 2 and 3 (deepspeed.initialize, gloo, two CPU processes) on a
-pseudo model, through delink.
+pseudo model, through delink (`delink_deepspeed`, as the trainer's).
 
 Accelerate's DeepSpeed plugin drives this same engine; on CPU it does not set up several processes, so the
 Accelerate path (`configs/accelerate/deepspeed_*.yaml`) is left to the GPU checks. Skipped without deepspeed
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_p2r.distributed import gather_deepspeed_model
+from hf_p2r.distributed.fsdp import delink_deepspeed
 
 from ..conftest import tiny_model
 from . import spawn
@@ -63,7 +64,7 @@ def zero_stages(rank: int, world_size: int) -> dict:
         reference_optimizer = optimizer(reference)
         for step, input_ids in enumerate(data):
             if step == STEPS_BEFORE:
-                real = gather_deepspeed_model(engine).delink()
+                real = delink_deepspeed(engine)  # ZeRO-3: into the new partitions; ZeRO-1/2: the gathered copy
                 config = engine_config(stage, offload)
                 engine, *_ = deepspeed.initialize(model=real, optimizer=optimizer(real), config=config)
                 sources = reference.delink_parameter_map()

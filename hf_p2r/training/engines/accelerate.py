@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
 from ...distributed import gather_shared_once
+from ...distributed.fsdp import materialize_zero3
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
@@ -58,6 +59,8 @@ class AccelerateEngine(Engine):
             )
         if args.checkpoint_format == "dcp":
             self.check_dcp()
+        if zero3_config(accelerator) is not None:
+            build_without_zero_init()
         self.data_rank, self.data_size = accelerator.process_index, accelerator.num_processes
         self.model = self.optimizer = self.offload = self.router_load = None
         self.activation_bytes = 0
@@ -68,11 +71,15 @@ class AccelerateEngine(Engine):
         # The model comes on the meta device: FSDP2 shards it there and each process materialises its shards only;
         # granular offload materialises each part straight into its home (`apply_offload`: resident modules on the
         # device, each offloaded block on the CPU then into its pinned slab before the next), so the host never holds
-        # more than the offloaded blocks and one block; otherwise (one process, DDP, DeepSpeed, and `offload: auto`,
-        # which measures activations with a forward on the CPU first) the whole model is materialised on the CPU.
+        # more than the offloaded blocks and one block; DeepSpeed ZeRO-3 materialises one module at a time into its
+        # partitions (`materialize_zero3`, what `deepspeed.zero.Init` does); otherwise (one process, DDP, ZeRO-1/2,
+        # and `offload: auto`, which measures activations with a forward on the CPU first) the whole model is
+        # materialised on the CPU.
         if accelerator.is_fsdp2:
             model = self.shard_on_meta(model)
-        if args.offload is None or args.offload == "auto":
+        if zero3_config(accelerator) is not None:
+            materialize_zero3(model, args.seed, zero3_config(accelerator))
+        elif args.offload is None or args.offload == "auto":
             materialize(model, args.seed)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
         self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
@@ -276,6 +283,29 @@ def check_gpu_per_process(cpu: bool) -> None:
             f"CPU process still needs cuda:{local_rank} for its barriers: hide the GPUs "
             "(CUDA_VISIBLE_DEVICES= accelerate launch ..., or accelerate launch --cpu)"
         )
+
+
+def zero3_config(accelerator: Accelerator) -> dict | None:
+    """The DeepSpeed configuration of a ZeRO-3 run, None for any other: the one Accelerate's DeepSpeed plugin hands
+    transformers for `deepspeed.zero.Init` (`dschf`: the batch sizes' "auto" resolved as Accelerate does before
+    `prepare`)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.dschf.config if plugin.zero_stage == 3 else None
+
+
+def build_without_zero_init() -> None:
+    """Let transformers build models on the meta device under ZeRO-3: the engine partitions them itself
+    (`materialize_zero3`, and `delink_deepspeed` at a delink).
+
+    Accelerate's DeepSpeed plugin registers its configuration with transformers whatever `zero3_init_flag` says, and
+    with a ZeRO-3 configuration there `from_config` builds the model inside `deepspeed.zero.Init` and initialises
+    it gathered, which fails on the meta device (`build_model(meta=True)`: "Cannot copy out of meta tensor; no data!").
+    The registration is dropped (`unset_hf_deepspeed_config`); Accelerate itself reads its plugin, not it."""
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
 
 
 def fill_deepspeed_batch_size(accelerator: Accelerator, args: TrainArguments) -> None:

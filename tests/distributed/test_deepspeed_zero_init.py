@@ -1,0 +1,229 @@
+"""DeepSpeed ZeRO-3 from the meta device (two gloo processes): `materialize_zero3` partitions the trainer's meta model
+one module at a time (what `deepspeed.zero.Init` does) to the weights one process initialises for the same seed,
+bitwise, for pseudo, real and MoE models; each process keeps a fraction; the engine's path under Accelerate's
+DeepSpeed plugin (configs/accelerate/deepspeed_zero3_offload.yaml) builds and partitions the same; and the delink
+of a ZeRO-3 engine (`delink_deepspeed`) goes straight into the real model's partitions and trains like one process.
+
+Skipped without deepspeed (`pip install hf-p2r[deepspeed]`).
+"""
+
+import os
+import tempfile
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from hf_p2r.distributed.fsdp import delink_deepspeed, materialize_zero3, partition_zero3
+from hf_p2r.distributed.materialize import materialize
+from hf_p2r.training import parse_config
+from hf_p2r.training.data import load_tokenizer
+from hf_p2r.training.optim import build_optimizer
+from hf_p2r.training.train import build_model
+
+from ..training.helpers import tiny_argv
+from . import spawn
+from .test_accelerate_configs import launch_env
+
+deepspeed = pytest.importorskip("deepspeed")
+
+CASES = {
+    "pseudo": {"num_unique_layers": 1},
+    "real": {"pseudo_steps": 0},  # a real model from scratch
+    "moe": {"num_unique_layers": 2, "num_experts": 4, "num_experts_per_tok": 2},
+}
+SEED = 7
+ENGINE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+    "zero_optimization": {"stage": 3},
+    "zero_allow_untested_optimizer": True,
+}
+STEPS_BEFORE, STEPS_AFTER, LR, ATOL = 2, 2, 0.5, 1e-5  # as test_deepspeed: fp32, SGD, half batches against one
+
+
+def built(case: str, meta: bool) -> torch.nn.Module:
+    config = parse_config(tiny_argv(tempfile.mkdtemp(), seed=SEED, **CASES[case]))
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    return build_model(config, tokenizer, config.initial_blocks(), meta=meta)
+
+
+def whole_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this process holds whole (allocated, not partitioned)."""
+    return sum(p.nbytes for p in model.parameters() if not p.is_meta and not hasattr(p, "ds_id"))
+
+
+def partitioned(model: torch.nn.Module, config, fill_whole) -> tuple[int, int]:
+    """Partition `model` through `partition_zero3` with `fill_whole(unit)`; returns (the most bytes held whole at
+    once, this process's partition bytes)."""
+    peak = 0
+
+    def fill(unit):
+        nonlocal peak
+        assert whole_bytes(model) == 0  # every earlier group is partitioned
+        fill_whole(unit)
+        peak = max(peak, whole_bytes(model))
+
+    partition_zero3(model, fill, config)
+    return peak, sum(p.ds_tensor.nbytes for p in model.parameters())
+
+
+def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def differ(reference: dict, other: dict) -> list[str]:
+    return sorted(set(reference) ^ set(other)) + [
+        n for n in reference if n in other and not torch.equal(reference[n], other[n])
+    ]
+
+
+def meta_builds(rank: int, world_size: int) -> dict:
+    out = {}
+    for case in CASES:
+        reference = dict(built(case, meta=False).named_parameters())
+        model = built(case, meta=True)
+        peak, mine = partitioned(model, ENGINE, lambda unit, m=model: materialize(m, SEED, keep=unit))
+        out[case] = {
+            "differ": differ(reference, gathered(model)),
+            "all_partitioned": all(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters()),
+            "whole": sum(t.nbytes for t in reference.values()),
+            "largest_tensor": max(t.nbytes for t in reference.values()),
+            "peak": peak,
+            "mine": mine,
+        }
+    return out
+
+
+def engine_path(rank: int, world_size: int) -> dict:
+    """What `AccelerateEngine.__init__` and `build` do under configs/accelerate/deepspeed_zero3_offload.yaml (its
+    parameters offloaded to CPU memory) before `accelerator.prepare`: Accelerate turns DeepSpeed off on a CPU run, so
+    the Accelerator is a stand-in holding the plugin that `AcceleratorState` sets up (mixed precision, `select`)."""
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from hf_p2r.training.engines.accelerate import build_without_zero_init, zero3_config
+
+    with mock.patch.dict(os.environ, launch_env("deepspeed_zero3_offload")):
+        plugin = DeepSpeedPlugin()
+    plugin.set_mixed_precision("no")
+    plugin.select(_from_accelerator_state=True)  # registers the configuration with transformers
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(deepspeed_plugin=plugin)
+    )
+    registered = is_deepspeed_zero3_enabled()
+    config = zero3_config(accelerator)
+    build_without_zero_init()
+    whole = built("pseudo", meta=False)
+    reference = dict(whole.named_parameters())
+    model = materialize_zero3(built("pseudo", meta=True), SEED, config)
+    args = parse_config(tiny_argv(tempfile.mkdtemp(), weight_decay=0.1)).train
+
+    def groups(m: torch.nn.Module) -> list:  # the engine builds the optimizer on the partitions
+        return [(group["weight_decay"], len(group["params"])) for group in build_optimizer(m, args).param_groups]
+
+    return {
+        "groups": groups(model),
+        "whole_groups": groups(whole),
+        "registered": registered,
+        "unregistered": not is_deepspeed_zero3_enabled(),
+        "offloaded": config["zero_optimization"]["offload_param"]["device"] == "cpu",
+        "differ": differ(reference, gathered(model)),
+        "all_partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),
+    }
+
+
+class PeakOfPartition:
+    """`partition_zero3` that records the most bytes held whole after each group's fill."""
+
+    def __init__(self):
+        self.peak = 0
+
+    def __call__(self, model, fill, config=None, **kwargs):
+        def watched(unit):
+            fill(unit)
+            self.peak = max(self.peak, whole_bytes(model))
+
+        return partition_zero3(model, watched, config, **kwargs)
+
+
+def delink_trains(rank: int, world_size: int) -> dict:
+    """A ZeRO-3 engine on the partitioned meta build, delinked by `delink_deepspeed` after two steps, against the same
+    run in one process (the whole batch)."""
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randint(3, 101, (4, 12), generator=generator) for _ in range(STEPS_BEFORE + STEPS_AFTER)]
+    local = slice(rank * 2, rank * 2 + 2)
+    reference = built("pseudo", meta=False).train()
+    initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    model = materialize_zero3(built("pseudo", meta=True), SEED, ENGINE).train()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=ENGINE)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    out = {}
+    for step, input_ids in enumerate(data):
+        if step == STEPS_BEFORE:
+            peak = PeakOfPartition()
+            with mock.patch("hf_p2r.distributed.fsdp.partition_zero3", peak):
+                real = delink_deepspeed(engine)
+            out["real_partitioned"] = all(hasattr(p, "ds_id") for p in real.parameters())
+            out["delink_peak"] = peak.peak
+            engine, *_ = deepspeed.initialize(
+                model=real, optimizer=torch.optim.SGD(real.parameters(), lr=LR), config=ENGINE
+            )
+            sources = reference.delink_parameter_map()
+            reference.delink()
+            reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+        engine.backward(engine(input_ids=input_ids[local], labels=input_ids[local]).loss)
+        engine.step()
+        reference(input_ids=input_ids, labels=input_ids).loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    final = {name: deepspeed.utils.safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
+    expected = dict(reference.named_parameters())
+    out.update(
+        names=sorted(final) == sorted(expected),
+        real=engine.module.config.share_layers is False,
+        max_diff=max((final[n] - p).abs().max().item() for n, p in expected.items()),
+        moved=max((p - initial[sources[n]]).abs().max().item() for n, p in expected.items()),
+        whole_real=sum(p.nbytes for p in expected.values()),
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict:
+    return spawn.run(meta_builds, 2, tmp_path_factory.mktemp("zero_init"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_zero3_partitions_gather_to_the_one_process_initialisation_bitwise(builds, case):
+    run = builds[case]
+    assert run["differ"] == [] and run["all_partitioned"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_zero3_build_never_holds_more_than_one_module_whole(builds, case):
+    run = builds[case]
+    assert 0 < run["peak"] <= 2 * run["largest_tensor"]  # one module (a linear and its bias, a tied pair) at a time
+    assert run["peak"] < 0.5 * run["whole"]
+    assert 0.45 * run["whole"] <= run["mine"] <= 0.55 * run["whole"]  # its half (padded) of every parameter
+
+
+def test_engine_builds_on_meta_and_partitions_under_accelerates_zero3_plugin(tmp_path):
+    run = spawn.run(engine_path, 2, tmp_path)
+    assert run["registered"] and run["unregistered"]  # Accelerate's registration, then the engine's drop of it
+    assert run["offloaded"]
+    assert run["differ"] == [] and run["all_partitioned"]
+    # The optimizer's groups as on the whole model: weight decay on the matrices (a partition is held flat)
+    assert run["groups"] == run["whole_groups"] and {decay for decay, _ in run["groups"]} == {0.0, 0.1}
+
+
+def test_delink_of_a_zero3_engine_partitions_the_real_model_and_trains_like_one_process(tmp_path):
+    run = spawn.run(delink_trains, 2, tmp_path)
+    assert run["real_partitioned"] and run["names"] and run["real"]
+    assert 0 < run["delink_peak"] < 0.5 * run["whole_real"]
+    assert run["moved"] > 100 * ATOL  # control: training moved the weights far beyond the tolerance
+    assert run["max_diff"] < ATOL
