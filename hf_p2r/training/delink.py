@@ -13,7 +13,8 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ..compat import forget_preparation
-from ..distributed import delink_fully_sharded, gather_deepspeed_model, gather_shared_once
+from ..distributed import delink_fully_sharded, gather_shared_once
+from ..distributed.fsdp import delink_deepspeed
 from ..distributed.pipeline import Pipeline, delink_stages
 from ..models.p2r import P2RForCausalLM
 from .carry import ParameterSnapshot, carry_optimizer_state
@@ -67,8 +68,9 @@ def delink_in_training(
 
     - FSDP2: the sharded model is delinked without gathering it (`hf_p2r.distributed.delink_fully_sharded`: each rank
       copies its own shards), then sharded like the old one; the optimizer state is carried shard by shard.
-    - DeepSpeed: the full fp32 weights are gathered, the model is delinked and a new engine is built; the optimizer
-      state restarts (`optimizer_carry: reset`, checked up front).
+    - DeepSpeed: the model is delinked from the full fp32 weights and a new engine is built (ZeRO-3: straight into
+      the new model's partitions, one module at a time: `delink_deepspeed`); the optimizer state restarts
+      (`optimizer_carry: reset`, checked up front).
     - One device or DDP: the model is unwrapped (DDP's gradient buckets list the old parameters), delinked in place
       and wrapped again. Under granular offload the hooks are removed first (every parameter back where it was),
       and the offload is applied again to the delinked model, re-selecting its blocks (`offload: auto` picks none
@@ -89,7 +91,7 @@ def delink_in_training(
         accelerator.free_memory()
         return *accelerator.prepare(new_model, new_optimizer), None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        plain = gather_deepspeed_model(model).delink(num_unique_layers)  # a collective: every rank calls it
+        plain = delink_deepspeed(model, num_unique_layers)  # a collective: every rank calls it
         accelerator.free_memory()
         return *accelerator.prepare(plain, build_optimizer(plain, args)), None
 
