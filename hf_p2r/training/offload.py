@@ -208,7 +208,7 @@ def measure_activation_bytes(model: nn.Module, input_ids: torch.Tensor) -> int:
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss  # as the trainer's forward
     del loss
     return sum(saved.values())
 
