@@ -360,7 +360,6 @@ def offload_working_set_bytes(
 # layout's run of a tiny model holds (Python, torch, gloo, the corpus: about 0.5 GiB). Measured by
 # scripts/bench_scale.py (benchmarks/scale.md), which prints this figure beside each measurement and its margin.
 HOST_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's two moments
-HOST_GATHERED_BYTES_PER_PARAMETER = 8  # a sharded pipeline stage's weights gathered and its gradients whole
 HOST_TEMPORARY_BYTES_PER_PARAMETER = 4  # AdamW's foreach step: one fp32 temporary of the parameters a process steps
 
 
@@ -370,7 +369,7 @@ class HostMemory:
     `host_memory_per_process`)."""
 
     state: int  # its share of the training state
-    gathered: int  # weights and gradients held whole for a while: a sharded stage's, or one FSDP2 block's
+    gathered: int  # weights and gradients held whole for a while: one FSDP2 block's
     temporary: int  # the optimizer step's temporaries
 
     @property
@@ -386,25 +385,19 @@ def host_memory_per_process(
     true`) or replicated over its `processes / stages` data-parallel copies; `block_parameters`: the largest block's.
 
     - state: 16 bytes per parameter the process holds: 1 / `processes` of the model when sharded, else its stage's;
-    - gathered: a sharded stage of a pipeline keeps its weights gathered and its gradients whole from the step's first
-      forward to its last backward (torch's `PipelineStage` defers FSDP2's reshard and reduce-scatter to there):
-      8 bytes per parameter of the stage; FSDP2 over the whole model (one stage) gathers one block at a time: 4 bytes
-      per parameter of the largest block;
+    - gathered: FSDP2 gathers one block at a time, the whole model as one stage or a pipeline's sharded stages alike
+      (each micro-batch's backward reshards and reduce-scatters: `ShardedPipelineStage`): 4 bytes per parameter of
+      the largest block;
     - temporary: AdamW's step (foreach) makes an fp32 temporary of the parameters the process steps, 4 bytes each.
 
-    >>> memory = host_memory_per_process(164_000_000, 8, stages=2)   # 2 stages x 4 sharded
+    >>> memory = host_memory_per_process(164_000_000, 8, stages=2, block_parameters=13_600_000)  # 2 stages x 4 sharded
     >>> memory.state, memory.gathered, memory.temporary
-    (328000000, 656000000, 82000000)
+    (328000000, 54400000, 82000000)
     """
     if processes % stages:
         raise ValueError(f"processes: {processes} is not a multiple of the {stages} pipeline stages")
     held = parameters / processes if sharded else parameters / stages
-    if not sharded or processes == stages:
-        gathered = 0
-    elif stages > 1:
-        gathered = HOST_GATHERED_BYTES_PER_PARAMETER * parameters / stages
-    else:
-        gathered = HOST_TEMPORARY_BYTES_PER_PARAMETER * block_parameters
+    gathered = 0 if not sharded or processes == stages else HOST_TEMPORARY_BYTES_PER_PARAMETER * block_parameters
     return HostMemory(
         state=math.ceil(HOST_STATE_BYTES_PER_PARAMETER * held),
         gathered=math.ceil(gathered),

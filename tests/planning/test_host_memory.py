@@ -34,11 +34,11 @@ def test_fsdp2_over_n_holds_its_share_and_one_gathered_block():
     assert (memory.state, memory.gathered, memory.temporary) == (16 * P // 4, 4 * BLOCK, 4 * P // 4)
 
 
-def test_a_sharded_pipeline_stage_is_gathered_for_the_step():
-    """2 stages x 4 sharded replicas: a share of 1/8 of the state, the stage's weights and gradients whole (8 bytes per
-    parameter of half the model), whatever the largest block."""
+def test_a_sharded_pipeline_stage_gathers_one_block_at_a_time():
+    """2 stages x 4 sharded replicas: a share of 1/8 of the state and one gathered block, as FSDP2 over the whole model
+    (each micro-batch's backward reshards and reduce-scatters: `ShardedPipelineStage`)."""
     memory = host_memory_per_process(P, 8, stages=2, block_parameters=BLOCK)
-    assert (memory.state, memory.gathered, memory.temporary) == (2 * P, 4 * P, P // 2)
+    assert (memory.state, memory.gathered, memory.temporary) == (2 * P, 4 * BLOCK, P // 2)
 
 
 def test_replicated_stages_hold_their_whole_stage():

@@ -9,7 +9,9 @@ validation losses equal one process on the same global batch (tolerance measured
 DCP checkpoint resumes sharded (bitwise), replicated, on one process and on 4 sharded processes (slow), where a fresh
 4-process run also equals one process. The one-stage step runs the stage directly (`AccumulateSchedule`), so FSDP2
 keeps only a block or two unsharded at once, where torch's one-stage 1F1B holds every block unsharded, and gathers a
-shared block once per step. Refusals are one line naming the field.
+shared block once per step; pipelines of sharded stages (2 x 2) likewise reshard and reduce-scatter after each
+micro-batch's backward (`ShardedPipelineStage`), where torch's `PipelineStage` defers both to the step's end.
+Refusals are one line naming the field.
 """
 
 import functools
@@ -20,12 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from hf_p2r import P2RForCausalLM
 from hf_p2r.compat import local_tensor
-from hf_p2r.distributed.pipeline import build_pipeline, causal_lm_loss, pipeline_mesh
+from hf_p2r.distributed.pipeline import build_pipeline, causal_lm_loss, delink_stages, pipeline_mesh
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.engines import engine_for
 
@@ -100,7 +103,8 @@ def shard_layout(world: int) -> dict:
 def unsharded_blocks(direct: bool) -> int:
     """The most blocks of an 8-block model, one stage sharded over the processes, whose weights are gathered at once
     during a step of 2 micro-batches: run directly (`AccumulateSchedule`, what the trainer runs) or by torch's
-    one-stage 1F1B. FSDP2 swaps a unit's sharded DTensor parameters for plain whole ones while it is gathered."""
+    one-stage 1F1B on its own `PipelineStage`. FSDP2 swaps a unit's sharded DTensor parameters for plain whole ones
+    while it is gathered."""
     torch.manual_seed(0)
     model = P2RForCausalLM(tiny_config())
     pipeline = build_pipeline(model, schedule="1f1b", num_microbatches=2, seq_len=16, mesh=pipeline_mesh(1, 2),
@@ -124,8 +128,82 @@ def unsharded_blocks(direct: bool) -> int:
         pipeline.step(ids)
     else:
         loss_fn = causal_lm_loss(101)
-        get_schedule_class("1F1B")(pipeline.stages[0], 2, loss_fn=loss_fn).step(ids, target=ids, losses=[])
+        stage = PipelineStage(pipeline.modules[0], 0, 1, pipeline.stages[0].device, group=pipeline.group)
+        get_schedule_class("1F1B")(stage, 2, loss_fn=loss_fn).step(ids, target=ids, losses=[])
     return most
+
+
+def held_during_a_step(torch_stage: bool, delinked: bool) -> dict:
+    """2 pipelines x 2 stages, sharded: this process's stage (4 blocks of an 8-block model, built real or `delinked`
+    from a pseudo model of 1 block) through a 1F1B step of 2 micro-batches, run by the pipeline's stage or by torch's
+    `PipelineStage` on the same module: the most of its blocks gathered at once, and after each micro-batch's backward
+    whether every parameter of the stage is sharded again (a DTensor: FSDP2 swaps in whole tensors while a unit is
+    gathered) and holds a sharded gradient."""
+    torch.manual_seed(0)
+    fields = dict(share_layers=True, num_unique_layers=1, sharing_pattern="cycle") if delinked else {}
+    pipeline = build_pipeline(P2RForCausalLM(tiny_config(**fields)), schedule="1f1b", num_microbatches=2, seq_len=16,
+                              mesh=pipeline_mesh(2, 2), shard=True)  # fmt: skip
+    if delinked:
+        delink_stages(pipeline)
+    module, stage = pipeline.modules[0], pipeline.stages[0]
+    if torch_stage:
+        stage = PipelineStage(module, stage.stage_index, stage.num_stages, stage.device, group=pipeline.group)
+    blocks, most, sharded = list(module.layers.values()), 0, []
+
+    def count(*_):
+        nonlocal most
+        most = max(most, sum(not isinstance(block.mlp.up_proj.weight, DTensor) for block in blocks))
+
+    def on_output(module, args, output):
+        count()
+        if output.requires_grad:
+            output.register_hook(count)
+
+    for block in blocks:
+        block.register_forward_hook(on_output)
+    backward_one_chunk = stage.backward_one_chunk
+
+    def backward_then_look(*args, **kwargs):
+        backward_one_chunk(*args, **kwargs)
+        sharded.append(all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in module.parameters()))
+
+    stage.backward_one_chunk = backward_then_look
+    ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(pipeline.data_rank))
+    get_schedule_class("1F1B")(stage, 2, loss_fn=causal_lm_loss(101), scale_grads=False).step(
+        *([ids] if stage.is_first else []), target=ids if stage.is_last else None, losses=[]
+    )
+    return {"most": most, "sharded": sharded, "blocks": len(blocks)}
+
+
+def stage_collectives() -> dict:
+    """{pattern: [all-gathers, reduce-scatters] of one 1F1B step of 2 micro-batches} of this process's stage (4 depths
+    of an 8-depth model), 2 stages x 2 sharded. Counting patches torch.distributed for the rest of the process: call
+    it last."""
+    from ..distributed.test_fsdp2 import CollectiveCounter
+
+    counter, out = CollectiveCounter(), {}
+    for pattern in ("real", "cycle"):
+        torch.manual_seed(0)
+        pipeline = build_pipeline(P2RForCausalLM(tiny_config(**PATTERNS[pattern])), schedule="1f1b",
+                                  num_microbatches=2, seq_len=16, mesh=pipeline_mesh(2, 2), shard=True)  # fmt: skip
+        ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(0))
+        pipeline.step(ids)  # FSDP2's lazy initialisation
+        before = counter.snapshot()
+        pipeline.step(ids)
+        out[pattern] = [after - earlier for after, earlier in zip(counter.snapshot(), before, strict=True)]
+    return out
+
+
+def _held(folder: str, rank: int, world: int) -> dict:
+    out = {}
+    for torch_stage in (False, True):
+        for delinked in (False, True):
+            name = ("torch" if torch_stage else "pipeline") + (" delinked" if delinked else "")
+            out[name] = held_during_a_step(torch_stage, delinked)
+    out["collectives"] = stage_collectives()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    return {"ranks": gathered}
 
 
 PATTERNS = {
@@ -262,6 +340,28 @@ def test_a_shared_block_is_gathered_once_per_step(two):
     _, out = two
     assert out["collectives"] == {"real": [[1 + 2 * 8, 1 + 8], 0], "cycle": [[1 + 1, 1 + 1], 0],
                                   "sequence": [[1 + 2, 1 + 2], 0]}  # fmt: skip
+
+
+def test_sharded_pipeline_stages_reshard_and_reduce_each_micro_batch(tmp_path):
+    """2 stages x 2 sharded (4 processes), real and after the delink: after each micro-batch's backward every
+    parameter of a stage is sharded again and holds its sharded gradient (FSDP2's gradient accumulation, a
+    reduce-scatter per micro-batch), and at most 2 of a stage's 4 blocks are gathered at once. torch's `PipelineStage`
+    on the same module defers FSDP2's reshard and reduce-scatter to the step's end: all 4 gathered, the gradients
+    whole (none on the shards yet). Collectives of a step per stage: a real stage all-gathers each block in each
+    micro-batch's forward and backward and the root (embeddings or head) once per micro-batch in flight (2 + 2 x 2 x
+    4 = 18) and reduce-scatters each unit once per micro-batch (2 x 5); a pseudo stage's one block run at its 4 depths
+    is gathered once per micro-batch in flight and kept over its uses (`gather_shared_once` on the stage's depths:
+    2 + 2 = 4, not 2 + 16)."""
+    ranks = spawn.run(functools.partial(_held, str(tmp_path)), 4, tmp_path)["ranks"]
+    for held in ranks:
+        for run in ("pipeline", "pipeline delinked"):
+            assert held[run]["blocks"] == 4, run
+            assert held[run]["sharded"] == [True, True], run
+            assert held[run]["most"] <= 2, run
+        for run in ("torch", "torch delinked"):
+            assert held[run]["sharded"] == [False, False], run
+            assert held[run]["most"] == 4, run
+        assert held["collectives"] == {"real": [18, 10], "cycle": [4, 4]}
 
 
 def _four(folder: str, rank: int, world: int) -> dict:

@@ -7,11 +7,10 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from ...compat import local_tensor
 from ...models.p2r import delink_sources
-from .runtime import Pipeline, make_schedule, pipeline_model_config
+from .runtime import Pipeline, make_schedule, pipeline_model_config, stage_class
 from .stage import P2RPipelineStage, model_name, shard_stage
 
 
@@ -79,8 +78,8 @@ def _delink_replicated(pipeline: Pipeline, new_config, sources: list[int]) -> di
 def _delink_sharded(pipeline: Pipeline, new_config, sources: list[int]) -> dict[str, str]:
     """`delink_stages` for FSDP2-sharded stages, without gathering a weight (as `delink_fully_sharded`): new stage
     modules with the new blocks are built on the meta device, sharded over the same column, and filled shard by
-    shard (a new block is a copy of the block its depths ran: equal shapes shard equally); then new `PipelineStage`s
-    and a new schedule drive them."""
+    shard (a new block is a copy of the block its depths ran: equal shapes shard equally); then new stages
+    (`stage_class`) and a new schedule drive them."""
     whole = pipeline_model_config(pipeline)
     whole.share_layers, whole.num_unique_layers = new_config.share_layers, new_config.num_unique_layers
     with torch.device("meta"):
@@ -90,7 +89,7 @@ def _delink_sharded(pipeline: Pipeline, new_config, sources: list[int]) -> dict[
     modules, stages = [], []
     for old, old_stage in zip(pipeline.modules, pipeline.stages, strict=True):
         new = P2RPipelineStage(skeleton, old.depths, old.embed_tokens is not None, old.lm_head is not None, new_config)
-        shard_stage(new, pipeline.data_mesh, skeleton if len(pipeline.split) == 1 else None)
+        shard_stage(new, pipeline.data_mesh, skeleton)
         new.to_empty(device=local_tensor(next(old.parameters())).device)
         olds = dict(old.named_parameters())
         with torch.no_grad():
@@ -108,7 +107,9 @@ def _delink_sharded(pipeline: Pipeline, new_config, sources: list[int]) -> dict[
         new.train(old.training)
         modules.append(new)
         stages.append(
-            PipelineStage(new, old_stage.stage_index, old_stage.num_stages, old_stage.device, group=pipeline.group)
+            stage_class(pipeline.spec, True)(
+                new, old_stage.stage_index, old_stage.num_stages, old_stage.device, group=pipeline.group
+            )
         )
     pipeline.modules, pipeline.stages = modules, stages
     pipeline.schedule = make_schedule(pipeline)

@@ -19,10 +19,14 @@ stage in the other pipelines) its "dp" column. Each pipeline reads its own part 
 (`shard=False`) average their gradients over the column in one coalesced all-reduce after the replicas' sum (what DDP
 does, once per step, so it also serves PipeDream-2BW's delayed update); sharded stages (`shard=True`) are FSDP2 units
 over the column (`fully_shard` on each block and on the stage, as torchtitan does inside its pipeline stages):
-weights, gradients and optimizer state are split over the data-parallel processes, torch's `PipelineStage` defers the
-reduce-scatter to the last micro-batch, and the replicas' sum runs on the local shards (the same layout on every stage
-of a column). A schedule that keeps two weight versions (2BW) swaps them in the module, which FSDP2's sharded
-parameters do not allow: the registry refuses sharded stages for it.
+weights, gradients and optimizer state are split over the data-parallel processes, and the replicas' sum runs on the
+local shards (the same layout on every stage of a column). torch's `PipelineStage` would defer FSDP2's reshard and
+reduce-scatter to the step's last backward, holding the whole stage gathered and its gradients whole from the first
+backward on; `ShardedPipelineStage` runs each micro-batch's backward as FSDP2 runs any backward (each block resharded
+and its gradient reduce-scattered into the shards after its backward: a reduce-scatter per micro-batch), so a
+process holds a block or two gathered at a time, as without a pipeline (`stage_class`). A schedule that keeps two
+weight versions (2BW) swaps them in the module, which FSDP2's sharded parameters do not allow: the registry refuses
+sharded stages for it.
 
 Without a pipeline (`pipeline_parallel_size` 1, `data_parallel_size` N): the whole model is one stage, and the same
 code is data parallelism over N processes, FSDP2-sharded (`shard=True`: the layout of `accelerate launch` with the
@@ -57,7 +61,7 @@ from ..materialize import materialize
 from .pipedream import SchedulePipeDream2BW
 from .schedules import PipelineSchedule, get_schedule
 from .split import balanced_split, check_split, explain_split, stage_depths
-from .stage import P2RPipelineStage, causal_lm_loss, check_shardable, model_name, shard_stage
+from .stage import P2RPipelineStage, ShardedPipelineStage, causal_lm_loss, check_shardable, model_name, shard_stage
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +356,14 @@ def make_schedule(pipeline: Pipeline):
     return FlushSchedule(runner, finish_gradients=pipeline.finish_gradients)
 
 
+def stage_class(spec: PipelineSchedule, sharded: bool) -> type[PipelineStage]:
+    """What drives a stage module: torch's `PipelineStage`, or for FSDP2-sharded stages of a schedule of one stage per
+    process `ShardedPipelineStage` (each micro-batch's backward reshards and reduce-scatters: a block or two gathered
+    at once, not the whole stage). Interleaved schedules keep torch's: they gather a whole virtual stage around its
+    micro-batches anyway (their UNSHARD and RESHARD actions)."""
+    return ShardedPipelineStage if sharded and not spec.virtual_stages else PipelineStage
+
+
 def pipeline_mesh(pipeline_parallel_size: int, data_parallel_size: int = 1, device_type: str = "cpu") -> DeviceMesh:
     """The 2-D DeviceMesh ("dp", "pp") of `data_parallel_size` pipelines of `pipeline_parallel_size` processes each
     (ranks row by row: a pipeline's processes are consecutive ranks); a collective over the default group."""
@@ -483,7 +495,7 @@ def build_pipeline(
     if shard:
         check_shardable(modules)
         for module in modules:
-            shard_stage(module, mesh["dp"], model if num_stages == 1 else None)
+            shard_stage(module, mesh["dp"], model)
     if any(param.is_meta for param in model.parameters()):
         if seed is None:
             raise ValueError("build_pipeline: the model is on the meta device; pass the run's seed to materialise it")
@@ -493,7 +505,8 @@ def build_pipeline(
         materialize(model, seed, keep=modules)
     device = torch.device(device)
     stages = [
-        PipelineStage(module, i, num_stages, device, group=group) for module, i in zip(modules, indices, strict=True)
+        stage_class(spec, shard)(module, i, num_stages, device, group=group)
+        for module, i in zip(modules, indices, strict=True)
     ]
     pipeline = Pipeline(
         model,
@@ -601,4 +614,5 @@ __all__ = [
     "pipeline_mesh",
     "pipeline_model_config",
     "pipeline_state",
+    "stage_class",
 ]

@@ -12,10 +12,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 
+from ...compat import pipeline_stage_backward
 from ...models.p2r import P2RForCausalLM
 from ...models.p2r.modeling_p2r import CACHE_KWARG
 from ..fsdp import gather_shared_once
@@ -79,6 +81,30 @@ class P2RPipelineStage(nn.Module):
         return keys
 
 
+class ShardedPipelineStage(PipelineStage):
+    """torch's `PipelineStage` over an FSDP2-sharded stage whose every micro-batch's backward is FSDP2's own: each unit
+    reshards after its backward and reduce-scatters its gradient into the sharded one (gradient accumulation on the
+    shards), as `loss.backward()` on the module does.
+
+    torch's stage runs each micro-batch's backward with the unit's reshard and gradient sync off
+    (`set_reshard_after_backward(False)`, `set_requires_gradient_sync(False)`) and reduce-scatters once after the
+    step's last backward: one reduce-scatter per step, but every block of the stage gathered and its gradients whole
+    (8 bytes per parameter of the stage) from the first backward to the last. Here a process holds, beyond its
+    shards, the block or two FSDP2 is gathering: one reduce-scatter per micro-batch instead. The step's end
+    (`perform_reduce_grad`) finds nothing left to reduce. Backwards split in two (zero bubble's input and weight
+    halves) keep torch's way."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = pipeline_stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
+        return grads, None
+
+
 def model_name(stage_name: str, tied: bool = False) -> str:
     """A `P2RPipelineStage` parameter name -> the `P2RForCausalLM` one (`tied`: a head tied to the embeddings goes by
     the embeddings' name, as in the model's `named_parameters()` and checkpoints)."""
@@ -110,18 +136,17 @@ def check_shardable(modules: list[P2RPipelineStage]) -> None:
                 )
 
 
-def shard_stage(module: P2RPipelineStage, mesh: DeviceMesh, whole: P2RForCausalLM | None = None) -> P2RPipelineStage:
+def shard_stage(module: P2RPipelineStage, mesh: DeviceMesh, model: P2RForCausalLM) -> P2RPipelineStage:
     """FSDP2 on a stage, in place: one unit per block it holds (a shared block is one unit, run at several depths),
-    then the stage itself (embeddings, final norm, head), as `fully_shard_p2r` does for a whole model. `whole`: the
-    model whose blocks the stage holds, when the stage is all of it (no pipeline: run by FSDP2's own hooks, not torch's
-    `PipelineStage`): its shared blocks then stay gathered over the step, one all-gather each per step instead of two
-    per depth (`gather_shared_once`, as the Accelerate engine's FSDP2 does)."""
+    then the stage itself (embeddings, final norm, head), as `fully_shard_p2r` does for a whole model. `model`: the
+    model whose blocks the stage holds; a block the stage runs at several depths stays gathered over a micro-batch's
+    uses, one all-gather per micro-batch instead of two per depth (`gather_shared_once` over the stage's depths, as
+    the Accelerate engine's FSDP2 does for a whole model)."""
     for block in module.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(module, mesh=mesh)
-    if whole is not None:
-        gather_shared_once(whole)
+    gather_shared_once(model, module.depths)
     return module
 
 
-__all__ = ["P2RPipelineStage", "causal_lm_loss", "check_shardable", "model_name", "shard_stage"]
+__all__ = ["P2RPipelineStage", "ShardedPipelineStage", "causal_lm_loss", "check_shardable", "model_name", "shard_stage"]
