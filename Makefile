@@ -40,7 +40,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest --durations=15
 
-# One GPU, under twelve minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
+# One GPU, under fifteen minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
 # by ratio and design against FSDP2, a bf16 trainer run with offload: auto, the trainer under Accelerate's FSDP2 with
 # DCP checkpoints, a resume and hf-p2r export; writes benchmarks/gpu/ (report.md names the device). BUDGET=540: every
 # part within 540 s, in order (those left out are recorded as skipped). On a GPU machine without .venv: `source .gpu/device-setup.sh && make gpu-report` (its python3).
