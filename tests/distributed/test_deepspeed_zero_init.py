@@ -112,6 +112,11 @@ def engine_path(rank: int, world_size: int) -> dict:
     with mock.patch.dict(os.environ, launch_env("deepspeed_zero3_offload")):
         plugin = DeepSpeedPlugin()
     plugin.set_mixed_precision("no")
+    # As Hugging Face's example configurations have it: Accelerate fills these in `prepare`, after the build.
+    plugin.deepspeed_config["zero_optimization"] |= {
+        "stage3_param_persistence_threshold": "auto",
+        "reduce_bucket_size": "auto",
+    }
     plugin.select(_from_accelerator_state=True)  # registers the configuration with transformers
     accelerator = SimpleNamespace(
         distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(deepspeed_plugin=plugin)
