@@ -1,8 +1,10 @@
 """DeepSpeed ZeRO-3 from the meta device (two gloo processes): `materialize_zero3` partitions the trainer's meta model
 one module at a time (what `deepspeed.zero.Init` does) to the weights one process initialises for the same seed,
 bitwise, for pseudo, real and MoE models; each process keeps a fraction; the engine's path under Accelerate's
-DeepSpeed plugin (configs/accelerate/deepspeed_zero3_offload.yaml) builds and partitions the same; and the delink
-of a ZeRO-3 engine (`delink_deepspeed`) goes straight into the real model's partitions and trains like one process.
+DeepSpeed plugin (configs/accelerate/deepspeed_zero3_offload.yaml) builds and partitions the same; the delink of a
+ZeRO-3 engine (`delink_deepspeed`) goes straight into the new model's partitions and trains like one process; and the
+Accelerate engine itself builds, steps and delinks under that plugin (one process: Accelerate sets up no several
+processes on CPU).
 
 Skipped without deepspeed (`pip install hf-p2r[deepspeed]`).
 """
@@ -198,6 +200,46 @@ def delink_trains(rank: int, world_size: int) -> dict:
     return out
 
 
+def trainer_engine(rank: int, world_size: int) -> dict:
+    """The Accelerate engine itself under configs/accelerate/deepspeed_zero3_offload.yaml's environment, in one
+    process: Accelerate keeps DeepSpeed on a CPU run with `cpu: false` (it sets up no several processes there, hence
+    one): `build` (meta model, partitions, optimizer, `accelerator.prepare`), a step, the delink, a step."""
+    from hf_p2r.training.engines import engine_for
+
+    env = launch_env("deepspeed_zero3_offload")
+    os.environ.update(
+        {
+            k: v
+            for k, v in env.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+        }
+    )
+    fields = {"cpu": "false", "mixed_precision": "no", "optimizer_carry": "reset", **CASES["pseudo"]}
+    config = parse_config(tiny_argv(tempfile.mkdtemp(), seed=SEED, **fields))
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    reference = dict(built("pseudo", meta=False).named_parameters())
+    engine = engine_for(config)
+    try:
+        engine.build(build_model(config, tokenizer, config.initial_blocks(), meta=True), config.initial_blocks())
+        params = dict(engine.model.module.named_parameters())
+        whole = {name: deepspeed.utils.safe_get_full_fp32_param(p) for name, p in params.items()}
+        input_ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(0))
+        losses = [engine.forward_backward(input_ids).item()]
+        engine.optimizer_step()
+        engine.delink(None)
+        losses.append(engine.forward_backward(input_ids).item())
+        engine.optimizer_step()
+        return {
+            "type": engine.accelerator.distributed_type.value,
+            "partitioned": all(hasattr(p, "ds_id") for p in params.values()),
+            "differ": differ(reference, whole),
+            "real": engine.accelerator.unwrap_model(engine.model).config.share_layers is False,
+            "losses": losses,
+        }
+    finally:
+        engine.release()  # not close(): its end_training would end the process group the spawner ends
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict:
     return spawn.run(meta_builds, 2, tmp_path_factory.mktemp("zero_init"))
@@ -232,3 +274,9 @@ def test_delinks_of_a_zero3_engine_partition_the_new_model_and_train_like_one_pr
     assert all(0 < peak < 0.5 * run["whole_real"] for peak in run["delink_peak"])  # one module whole at a time
     assert run["moved"] > 100 * ATOL  # control: training moved the weights far beyond the tolerance
     assert run["max_diff"] < ATOL
+
+
+def test_the_engine_builds_steps_and_delinks_under_accelerates_zero3_offload_plugin(tmp_path):
+    run = spawn.run(trainer_engine, 1, tmp_path)
+    assert run["type"] == "DEEPSPEED" and run["partitioned"] and run["differ"] == [] and run["real"]
+    assert all(0 < loss < 10 for loss in run["losses"])  # finite losses of a 257-token vocabulary's model
