@@ -361,6 +361,8 @@ def offload_working_set_bytes(
 # scripts/bench_scale.py (benchmarks/scale.md), which prints this figure beside each measurement and its margin.
 HOST_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's two moments
 HOST_TEMPORARY_BYTES_PER_PARAMETER = 4  # AdamW's foreach step: one fp32 temporary of the parameters a process steps
+# FSDP2's backward: the running block's fp32 weights and gradient whole, and the next block's weights prefetched.
+HOST_GATHERED_BYTES_PER_BLOCK_PARAMETER = 12
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,7 @@ class HostMemory:
     `host_memory_per_process`)."""
 
     state: int  # its share of the training state
-    gathered: int  # weights and gradients held whole for a while: one FSDP2 block's
+    gathered: int  # weights and gradients held whole for a while: FSDP2's running block and the one it prefetches
     temporary: int  # the optimizer step's temporaries
 
     @property
@@ -385,19 +387,20 @@ def host_memory_per_process(
     true`) or replicated over its `processes / stages` data-parallel copies; `block_parameters`: the largest block's.
 
     - state: 16 bytes per parameter the process holds: 1 / `processes` of the model when sharded, else its stage's;
-    - gathered: FSDP2 gathers one block at a time, the whole model as one stage or a pipeline's sharded stages alike
-      (each micro-batch's backward reshards and reduce-scatters: `ShardedPipelineStage`): 4 bytes per parameter of
-      the largest block;
+    - gathered: FSDP2 gathers a block at a time, the whole model as one stage or a pipeline's sharded stages alike
+      (each micro-batch's backward reshards and reduce-scatters: `ShardedPipelineStage`); in the backward the running
+      block's weights and gradient are whole and the next block's weights prefetched: 12 bytes per parameter of the
+      largest block;
     - temporary: AdamW's step (foreach) makes an fp32 temporary of the parameters the process steps, 4 bytes each.
 
     >>> memory = host_memory_per_process(164_000_000, 8, stages=2, block_parameters=13_600_000)  # 2 stages x 4 sharded
     >>> memory.state, memory.gathered, memory.temporary
-    (328000000, 54400000, 82000000)
+    (328000000, 163200000, 82000000)
     """
     if processes % stages:
         raise ValueError(f"processes: {processes} is not a multiple of the {stages} pipeline stages")
     held = parameters / processes if sharded else parameters / stages
-    gathered = 0 if not sharded or processes == stages else HOST_TEMPORARY_BYTES_PER_PARAMETER * block_parameters
+    gathered = 0 if not sharded or processes == stages else HOST_GATHERED_BYTES_PER_BLOCK_PARAMETER * block_parameters
     return HostMemory(
         state=math.ceil(HOST_STATE_BYTES_PER_PARAMETER * held),
         gathered=math.ceil(gathered),

@@ -29,16 +29,16 @@ def test_one_process_holds_the_whole_state_and_one_optimizer_temporary():
     assert memory.total == 20 * P
 
 
-def test_fsdp2_over_n_holds_its_share_and_one_gathered_block():
+def test_fsdp2_over_n_holds_its_share_and_a_block_gathered_with_its_gradient_and_the_next_one():
     memory = host_memory_per_process(P, 4, block_parameters=BLOCK)
-    assert (memory.state, memory.gathered, memory.temporary) == (16 * P // 4, 4 * BLOCK, 4 * P // 4)
+    assert (memory.state, memory.gathered, memory.temporary) == (16 * P // 4, 12 * BLOCK, 4 * P // 4)
 
 
 def test_a_sharded_pipeline_stage_gathers_one_block_at_a_time():
-    """2 stages x 4 sharded replicas: a share of 1/8 of the state and one gathered block, as FSDP2 over the whole model
-    (each micro-batch's backward reshards and reduce-scatters: `ShardedPipelineStage`)."""
+    """2 stages x 4 sharded replicas: a share of 1/8 of the state and the blocks gathered as by FSDP2 over the whole
+    model (each micro-batch's backward reshards and reduce-scatters: `ShardedPipelineStage`)."""
     memory = host_memory_per_process(P, 8, stages=2, block_parameters=BLOCK)
-    assert (memory.state, memory.gathered, memory.temporary) == (2 * P, 4 * BLOCK, P // 2)
+    assert (memory.state, memory.gathered, memory.temporary) == (2 * P, 12 * BLOCK, P // 2)
 
 
 def test_replicated_stages_hold_their_whole_stage():
