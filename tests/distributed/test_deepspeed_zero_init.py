@@ -10,6 +10,7 @@ Skipped without deepspeed (`pip install hf-p2r[deepspeed]`).
 """
 
 import os
+import subprocess
 import tempfile
 from types import SimpleNamespace
 from unittest import mock
@@ -24,7 +25,7 @@ from hf_p2r.training.data import load_tokenizer
 from hf_p2r.training.optim import build_optimizer
 from hf_p2r.training.train import build_model
 
-from ..training.helpers import tiny_argv
+from ..training.helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajectory
 from . import spawn
 from .test_accelerate_configs import launch_env
 
@@ -280,3 +281,29 @@ def test_the_engine_builds_steps_and_delinks_under_accelerates_zero3_offload_plu
     run = spawn.run(trainer_engine, 1, tmp_path)
     assert run["type"] == "DEEPSPEED" and run["partitioned"] and run["differ"] == [] and run["real"]
     assert all(0 < loss < 10 for loss in run["losses"])  # finite losses of a 257-token vocabulary's model
+
+
+def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_process_until_the_optimizer_restarts(
+    tmp_path,
+):
+    """The trainer under `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` (one process,
+    `cpu: false`) against the plain one-process run: the same losses, gradient norms and rates, bitwise, through the
+    pseudo stage and the first step after the delink (so the delinked weights are the same too). After that step
+    they part by design: DeepSpeed restarts the whole optimizer state at the delink, while `optimizer_carry: reset`
+    keeps the state of the parameters outside the blocks in one process."""
+    fields = {"seed": SEED, "mixed_precision": "no", "optimizer_carry": "reset", "pseudo_steps": 3, "real_steps": 3}
+    fields["eval_steps"] = 0
+    config = str(REPO / "configs/accelerate/deepspeed_zero3_offload.yaml")
+    launch = [ACCELERATE, "launch", "--config_file", config, "--num_processes", "1", "--main_process_port", "0"]
+    runs = {
+        "plain": [PYTHON, "-m", "hf_p2r.train", *tiny_argv(tmp_path / "plain", **fields)],
+        "zero3": [*launch, "-m", "hf_p2r.train", *tiny_argv(tmp_path / "zero3", **fields, cpu="false")],
+    }
+    for name, argv in runs.items():
+        done = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+    plain, zero3 = (trajectory(tmp_path / name) for name in runs)
+    steps = [record["step"] for record in zero3 if "loss" in record]
+    assert steps == [1, 2, 3, 4, 5, 6] and (tmp_path / "zero3" / "real" / "config.json").is_file()
+    first_after_delink = [index for index, record in enumerate(plain) if record.get("step") == 4][0]
+    assert zero3[: first_after_delink + 1] == plain[: first_after_delink + 1]
