@@ -2,7 +2,8 @@
 pseudo model, through delink (`delink_deepspeed`, as the trainer's).
 
 Accelerate's DeepSpeed plugin drives this same engine; on CPU it does not set up several processes, so the
-Accelerate path (`configs/accelerate/deepspeed_*.yaml`) is left to the GPU checks. Skipped without deepspeed
+Accelerate path (`configs/accelerate/deepspeed_*.yaml`) runs here in one process (test_deepspeed_zero_init.py) and
+with several on GPUs. Skipped without deepspeed
 (`pip install hf-p2r[deepspeed]`).
 """
 
