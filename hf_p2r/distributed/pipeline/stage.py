@@ -84,15 +84,18 @@ class P2RPipelineStage(nn.Module):
 class ShardedPipelineStage(PipelineStage):
     """torch's `PipelineStage` over an FSDP2-sharded stage whose every micro-batch's backward is FSDP2's own: each unit
     reshards after its backward and reduce-scatters its gradient into the sharded one (gradient accumulation on the
-    shards), as `loss.backward()` on the module does.
+    shards), as `loss.backward()` on the module does. The stage's root unit (embeddings, final norm, head) is FSDP2's
+    root: gathered from its forward to its backward.
 
     torch's stage runs each micro-batch's backward with the unit's reshard and gradient sync off
     (`set_reshard_after_backward(False)`, `set_requires_gradient_sync(False)`) and reduce-scatters once after the
     step's last backward: one reduce-scatter per step, but every block of the stage gathered and its gradients whole
     (8 bytes per parameter of the stage) from the first backward to the last. Here a process holds, beyond its
     shards, the block or two FSDP2 is gathering: one reduce-scatter per micro-batch instead. The step's end
-    (`perform_reduce_grad`) finds nothing left to reduce. Backwards split in two (zero bubble's input and weight
-    halves) keep torch's way."""
+    (`perform_reduce_grad`) finds nothing left to reduce, but on torch 2.15 a first stage's root: that torch's stage
+    finalizes FSDP2's backward by hand, and the root of a stage whose inputs need no gradient (input ids) is
+    reduce-scattered and resharded only then. Backwards split in two (zero bubble's input and weight halves) keep
+    torch's way."""
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type != "full" or not isinstance(self.submod, FSDPModule):
