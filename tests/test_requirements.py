@@ -11,8 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def declared() -> dict[str, Requirement]:
+    """The dependencies, and the `deepspeed` extra (`dev` installs it: CI runs DeepSpeed's tests on CPU)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    requirements = [Requirement(line) for line in project["dependencies"]]
+    extra = project["optional-dependencies"]["deepspeed"]
+    assert set(extra) <= set(project["optional-dependencies"]["dev"]), "dev must install the deepspeed extra"
+    requirements = [Requirement(line) for line in [*project["dependencies"], *extra]]
     return {canonicalize_name(r.name): r for r in requirements}
 
 
