@@ -316,6 +316,27 @@ def pipeline_stage_backward(stage_output, output_grads, input_values) -> tuple:
     return stage_backward(stage_output, output_grads, input_values)
 
 
+def pipeline_stage_stashed_graphs(stage) -> list:
+    """The autograd nodes (`grad_fn`s) of the outputs a pipeline stage keeps for the backward of each micro-batch it
+    ran forward and not yet backward: torch's private stash, `fwd_cache` {chunk: (outputs, inputs)} up to torch 2.13,
+    `_forward_chunk_states` {chunk: state} from 2.15 (an output already sent may be dropped there, its gradient edge
+    kept: the edge's node is the same grad_fn)."""
+    import torch
+
+    nodes = []
+    if hasattr(stage, "fwd_cache"):
+        for outputs, _ in stage.fwd_cache.values():
+            nodes += [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
+        return nodes
+    for state in stage._forward_chunk_states.values():
+        for live, edge in zip(state.live_outputs, state.output_grad_edges, strict=True):
+            if torch.is_tensor(live) and live.grad_fn is not None:
+                nodes.append(live.grad_fn)
+            elif edge is not None:
+                nodes.append(edge.node)
+    return nodes
+
+
 # What a DCP checkpoint's `.metadata` pickle may name: DCP's own metadata records, torch.Size, dtypes and layouts, and
 # the path it was saved to. Anything else (os.system, builtins.eval, ...) is refused before it is called. Not
 # BytesStorageMetadata: hf-p2r's checkpoints hold tensors only, and DCP loads a "bytes" entry with

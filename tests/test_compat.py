@@ -16,6 +16,7 @@ from hf_p2r.compat import (
     local_tensor,
     parse_size_to_int,
     pipeline_stage_backward,
+    pipeline_stage_stashed_graphs,
     prepared_models,
     reshard_after_backward,
     tensor_version,
@@ -256,6 +257,36 @@ def test_pipeline_stage_backward_returns_the_inputs_gradients_and_accumulates_th
     (grad,) = pipeline_stage_backward((hidden * weight).sum(), None, [hidden])
     assert torch.equal(grad, torch.tensor([2.0, 3.0]))
     assert torch.equal(weight.grad, torch.tensor([2.0, 51.0]))
+
+
+def read_stashed_graphs(rank: int, world_size: int) -> dict:
+    """One stage under torch's GPipe (every forward, then every backward): the stash after each forward."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(0)
+    block = nn.Linear(4, 4)
+    stage = PipelineStage(block, 0, 1, torch.device("cpu"))
+    seen, forward = [], stage.forward_one_chunk
+
+    def observed(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        nodes = pipeline_stage_stashed_graphs(stage)
+        reached = {id(next_node) for node in nodes for next_node, _ in node.next_functions if next_node is not None}
+        seen.append((len(nodes), all(isinstance(n, torch.autograd.graph.Node) for n in nodes), len(reached) > 0))
+        return output
+
+    stage.forward_one_chunk = observed
+    ScheduleGPipe(stage, 2, loss_fn=lambda output, target: (output - target).pow(2).mean()).step(
+        torch.randn(4, 4), target=torch.zeros(4, 4)
+    )
+    return {"seen": seen, "after": len(pipeline_stage_stashed_graphs(stage)), "grad": block.weight.grad is not None}
+
+
+def test_pipeline_stage_stashed_graphs_follow_the_micro_batches_in_flight(tmp_path):
+    """torch 2.11-2.13 keep a stage's forward outputs in `fwd_cache`, 2.15 in `_forward_chunk_states`: after each of
+    GPipe's two forwards, one more autograd node per output, reaching the graph; none after the step's backwards."""
+    result = spawn.run(read_stashed_graphs, 1, tmp_path)
+    assert result == {"seen": [[1, True, True], [2, True, True]], "after": 0, "grad": True}
 
 
 def test_initialize_pipeline_stage_calls_torchs_own_with_the_arguments_it_takes():

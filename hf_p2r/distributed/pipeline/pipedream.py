@@ -50,7 +50,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from ...compat import initialize_pipeline_stage
+from ...compat import initialize_pipeline_stage, pipeline_stage_stashed_graphs
 from .schedules import get_schedule
 
 
@@ -249,8 +249,7 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
             tensors.update(id(param) for param in version.values())
         for group in self.optimizer.param_groups:
             tensors.update(id(param) for param in group["params"])
-        for outputs, _ in self.stage.fwd_cache.values():
-            tensors.update(_graph_leaves(outputs))
+        tensors.update(_graph_leaves(pipeline_stage_stashed_graphs(self.stage)))
         return -(-len(tensors) // len(self.versions[0]))
 
     # --- the delink and checkpoints ----------------------------------------------------------------------------
@@ -320,10 +319,10 @@ def _wait(ops: list[dist.P2POp]) -> None:
         work.wait()
 
 
-def _graph_leaves(outputs) -> set[int]:
-    """ids of the leaf tensors (parameters and received activations) the autograd graph of `outputs` reaches."""
+def _graph_leaves(nodes) -> set[int]:
+    """ids of the leaf tensors (parameters and received activations) the autograd graphs of `nodes` reach."""
     seen, leaves = set(), set()
-    stack = [t.grad_fn for t in outputs if torch.is_tensor(t) and t.grad_fn is not None]
+    stack = list(nodes)
     while stack:
         node = stack.pop()
         if node is None or node in seen:
