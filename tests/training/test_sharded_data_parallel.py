@@ -16,6 +16,7 @@ Refusals are one line naming the field.
 
 import functools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,16 +101,9 @@ def shard_layout(world: int) -> dict:
     }
 
 
-def unsharded_blocks(direct: bool) -> int:
-    """The most blocks of an 8-block model, one stage sharded over the processes, whose weights are gathered at once
-    during a step of 2 micro-batches: run directly (`AccumulateSchedule`, what the trainer runs) or by torch's
-    one-stage 1F1B on its own `PipelineStage`. FSDP2 swaps a unit's sharded DTensor parameters for plain whole ones
-    while it is gathered."""
-    torch.manual_seed(0)
-    model = P2RForCausalLM(tiny_config())
-    pipeline = build_pipeline(model, schedule="1f1b", num_microbatches=2, seq_len=16, mesh=pipeline_mesh(1, 2),
-                              shard=True)  # fmt: skip
-    blocks = list(pipeline.modules[0].layers.values())
+def watch_gathered(blocks: list) -> Callable[[], int]:
+    """Hooks on `blocks` counting how many are gathered (FSDP2 swaps a gathered unit's DTensor parameters for whole
+    ones) at each block's output and, in the backward, once its output's gradient is known; returns the most seen."""
     most = 0
 
     def count(*_):
@@ -119,10 +113,23 @@ def unsharded_blocks(direct: bool) -> int:
     def on_output(module, args, output):
         count()
         if output.requires_grad:
-            output.register_hook(count)  # in the backward, once this block's output gradient is known
+            output.register_hook(count)
 
     for block in blocks:
         block.register_forward_hook(on_output)
+    return lambda: most
+
+
+def unsharded_blocks(direct: bool) -> int:
+    """The most blocks of an 8-block model, one stage sharded over the processes, whose weights are gathered at once
+    during a step of 2 micro-batches: run directly (`AccumulateSchedule`, what the trainer runs) or by torch's
+    one-stage 1F1B on its own `PipelineStage`. FSDP2 swaps a unit's sharded DTensor parameters for plain whole ones
+    while it is gathered."""
+    torch.manual_seed(0)
+    model = P2RForCausalLM(tiny_config())
+    pipeline = build_pipeline(model, schedule="1f1b", num_microbatches=2, seq_len=16, mesh=pipeline_mesh(1, 2),
+                              shard=True)  # fmt: skip
+    most = watch_gathered(list(pipeline.modules[0].layers.values()))
     ids = torch.randint(0, 101, (4, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     if direct:
         pipeline.step(ids)
@@ -130,7 +137,7 @@ def unsharded_blocks(direct: bool) -> int:
         loss_fn = causal_lm_loss(101)
         stage = PipelineStage(pipeline.modules[0], 0, 1, pipeline.stages[0].device, group=pipeline.group)
         get_schedule_class("1F1B")(stage, 2, loss_fn=loss_fn).step(ids, target=ids, losses=[])
-    return most
+    return most()
 
 
 def held_during_a_step(torch_stage: bool, delinked: bool) -> dict:
@@ -148,19 +155,8 @@ def held_during_a_step(torch_stage: bool, delinked: bool) -> dict:
     module, stage = pipeline.modules[0], pipeline.stages[0]
     if torch_stage:
         stage = PipelineStage(module, stage.stage_index, stage.num_stages, stage.device, group=pipeline.group)
-    blocks, most, sharded = list(module.layers.values()), 0, []
-
-    def count(*_):
-        nonlocal most
-        most = max(most, sum(not isinstance(block.mlp.up_proj.weight, DTensor) for block in blocks))
-
-    def on_output(module, args, output):
-        count()
-        if output.requires_grad:
-            output.register_hook(count)
-
-    for block in blocks:
-        block.register_forward_hook(on_output)
+    blocks, sharded = list(module.layers.values()), []
+    most = watch_gathered(blocks)
     backward_one_chunk = stage.backward_one_chunk
 
     def backward_then_look(*args, **kwargs):
@@ -172,7 +168,7 @@ def held_during_a_step(torch_stage: bool, delinked: bool) -> dict:
     get_schedule_class("1F1B")(stage, 2, loss_fn=causal_lm_loss(101), scale_grads=False).step(
         *([ids] if stage.is_first else []), target=ids if stage.is_last else None, losses=[]
     )
-    return {"most": most, "sharded": sharded, "blocks": len(blocks)}
+    return {"most": most(), "sharded": sharded, "blocks": len(blocks)}
 
 
 def stage_collectives() -> dict:
