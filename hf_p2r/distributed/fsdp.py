@@ -17,10 +17,12 @@ turns FSDP on only for accelerators: on CPU the plugin is ignored, which is why 
 DeepSpeed: `partition_zero3` turns a meta-device model into ZeRO-3 partitions one module at a time (what
 `deepspeed.zero.Init` does for a model built inside it), `materialize_zero3` with the layout-independent
 initialisation (`hf_p2r.distributed.materialize`); `delink_deepspeed` delinks a DeepSpeed engine's model (ZeRO-3:
-straight into the new model's partitions), `gather_deepspeed_model` copies it whole.
+straight into the new model's partitions), `gather_deepspeed_model` copies it whole; `zero3_owned_state` gives each
+process its share of the whole tensors, one gathered parameter at a time, for `save_model_from_shards`.
 """
 
 import copy
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -342,6 +344,44 @@ def delink_deepspeed(engine, num_unique_layers: int | None = None) -> nn.Module:
     return new_model.train(module.training)
 
 
+def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
+    """This process's share of a DeepSpeed ZeRO-3 model's whole tensors, for `save_model_from_shards`: every tensor of
+    `model.state_dict()` (ZeRO-3 parameters and the buffers, which ZeRO-3 keeps whole) is given to one process of
+    `group` (default: all), which keeps a CPU copy of it; the others hold none of it. The shares are balanced by bytes
+    (the largest tensors first, each to the process given the fewest bytes so far: at most 1/N of the model plus one
+    tensor each).
+
+    The processes gather the parameters one at a time (`deepspeed.zero.GatheredParameters`, a collective: every
+    process must call this, with the same model), so a process holds its partitions, its share (about 1/N of the
+    model) and one gathered parameter, never the model whole. The copies are the gathered parameters as they are (the
+    module's dtype: the 16-bit weights under bf16 or fp16, as DeepSpeed's `_zero3_consolidated_16bit_state_dict`,
+    which Accelerate's `get_state_dict` writes, has them). Tied parameters (one tensor under two names) go to one
+    process under both names, which `save_model` writes once."""
+    import deepspeed
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    state = model.state_dict(keep_vars=True)
+    unique = {id(tensor): tensor for tensor in state.values()}
+    sizes = {key: math.prod(getattr(t, "ds_shape", t.shape)) * t.element_size() for key, t in unique.items()}
+    loads = [0] * size  # bytes given to each process so far: the largest tensors first, each to the least loaded
+    owners: dict[int, int] = {}
+    for key in sorted(sizes, key=sizes.__getitem__, reverse=True):  # (a stable sort: the same on every process)
+        owners[key] = min(range(size), key=loads.__getitem__)
+        loads[owners[key]] += sizes[key]
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, tensor in unique.items():  # every process in the same order, so the gathers meet
+            owner = owners[key]
+            if hasattr(tensor, "ds_id"):
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                    if owner == rank:
+                        copies[key] = tensor.detach().to("cpu", copy=True)
+            elif owner == rank:
+                copies[key] = tensor.detach().to("cpu", copy=True)
+    return {name: copies[id(tensor)] for name, tensor in state.items() if id(tensor) in copies}
+
+
 def _copy_buffers(source: nn.Module, target: nn.Module, device: torch.device | str | None = None) -> None:
     """Give `target` copies of `source`'s buffers (the rotary tables, which meta-device construction leaves empty)."""
     for name, buffer in source.named_buffers():
@@ -362,5 +402,6 @@ __all__ = [
     "gather_shared_once",
     "materialize_zero3",
     "partition_zero3",
+    "zero3_owned_state",
     "zero3_units",
 ]

@@ -9,18 +9,25 @@ processes on CPU).
 Skipped without deepspeed (`pip install hf-p2r[deepspeed]`).
 """
 
+import filecmp
 import os
 import subprocess
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
+from accelerate import Accelerator
 
-from hf_p2r.distributed.fsdp import delink_deepspeed, materialize_zero3, partition_zero3
+from hf_p2r.checkpoint import save_model
+from hf_p2r.checkpoint.sharded_write import save_model_from_shards
+from hf_p2r.distributed.fsdp import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
 from hf_p2r.distributed.materialize import materialize
 from hf_p2r.training import parse_config
+from hf_p2r.training.checkpointing import save_model as save_model_gathered
 from hf_p2r.training.data import load_tokenizer
 from hf_p2r.training.optim import build_optimizer
 from hf_p2r.training.train import build_model
@@ -46,10 +53,12 @@ ENGINE = {
 }
 LR, ATOL = 0.5, 1e-5  # as test_deepspeed: fp32, SGD (the optimizer restarts at a delink), half batches against one
 DELINKS = {1: 2, 2: None}  # step -> the blocks after delink_deepspeed there (None: the real model)
+SAVED = {"tied": {"num_unique_layers": 2, "tie_word_embeddings": True}}  # with "pseudo" and "real"
+SMALL_SHARDS = 20_000  # bytes: the tiny models' folders in several files and an index
 
 
 def built(case: str, meta: bool) -> torch.nn.Module:
-    config = parse_config(tiny_argv(tempfile.mkdtemp(), seed=SEED, **CASES[case]))
+    config = parse_config(tiny_argv(tempfile.mkdtemp(), seed=SEED, **{**CASES, **SAVED}[case]))
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     return build_model(config, tokenizer, config.initial_blocks(), meta=meta)
 
@@ -230,7 +239,13 @@ def trainer_engine(rank: int, world_size: int) -> dict:
         engine.delink(None)
         losses.append(engine.forward_backward(input_ids).item())
         engine.optimizer_step()
+        # real/ through the engine (each process its share: here the one process all) and through the gathered path
+        folder, model = Path(tempfile.mkdtemp()), engine.accelerator.unwrap_model(engine.model)
+        with mock.patch("hf_p2r.training.engines.accelerate.zero3_owned_state", wraps=zero3_owned_state) as shares:
+            engine.save_model(folder / "real", tokenizer)
+        save_model_gathered(engine.accelerator, model, tokenizer, folder / "real-g", engine.args.remote_code)
         return {
+            "saved": same_folders(folder / "real", folder / "real-g") | {"from_shares": shares.call_count == 1},
             "type": engine.accelerator.distributed_type.value,
             "partitioned": all(hasattr(p, "ds_id") for p in params.values()),
             "differ": differ(reference, whole),
@@ -239,6 +254,65 @@ def trainer_engine(rank: int, world_size: int) -> dict:
         }
     finally:
         engine.release()  # not close(): its end_training would end the process group the spawner ends
+
+
+def same_folders(first: Path, second: Path) -> dict:
+    """{files: the same file names, bytes: every file equal byte for byte (the safetensors files, their index, the
+    config, the tokenizer), count: how many}."""
+    names = sorted(path.name for path in first.iterdir())
+    same = names == sorted(path.name for path in second.iterdir())
+    return {
+        "files": same,
+        "count": len(names),
+        "bytes": same and all(filecmp.cmp(first / name, second / name, shallow=False) for name in names),
+    }
+
+
+def folders_from_partitions(rank: int, world_size: int) -> dict:
+    """ZeRO-3 engines (pseudo, real, and tied embeddings) trained a step: the folder written from each process's
+    share (`zero3_owned_state`, then `save_model_from_shards`) against the folder of the gathered path (Accelerate's
+    `get_state_dict`, DeepSpeed's consolidated 16-bit state dict, written by the first process); and the shares."""
+    from accelerate.utils import DistributedType
+
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    config = {**ENGINE, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    stand_in = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_config=config)
+    tokenizer = load_tokenizer(parse_config(tiny_argv(tempfile.mkdtemp())).data.tokenizer_name)
+    input_ids = torch.randint(3, 101, (4, 12), generator=torch.Generator().manual_seed(0))[rank * 2 : rank * 2 + 2]
+    out = {}
+    for case in ("pseudo", "real", "tied"):
+        model = materialize_zero3(built(case, meta=True), SEED, config).train()
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config
+        )
+        engine.backward(engine(input_ids=input_ids, labels=input_ids).loss)
+        engine.step()
+        owned = zero3_owned_state(engine.module)
+        partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters())
+        cooperative, gathered_folder = Path(f"{folder[0]}/{case}"), Path(f"{folder[0]}/{case}-g")
+        save_model_from_shards(engine.module, cooperative, owned, tokenizer=tokenizer, max_shard_size=SMALL_SHARDS,
+                               progress=False)  # fmt: skip
+        state_dict = Accelerator.get_state_dict(stand_in, engine)  # the gathered path's (None beside the first)
+        if rank == 0:
+            save_model(engine.module, gathered_folder, state_dict=state_dict, tokenizer=tokenizer,
+                       max_shard_size=SMALL_SHARDS, progress=False)  # fmt: skip
+        unique = {id(t): t for t in owned.values()}
+        shares = [None] * world_size
+        dist.all_gather_object(shares, (sum(t.nbytes for t in unique.values()), len(unique) < len(owned)))
+        whole = {name: t for name, t in (state_dict or {}).items()}
+        out[case] = {
+            "dtypes": sorted({str(t.dtype) for t in owned.values() if t.is_floating_point()}),
+            "partitioned": partitioned,
+            "shares": [share for share, _ in shares],
+            "whole": sum({t.data_ptr(): t.nbytes for t in whole.values()}.values()),
+            "largest": max((t.nbytes for t in whole.values()), default=0),
+            "tied_once": any(tied for _, tied in shares),  # a process holds one tensor under two names
+        }
+        if rank == 0:
+            out[case] |= same_folders(cooperative, gathered_folder)
+        dist.barrier()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +355,8 @@ def test_the_engine_builds_steps_and_delinks_under_accelerates_zero3_offload_plu
     run = spawn.run(trainer_engine, 1, tmp_path)
     assert run["type"] == "DEEPSPEED" and run["partitioned"] and run["differ"] == [] and run["real"]
     assert all(0 < loss < 10 for loss in run["losses"])  # finite losses of a 257-token vocabulary's model
+    saved = run["saved"]  # real/ written from the shares, as the gathered path (Accelerate's get_state_dict) writes it
+    assert saved["from_shares"] and saved["files"] and saved["bytes"] and saved["count"] >= 3, saved
 
 
 def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_process_until_the_optimizer_restarts(
@@ -307,3 +383,25 @@ def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_pro
     assert steps == [1, 2, 3, 4, 5, 6] and (tmp_path / "zero3" / "real" / "config.json").is_file()
     first_after_delink = [index for index, record in enumerate(plain) if record.get("step") == 4][0]
     assert zero3[: first_after_delink + 1] == plain[: first_after_delink + 1]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict:
+    return spawn.run(folders_from_partitions, 2, tmp_path_factory.mktemp("zero3_folders"))
+
+
+@pytest.mark.parametrize("case", ["pseudo", "real", "tied"])
+def test_zero3_folder_written_from_partitions_equals_the_gathered_folder_byte_for_byte(written, case):
+    run = written[case]
+    assert run["partitioned"]  # the engine's parameters stay partitioned: nothing was gathered for good
+    assert run["files"] and run["bytes"] and run["count"] >= 4, run  # several safetensors files, index, config...
+
+
+@pytest.mark.parametrize("case", ["pseudo", "real", "tied"])
+def test_zero3_save_gives_each_process_a_share_of_the_model_not_all_of_it(written, case):
+    run = written[case]
+    assert sum(run["shares"]) == run["whole"]  # every tensor kept by exactly one process
+    # balanced by bytes: at most half the model plus one tensor (the greedy bound), about half here
+    assert all(share <= run["whole"] / 2 + run["largest"] for share in run["shares"])
+    assert all(0.45 * run["whole"] <= share <= 0.55 * run["whole"] for share in run["shares"])  # 0.50 measured
+    assert run["tied_once"] == (case == "tied")  # the tied embeddings: one copy under both names

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
 from ...distributed import gather_shared_once
-from ...distributed.fsdp import materialize_zero3
+from ...distributed.fsdp import materialize_zero3, zero3_owned_state
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
@@ -212,14 +212,18 @@ class AccelerateEngine(Engine):
 
     def save_model(self, directory: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         """`pseudo/` or `real/`. Under FSDP2 each process writes its shards (`save_model_from_shards`), no process
-        gathers the model; MoE models (written under Mixtral's per-expert names, a conversion of whole tensors),
-        DeepSpeed, DDP and one process: the main process writes the gathered state dict (`save_model`)."""
+        gathers the model; under DeepSpeed ZeRO-3 the processes gather one parameter at a time and each keeps and
+        writes its share of the whole tensors (`zero3_owned_state`), so none holds the model whole either; MoE models
+        (written under Mixtral's per-expert names, a conversion of whole tensors), ZeRO-1/2, DDP and one process: the
+        main process writes the gathered state dict (`save_model`)."""
         model = self.accelerator.unwrap_model(self.model)
-        if self.accelerator.is_fsdp2 and not self.config.model.num_experts:
+        sharded = self.accelerator.is_fsdp2 or zero3_config(self.accelerator) is not None
+        if sharded and not self.config.model.num_experts:
             save_model_from_shards(
                 model,
                 directory,
-                model.state_dict(),  # DTensors: this process's shards
+                # FSDP2: DTensors, this process's shards; ZeRO-3: this process's share of the whole tensors
+                model.state_dict() if self.accelerator.is_fsdp2 else zero3_owned_state(model),
                 tokenizer=tokenizer,
                 remote_code=self.args.remote_code,
                 overwrite=True,
