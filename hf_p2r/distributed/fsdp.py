@@ -271,13 +271,23 @@ def partition_zero3(
     `config` is the DeepSpeed configuration (its `zero_optimization.offload_param` places the partitions in CPU
     memory, as `deepspeed.initialize` would). `like`, a ZeRO-3 parameter, partitions every group with its settings
     instead (a delink: the old model's).
+
+    The floating-point parameters are cast to the dtype `zero.Init` gives a model built inside it (the configuration's
+    bf16 or fp16, else fp32; with `like`, its dtype): `Init(module=...)` keeps the dtype it is given, and DeepSpeed's
+    engine casts only a model that is not partitioned yet, so without the cast a bf16 run would train fp32 partitions.
     """
     import deepspeed
 
     anchor = like  # a partitioned parameter: converts the others with its Init's settings
+    dtype = like.dtype if like is not None else None
+    if like is None and config is not None:
+        dtype = deepspeed.zero.Init(config_dict_or_path=config).dtype  # (no module: nothing converted, no context)
     for unit in zero3_units(model):
         fill(unit)
         pending = {id(p): p for module in unit for p in module.parameters() if not hasattr(p, "ds_id")}
+        for param in pending.values():
+            if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
         if pending and anchor is None:
             holder = nn.ModuleList(unit)  # Init(module=...) partitions one module's parameters (a tie once)
             deepspeed.zero.Init(module=holder, config_dict_or_path=config)

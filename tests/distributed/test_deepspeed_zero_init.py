@@ -269,9 +269,10 @@ def same_folders(first: Path, second: Path) -> dict:
 
 
 def folders_from_partitions(rank: int, world_size: int) -> dict:
-    """ZeRO-3 engines (pseudo, real, and tied embeddings) trained a step: the folder written from each process's
-    share (`zero3_owned_state`, then `save_model_from_shards`) against the folder of the gathered path (Accelerate's
-    `get_state_dict`, DeepSpeed's consolidated 16-bit state dict, written by the first process); and the shares."""
+    """ZeRO-3 engines (pseudo, real, tied embeddings, pseudo under bf16) trained a step: the folder written from each
+    process's share (`zero3_owned_state`, then `save_model_from_shards`) against the folder of the gathered path
+    (Accelerate's `get_state_dict`, DeepSpeed's consolidated 16-bit state dict, written by the first process); and the
+    shares."""
     from accelerate.utils import DistributedType
 
     folder = [tempfile.mkdtemp() if rank == 0 else None]
@@ -281,8 +282,10 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
     tokenizer = load_tokenizer(parse_config(tiny_argv(tempfile.mkdtemp())).data.tokenizer_name)
     input_ids = torch.randint(3, 101, (4, 12), generator=torch.Generator().manual_seed(0))[rank * 2 : rank * 2 + 2]
     out = {}
-    for case in ("pseudo", "real", "tied"):
-        model = materialize_zero3(built(case, meta=True), SEED, config).train()
+    for case in ("pseudo", "real", "tied", "pseudo-bf16"):  # the last: DeepSpeed's bf16 (--mixed_precision bf16)
+        config["bf16"] = {"enabled": case.endswith("-bf16")}
+        model = materialize_zero3(built(case.removesuffix("-bf16"), meta=True), SEED, config).train()
+        built_dtypes = sorted({str(p.dtype) for p in model.parameters()})
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config
         )
@@ -302,7 +305,7 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
         dist.all_gather_object(shares, (sum(t.nbytes for t in unique.values()), len(unique) < len(owned)))
         whole = {name: t for name, t in (state_dict or {}).items()}
         out[case] = {
-            "dtypes": sorted({str(t.dtype) for t in owned.values() if t.is_floating_point()}),
+            "dtypes": [built_dtypes, sorted({str(t.dtype) for t in owned.values() if t.is_floating_point()})],
             "partitioned": partitioned,
             "shares": [share for share, _ in shares],
             "whole": sum({t.data_ptr(): t.nbytes for t in whole.values()}.values()),
@@ -390,9 +393,12 @@ def written(tmp_path_factory) -> dict:
     return spawn.run(folders_from_partitions, 2, tmp_path_factory.mktemp("zero3_folders"))
 
 
-@pytest.mark.parametrize("case", ["pseudo", "real", "tied"])
+@pytest.mark.parametrize("case", ["pseudo", "real", "tied", "pseudo-bf16"])
 def test_zero3_folder_written_from_partitions_equals_the_gathered_folder_byte_for_byte(written, case):
     run = written[case]
+    # the partitions (as zero.Init builds a model under the configuration) and the shares in the run's dtype
+    dtype = "torch.bfloat16" if case.endswith("-bf16") else "torch.float32"
+    assert run["dtypes"] == [[dtype], [dtype]]
     assert run["partitioned"]  # the engine's parameters stay partitioned: nothing was gathered for good
     assert run["files"] and run["bytes"] and run["count"] >= 4, run  # several safetensors files, index, config...
 
