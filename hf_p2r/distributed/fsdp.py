@@ -299,7 +299,8 @@ def partition_zero3(
 
 def materialize_zero3(model: nn.Module, seed: int, config: dict | str | None = None) -> nn.Module:
     """`partition_zero3` with the layout-independent initialisation (`hf_p2r.distributed.materialize` under `seed`):
-    the partitions gather to the weights `materialize(model, seed)` gives one process, bitwise."""
+    the partitions gather to the weights `materialize(model, seed)` gives one process, bitwise (cast to the
+    configuration's dtype under bf16 or fp16)."""
     return partition_zero3(model, lambda unit: materialize(model, seed, keep=unit), config)
 
 
