@@ -136,18 +136,27 @@ def write_dcp_weights(
     return written + write_index(folder, shards)
 
 
+def expert_part(name: str, rows: int) -> tuple[str, tuple | None] | None:
+    """Where a weight of Mixtral's layout (the names `save_pretrained` writes for a P2R MoE model) lies in the model's
+    own state dict: (the model's name, the index of the part: (expert,) of `down_proj`, (expert, rows) of
+    `gate_up_proj`, whose first `rows` rows are w1 and next w3; None for the whole, the router), or None for a name
+    of neither (`rows`: the weight's first dimension)."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    if match["e"] is None:
+        return f"{match['layer']}mlp.gate.weight", None
+    if match["w"] == "w2":
+        return f"{match['layer']}mlp.experts.down_proj", (int(match["e"]),)
+    part = slice(0, rows) if match["w"] == "w1" else slice(rows, 2 * rows)
+    return f"{match['layer']}mlp.experts.gate_up_proj", (int(match["e"]), part)
+
+
 def _source(checkpoint: Path, name: str, shape: tuple[int, ...], stored: dict) -> tuple[str, tuple | None]:
     """(the stored tensor `name` is written from, the index of its part in it or None for all of it)."""
     source, index = name, None
-    if name not in stored and (match := _EXPERT.match(name)):  # one expert's projection of a 3-D tensor, or the router
-        if match["e"] is None:
-            source = f"{match['layer']}mlp.gate.weight"
-        elif match["w"] == "w2":
-            source, index = f"{match['layer']}mlp.experts.down_proj", (int(match["e"]),)
-        else:
-            rows = shape[0]
-            part = slice(0, rows) if match["w"] == "w1" else slice(rows, 2 * rows)
-            source, index = f"{match['layer']}mlp.experts.gate_up_proj", (int(match["e"]), part)
+    if name not in stored and (part := expert_part(name, shape[0])):  # one expert's projection, or the router
+        source, index = part
     if source not in stored:
         raise InputError(f"{checkpoint}: holds no {MODEL}{printable(source)}, a weight of the model it was saved from")
     found = stored[source][1]

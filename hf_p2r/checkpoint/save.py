@@ -33,6 +33,7 @@ def save_model(
     overwrite: bool = False,
     progress: bool = True,
     write_weights: Callable[[Path, dict[str, torch.Tensor]], object] | None = None,
+    converted: bool = False,
 ) -> Path:
     """Save `model` as a checkpoint folder that `from_pretrained` loads, atomically; returns the folder.
 
@@ -52,8 +53,10 @@ def save_model(
     sharded across processes (FSDP2, pipeline stages), `sharded_write.save_model_from_shards` writes each process's
     pieces, never the whole state dict in one process: it passes `write_weights(folder, tensors)`, which replaces
     `write_checkpoint(folder, tensors)` here (`folder`: the temporary folder; `tensors`: the names to write, in order,
-    as meta tensors are enough: names, dtypes, shapes). Under ZeRO-3, gather the full state dict on every process (a
-    collective, e.g. `accelerator.get_state_dict(model)`) and call this on the main process only with it.
+    as meta tensors are enough: names, dtypes, shapes), with `converted` (its `state_dict` is already under the
+    names `save_pretrained` writes: a MoE model's experts one tensor per expert). Under ZeRO-3, gather the full
+    state dict on every process (a collective, e.g. `accelerator.get_state_dict(model)`) and call this on the main
+    process only with it.
 
     ```python
     >>> save_model(model, "out", tokenizer=tokenizer, remote_code=True)
@@ -66,7 +69,7 @@ def save_model(
         state_dict = model.state_dict()
     # The names `save_pretrained` writes: transformers' reverse of its load-time conversions (a MoE model's 3-D
     # experts as one tensor per expert, Mixtral's layout); the identity for models without any.
-    state_dict = revert_weight_conversion(model, dict(state_dict))
+    state_dict = dict(state_dict) if converted else revert_weight_conversion(model, dict(state_dict))
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     tensors = {name: t for name, t in state_dict.items() if not (name in tied and tied[name] in state_dict)}
     if config is None:

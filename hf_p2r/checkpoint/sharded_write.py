@@ -15,7 +15,9 @@ first dimension, a process's rows are one contiguous byte range of the tensor in
 4. after all have written (one collective, which also carries a failure anywhere), the first process writes the index,
    config, generation config, code and tokenizer (`save.save_model`'s own), and renames the folder into place.
 
-The folder is the one `save_model` writes from the gathered state dict, tensor for tensor (tested: bit for bit). The
+A MoE model's 3-D experts, which `save_pretrained` writes one tensor per expert (Mixtral's names), are passed by
+each process as the whole experts its rows hold (`saved_pieces`). The folder is the one `save_model` writes from the
+gathered state dict, tensor for tensor (tested: bit for bit). The
 folder must be on a filesystem every process sees (one machine, or a shared filesystem across machines).
 """
 
@@ -28,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 
+from .dcp_weights import expert_part
 from .headers import DTYPE_CODE_OF, parse_size, plan_shards, write_index
 from .save import save_model
 from .writer import create_file, write_tensor
@@ -61,6 +65,7 @@ def save_model_from_shards(
     ```
     """
     max_shard_size = parse_size(max_shard_size)
+    order, tensors = saved_pieces(model, tensors)
     mine = {name: _local_rows(name, tensor) for name, tensor in tensors.items()}
     held: list = [None] * dist.get_world_size(group)
     described = {name: (str(local.dtype).removeprefix("torch."), shape, rows) for name, (local, shape, rows) in
@@ -91,11 +96,12 @@ def save_model_from_shards(
         stage[0] = "written"
         write_index(tmp, shards)
 
+    names = [name for name in order if name in specs] + sorted(set(specs) - set(order))  # (then any other, sorted)
     skeleton = {name: torch.empty(specs[name][1], dtype=getattr(torch, specs[name][0]), device="meta") for name in
-                _model_order(model, specs)}  # fmt: skip
+                names}  # fmt: skip
     try:
         save_model(model, folder, state_dict=skeleton, max_shard_size=max_shard_size, write_weights=write_weights,
-                   **save_kwargs)  # fmt: skip
+                   converted=True, **save_kwargs)  # fmt: skip
     except BaseException as error:
         if stage[0] != "files":  # (a failed write of the rows: every process knows and raises already)
             _broadcast(("failed", *_failure_line(error, folder, 0)), group)
@@ -160,10 +166,37 @@ def _rows_of(shape: tuple[int, ...]) -> int:
     return shape[0] if shape else 1
 
 
-def _model_order(model: PreTrainedModel, specs: Mapping) -> list[str]:
-    """The names to write: the model's state dict order (what `save_pretrained` writes), then any other, sorted."""
-    order = [name for name in model.state_dict() if name in specs]
-    return order + sorted(set(specs) - set(order))
+def saved_pieces(
+    model: PreTrainedModel, tensors: Mapping[str, torch.Tensor]
+) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """(the names `save_pretrained` writes for `model`, in its order; this process's `tensors` under those names).
+
+    The identity but for a MoE model, whose 3-D experts `save_pretrained` writes one tensor per expert (Mixtral's
+    layout, transformers' `revert_weight_conversion`): a process holding rows [start, stop) of an experts tensor (an
+    FSDP2 shard of its first dimension, the expert; or the whole tensor) holds experts start..stop-1 whole, and passes
+    each of their projections as a whole tensor, the router under its new name."""
+    state = model.state_dict()
+    skeleton = {name: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for name, t in state.items()}
+    saved = revert_weight_conversion(model, dict(skeleton))
+    if list(saved) == list(skeleton):
+        return list(skeleton), dict(tensors)
+    pieces = {}
+    for name, meta in saved.items():
+        part = None if name in tensors else expert_part(name, meta.shape[0] if meta.dim() else 1)
+        if part is None:
+            if name in tensors:
+                pieces[name] = tensors[name]
+            continue
+        source, index = part
+        if source not in tensors:  # (held by another process, e.g. another pipeline stage)
+            continue
+        if index is None:
+            pieces[name] = tensors[source]
+            continue
+        local, _, (start, stop) = _local_rows(source, tensors[source])
+        if start <= index[0] < stop:
+            pieces[name] = local[(index[0] - start, *index[1:])].contiguous()
+    return list(saved), pieces
 
 
 def _create_file(path: Path, specs: Mapping, names: list[str]) -> dict[str, int]:

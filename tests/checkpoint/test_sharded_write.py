@@ -24,11 +24,13 @@ from hf_p2r.checkpoint import save_model, sharded_write
 from hf_p2r.checkpoint.sharded_write import assign_writers, save_model_from_shards
 from hf_p2r.distributed import fully_shard_p2r
 from hf_p2r.distributed.pipeline import build_pipeline, gather_state_dict, pipeline_mesh, pipeline_model_config
+from hf_p2r.models.p2r import P2RMoeForCausalLM
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.engines.accelerate import AccelerateEngine
 
 from ..conftest import tiny_config
 from ..distributed import spawn
+from ..models.test_modeling_p2r_moe import moe_config
 from ..training.helpers import tiny_argv
 
 PATTERNS = {
@@ -54,13 +56,13 @@ def train_steps(params, step, batches: int = 2) -> None:
         optimizer.zero_grad()
 
 
-def same_folders(first: Path, second: Path) -> dict:
+def same_folders(first: Path, second: Path, model_class=P2RForCausalLM) -> dict:
     """{files: the two folders' file names equal, bytes: every file equal byte for byte, tensors: every tensor of
     the loaded models equal (torch.equal)}."""
     names = sorted(path.name for path in first.iterdir())
     out = {"files": names == sorted(path.name for path in second.iterdir()), "count": len(names)}
     out["bytes"] = out["files"] and all(filecmp.cmp(first / name, second / name, shallow=False) for name in names)
-    one, other = P2RForCausalLM.from_pretrained(first), P2RForCausalLM.from_pretrained(second)
+    one, other = model_class.from_pretrained(first), model_class.from_pretrained(second)
     weights = other.state_dict()
     out["tensors"] = all(torch.equal(tensor, weights[name]) for name, tensor in one.state_dict().items())
     return out
@@ -115,6 +117,39 @@ def fsdp2_folders(folder: str) -> dict:
         save_model(model, f"{folder}/fsdp-engine-g", state_dict=full, progress=False)
         out["engine"] = same_folders(Path(f"{folder}/fsdp-engine"), Path(f"{folder}/fsdp-engine-g"))
     dist.barrier()
+    return out
+
+
+def fsdp2_moe_folders(folder: str) -> dict:
+    """MoE models under FSDP2 over two processes (4 experts: 2 each; 3: 2 and 1, FSDP2's uneven split), one AdamW
+    step: the Accelerate engine's FSDP2 branch, whose processes write their own experts one tensor per expert under
+    Mixtral's names, against `save_model` of the gathered state dict (which reverts the 3-D experts itself); and the
+    experts' tensors each process passed (`saved_pieces`): those of its own experts only."""
+    out = {}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for experts in (4, 3):
+        torch.manual_seed(0)
+        model = fully_shard_p2r(
+            P2RMoeForCausalLM(moe_config(num_experts=experts, num_hidden_layers=2)).train(), mesh=mesh
+        )
+        train_steps(model.parameters(), lambda ids, model=model: model(input_ids=ids, labels=ids).loss.backward(), 1)
+        engine = SimpleNamespace(
+            accelerator=SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module),
+            model=model,
+            config=SimpleNamespace(model=SimpleNamespace(num_experts=experts)),
+            args=SimpleNamespace(remote_code=False),
+        )
+        cooperative, gathered = Path(f"{folder}/moe-{experts}"), Path(f"{folder}/moe-{experts}-g")
+        AccelerateEngine.save_model(engine, cooperative, tokenizer=None)
+        _, pieces = sharded_write.saved_pieces(model, model.state_dict())
+        mine = sorted({int(name.split(".experts.")[1].split(".")[0]) for name in pieces if ".experts." in name})
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, mine)
+        full = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+        if dist.get_rank() == 0:
+            save_model(model, gathered, state_dict=full, progress=False)
+            out[experts] = {**same_folders(cooperative, gathered, P2RMoeForCausalLM), "held": held}
+        dist.barrier()
     return out
 
 
@@ -252,6 +287,7 @@ def two_processes(rank: int, world: int) -> dict:
     return {
         "pipeline": pipeline_folders(folder[0]),
         "fsdp2": fsdp2_folders(folder[0]),
+        "moe": fsdp2_moe_folders(folder[0]),
         "memory": peak_memory(folder[0]),
         "failures": failures_on_every_process(folder[0]),
         "trainer": trainer_real_folder(folder[0]),
@@ -285,6 +321,15 @@ def test_a_pipelines_folder_written_from_its_stages_equals_the_gathered_write(tw
 def test_a_folder_written_from_fsdp2_shards_equals_the_gathered_write(two, pattern):
     result = two["fsdp2"][pattern]
     assert result["files"] and result["bytes"] and result["tensors"], result
+
+
+@pytest.mark.parametrize("experts", [4, 3])
+def test_a_moe_folder_written_from_fsdp2_shards_equals_the_gathered_write(two, experts):
+    """Each process writes the experts it holds (FSDP2 shards the 3-D experts by expert) under Mixtral's names: the
+    folder is the gathered write's, byte for byte, and no process passed another's experts."""
+    result = two["moe"][str(experts)]
+    assert result["files"] and result["bytes"] and result["tensors"], result
+    assert result["held"] == ([[0, 1], [2, 3]] if experts == 4 else [[0, 1], [2]])
 
 
 def test_no_process_holds_the_whole_state_dict_while_writing(two):
