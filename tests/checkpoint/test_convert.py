@@ -522,13 +522,19 @@ _SLOW_CLI = textwrap.dedent("""
 """)
 
 
+def _default_signals() -> None:
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _run_cli(tmp_path, args, script=None, env=None, **kwargs):
-    """The command line in a subprocess whose SIGHUP is at its default, as in a terminal, even when the test suite
-    itself runs under nohup (an ignored signal is inherited: the CLI would then keep it ignored, rightly); a test may
-    give its own `preexec_fn` (nohup's)."""
+    """The command line in a subprocess whose SIGHUP and SIGINT are at their defaults, as in a terminal, even when the
+    test suite itself runs under nohup or as a background job of a non-interactive shell, which ignores SIGINT (an
+    ignored signal is inherited: the CLI would then keep it ignored, rightly); a test may give its own `preexec_fn`
+    (nohup's)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "hf_p2r.cli"]
-    kwargs.setdefault("preexec_fn", lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    kwargs.setdefault("preexec_fn", _default_signals)
     return subprocess.Popen(
         [*command, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs
     )
