@@ -174,9 +174,11 @@ def saved_pieces(
     The identity but for a MoE model, whose 3-D experts `save_pretrained` writes one tensor per expert (Mixtral's
     layout, transformers' `revert_weight_conversion`): a process holding rows [start, stop) of an experts tensor (an
     FSDP2 shard of its first dimension, the expert; or the whole tensor) holds experts start..stop-1 whole, and passes
-    each of their projections as a whole tensor, the router under its new name."""
-    state = model.state_dict()
-    skeleton = {name: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for name, t in state.items()}
+    each of their projections as a whole tensor, the router under its new name. A DeepSpeed ZeRO-3 model's parameters
+    are empty placeholders: their declared shape (`ds_shape`) is the tensor's."""
+    state = model.state_dict(keep_vars=True)
+    skeleton = {name: torch.empty(tuple(getattr(t, "ds_shape", t.shape)), dtype=t.dtype, device="meta") for name, t in
+                state.items()}  # fmt: skip
     saved = revert_weight_conversion(model, dict(skeleton))
     if list(saved) == list(skeleton):
         return list(skeleton), dict(tensors)

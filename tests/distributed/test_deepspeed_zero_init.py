@@ -10,6 +10,7 @@ Skipped without deepspeed (`pip install hf-p2r[deepspeed]`).
 """
 
 import filecmp
+import functools
 import os
 import subprocess
 import tempfile
@@ -210,10 +211,10 @@ def delink_trains(rank: int, world_size: int) -> dict:
     return out
 
 
-def trainer_engine(rank: int, world_size: int) -> dict:
+def trainer_engine(rank: int, world_size: int, case: str = "pseudo") -> dict:
     """The Accelerate engine itself under configs/accelerate/deepspeed_zero3_offload.yaml's environment, in one
     process: Accelerate keeps DeepSpeed on a CPU run with `cpu: false` (it sets up no several processes there, hence
-    one): `build` (meta model, partitions, optimizer, `accelerator.prepare`), a step, the delink, a step."""
+    one): `build` (meta model, partitions, optimizer, `accelerator.prepare`), a step, the delink, a step, `real/`."""
     from hf_p2r.training.engines import engine_for
 
     env = launch_env("deepspeed_zero3_offload")
@@ -224,10 +225,10 @@ def trainer_engine(rank: int, world_size: int) -> dict:
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
         }
     )
-    fields = {"cpu": "false", "mixed_precision": "no", "optimizer_carry": "reset", **CASES["pseudo"]}
+    fields = {"cpu": "false", "mixed_precision": "no", "optimizer_carry": "reset", **CASES[case]}
     config = parse_config(tiny_argv(tempfile.mkdtemp(), seed=SEED, **fields))
     tokenizer = load_tokenizer(config.data.tokenizer_name)
-    reference = dict(built("pseudo", meta=False).named_parameters())
+    reference = dict(built(case, meta=False).named_parameters())
     engine = engine_for(config)
     try:
         engine.build(build_model(config, tokenizer, config.initial_blocks(), meta=True), config.initial_blocks())
@@ -282,7 +283,7 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
     tokenizer = load_tokenizer(parse_config(tiny_argv(tempfile.mkdtemp())).data.tokenizer_name)
     input_ids = torch.randint(3, 101, (4, 12), generator=torch.Generator().manual_seed(0))[rank * 2 : rank * 2 + 2]
     out = {}
-    for case in ("pseudo", "real", "tied", "pseudo-bf16"):  # the last: DeepSpeed's bf16 (--mixed_precision bf16)
+    for case in ("pseudo", "real", "tied", "moe", "pseudo-bf16"):  # the last: DeepSpeed's bf16 (--mixed_precision bf16)
         config["bf16"] = {"enabled": case.endswith("-bf16")}
         model = materialize_zero3(built(case.removesuffix("-bf16"), meta=True), SEED, config).train()
         built_dtypes = sorted({str(p.dtype) for p in model.parameters()})
@@ -356,8 +357,9 @@ def test_delinks_of_a_zero3_engine_partition_the_new_model_and_train_like_one_pr
     assert run["max_diff"] < ATOL
 
 
-def test_the_engine_builds_steps_and_delinks_under_accelerates_zero3_offload_plugin(tmp_path):
-    run = spawn.run(trainer_engine, 1, tmp_path)
+@pytest.mark.parametrize("case", ["pseudo", "moe"])
+def test_the_engine_builds_steps_and_delinks_under_accelerates_zero3_offload_plugin(tmp_path, case):
+    run = spawn.run(functools.partial(trainer_engine, case=case), 1, tmp_path)
     assert run["type"] == "DEEPSPEED" and run["partitioned"] and run["differ"] == [] and run["real"]
     assert all(0 < loss < 10 for loss in run["losses"])  # finite losses of a 257-token vocabulary's model
     saved = run["saved"]  # real/ written from the shares, as the gathered path (Accelerate's get_state_dict) writes it
@@ -395,7 +397,7 @@ def written(tmp_path_factory) -> dict:
     return spawn.run(folders_from_partitions, 2, tmp_path_factory.mktemp("zero3_folders"))
 
 
-@pytest.mark.parametrize("case", ["pseudo", "real", "tied", "pseudo-bf16"])
+@pytest.mark.parametrize("case", ["pseudo", "real", "tied", "moe", "pseudo-bf16"])
 def test_zero3_folder_written_from_partitions_equals_the_gathered_folder_byte_for_byte(written, case):
     run = written[case]
     # the partitions (as zero.Init builds a model under the configuration) and the shares in the run's dtype
@@ -407,7 +409,7 @@ def test_zero3_folder_written_from_partitions_equals_the_gathered_folder_byte_fo
     assert run["files"] and run["bytes"] and run["count"] >= 4, run  # several safetensors files, index, config...
 
 
-@pytest.mark.parametrize("case", ["pseudo", "real", "tied"])
+@pytest.mark.parametrize("case", ["pseudo", "real", "tied", "moe"])
 def test_zero3_save_gives_each_process_a_share_of_the_model_not_all_of_it(written, case):
     run = written[case]
     assert sum(run["shares"]) == run["whole"]  # every tensor kept by exactly one process

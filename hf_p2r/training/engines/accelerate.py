@@ -214,12 +214,11 @@ class AccelerateEngine(Engine):
         """`pseudo/` or `real/`. Under FSDP2 each process writes its shards (`save_model_from_shards`), no process
         gathers the model (a MoE model's experts, sharded by expert, are written one expert per tensor under Mixtral's
         names by the process that holds it); under DeepSpeed ZeRO-3 the processes gather one parameter at a time and
-        each keeps and writes its share of the whole tensors (`zero3_owned_state`), so none holds the model whole
-        either; MoE models under ZeRO-3, ZeRO-1/2, DDP and one process: the main process writes the gathered state dict
-        (`save_model`)."""
+        each keeps and writes its share of the whole tensors (`zero3_owned_state`; a MoE model's experts tensor goes
+        whole to one process, which writes it one expert per tensor), so none holds the model whole either; under
+        ZeRO-1/2, DDP and one process the main process writes the state dict it holds whole anyway (`save_model`)."""
         model = self.accelerator.unwrap_model(self.model)
-        dense = not self.config.model.num_experts
-        if self.accelerator.is_fsdp2 or (dense and zero3_config(self.accelerator) is not None):
+        if self.accelerator.is_fsdp2 or zero3_config(self.accelerator) is not None:
             save_model_from_shards(
                 model,
                 directory,
