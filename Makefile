@@ -15,7 +15,7 @@ LOCK   ?= requirements/tested.txt
 # module only); and the end-to-end runs marked slow (make test runs them once: the compatibility pass keeps CI near
 # 20 minutes).
 COMPAT_TESTS ?= -m "not slow" tests/models tests/training tests/test_compat.py tests/test_import_order.py tests/distributed/test_fsdp2.py \
-	tests/distributed/test_deepspeed.py tests/distributed/test_deepspeed_zero_init.py \
+	tests/distributed/test_deepspeed.py tests/distributed/test_deepspeed_zero_init.py tests/distributed/test_deepspeed_dcp.py \
 	--ignore=tests/training/test_launch.py \
 	--deselect=tests/training/test_config.py::test_cli_prints_one_line_without_a_traceback_and_exits_2 \
 	--deselect=tests/training/test_train.py::test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once

@@ -38,6 +38,10 @@ __all__ = [
     "prepared_models",
     "reshard_after_backward",
     "tensor_version",
+    "zero3_copy_fp32_to_partitions",
+    "zero3_optimizer_states",
+    "zero3_set_full",
+    "zero3_start_optimizer_states",
 ]
 
 
@@ -392,3 +396,59 @@ def dcp_reader(path):
             return metadata
 
     return Reader(path)
+
+
+def zero3_optimizer_states(optimizer, param) -> dict:
+    """The state (a dict, possibly empty) that the torch optimizer inside DeepSpeed's ZeRO-3 optimizer keeps for the
+    flat fp32 partition holding `param` (its sub-group's: `grad_position`, `fp32_partitioned_groups_flat`). DeepSpeed's
+    public `safe_get_full_optimizer_state` reads a key's values, not which keys there are or the shared `step`."""
+    group = optimizer.grad_position[optimizer.get_param_id(param)][0]
+    return optimizer.optimizer.state[optimizer.fp32_partitioned_groups_flat[group]]
+
+
+def zero3_start_optimizer_states(optimizer, keys: list[str]) -> None:
+    """Give every flat fp32 partition of DeepSpeed's ZeRO-3 `optimizer` the state `keys` (zeros like the partition)
+    and a `step` of 0 where it has none yet: torch's optimizers create their state at the first step, and
+    `safe_set_full_optimizer_state` writes into a state that exists (DeepSpeed's universal-checkpoint load assigns
+    them so too)."""
+    import torch
+
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.optimizer.state[flat]
+        for key in keys:
+            if key not in state:
+                state[key] = torch.zeros_like(flat)
+        state.setdefault("step", torch.tensor(0.0))
+
+
+def zero3_copy_fp32_to_partitions(optimizer) -> None:
+    """After `safe_set_full_fp32_param` wrote DeepSpeed ZeRO-3's fp32 master partitions: copy them into the model's
+    own (16-bit or fp32) partitions, which the forward gathers, as DeepSpeed's universal-checkpoint load does
+    (`fp16_partitioned_groups_flat`, `unflatten` into `fp16_partitioned_groups`)."""
+    for flat, low in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat, strict=True):
+        if flat.numel() > 0:
+            low.data.copy_(flat.data)
+    for group, flat in enumerate(optimizer.fp16_partitioned_groups_flat):
+        partitions = optimizer.fp16_partitioned_groups[group]
+        for partition, values in zip(partitions, optimizer.unflatten(flat, partitions), strict=True):
+            partition.data = values.data
+
+
+def zero3_set_full(optimizer, param, value, key: str | None = None) -> None:
+    """Write this process's partition of `param`'s fp32 master weights (`key` None) or of its optimizer state `key`
+    in DeepSpeed's ZeRO-3 `optimizer` from `value`, the whole tensor (on every process). DeepSpeed's
+    `safe_set_full_fp32_param` / `safe_set_full_optimizer_state` narrow `value` to the padded partition size, which
+    runs past its end on the last process when the size does not divide the tensor; here the padding is zeroed, as
+    DeepSpeed pads a partition."""
+    import torch.distributed as dist
+
+    partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    if hasattr(optimizer, "_get_param_partition_rank"):  # DeepSpeed 0.19.8 (per-parameter partition groups)
+        rank = optimizer._get_param_partition_rank(param)
+    else:  # 0.19.0: every parameter partitioned over the data-parallel group
+        rank = dist.get_rank(group=optimizer.dp_process_group)
+    start = partition.numel() * rank
+    real = max(0, min(partition.numel(), param.ds_numel - start))
+    flat = value.reshape(-1)
+    partition.narrow(0, 0, real).copy_(flat.narrow(0, start, real))
+    partition.narrow(0, real, partition.numel() - real).zero_()

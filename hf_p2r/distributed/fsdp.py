@@ -18,7 +18,9 @@ DeepSpeed: `partition_zero3` turns a meta-device model into ZeRO-3 partitions on
 `deepspeed.zero.Init` does for a model built inside it), `materialize_zero3` with the layout-independent
 initialisation (`hf_p2r.distributed.materialize`); `delink_deepspeed` delinks a DeepSpeed engine's model (ZeRO-3:
 straight into the new model's partitions), `gather_deepspeed_model` copies it whole; `zero3_owned_state` gives each
-process its share of the whole tensors, one gathered parameter at a time, for `save_model_from_shards`.
+process its share of the whole tensors, one gathered parameter at a time, for `save_model_from_shards`;
+`zero3_training_state` / `set_zero3_training_state` do the same with the fp32 master weights and the optimizer state,
+for DCP resume checkpoints any layout reads (`hf_p2r.training.dcp`).
 """
 
 import copy
@@ -374,12 +376,8 @@ def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     state = model.state_dict(keep_vars=True)
     unique = {id(tensor): tensor for tensor in state.values()}
-    sizes = {key: math.prod(getattr(t, "ds_shape", t.shape)) * t.element_size() for key, t in unique.items()}
-    loads = [0] * size  # bytes given to each process so far: the largest tensors first, each to the least loaded
-    owners: dict[int, int] = {}
-    for key in sorted(sizes, key=sizes.__getitem__, reverse=True):  # (a stable sort: the same on every process)
-        owners[key] = min(range(size), key=loads.__getitem__)
-        loads[owners[key]] += sizes[key]
+    owners = _owners({key: math.prod(getattr(t, "ds_shape", t.shape)) * t.element_size() for key, t in unique.items()},
+                     size)  # fmt: skip
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for key, tensor in unique.items():  # every process in the same order, so the gathers meet
@@ -391,6 +389,114 @@ def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
             elif owner == rank:
                 copies[key] = tensor.detach().to("cpu", copy=True)
     return {name: copies[id(tensor)] for name, tensor in state.items() if id(tensor) in copies}
+
+
+def _owners(sizes: dict, size: int) -> dict:
+    """{key: the process (of `size`) that keeps it}: the largest first, each to the process given the fewest bytes so
+    far (at most 1/size of the total plus one tensor each). The same on every process given `sizes` in the same
+    order (a stable sort)."""
+    loads = [0] * size
+    owners = {}
+    for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        owners[key] = min(range(size), key=loads.__getitem__)
+        loads[owners[key]] += sizes[key]
+    return owners
+
+
+def zero3_training_state(engine, group=None) -> dict:
+    """This process's share of a DeepSpeed ZeRO-3 engine's training state under the model's names, for a DCP
+    checkpoint that any layout resumes (`hf_p2r.training.dcp`): {"model": {name: fp32 master weights}, "optimizer":
+    {name: {"step", and the optimizer's state keys (AdamW's exp_avg, exp_avg_sq)}}}, each whole tensor kept (a CPU
+    copy) by one process of `group` (`_owners`, balanced by size), as one process's torch AdamW holds it. The
+    processes gather one parameter's values at a time (DeepSpeed's `safe_get_full_fp32_param` /
+    `safe_get_full_optimizer_state`, collectives: call on every process), so none holds the model whole. A tied head is
+    saved once, under the embeddings' name (`named_parameters`)."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from ..compat import zero3_optimizer_states
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    params = dict(engine.module.named_parameters())
+    owners = _owners({name: param.ds_numel for name, param in params.items()}, size)
+    first = next(iter(params.values()))
+    keys = sorted(key for key in zero3_optimizer_states(engine.optimizer, first) if key != "step")  # none before a step
+    model, optimizer = {}, {}
+    with torch.no_grad():
+        for name, param in params.items():  # every process in the same order, so the gathers meet
+            mine = owners[name] == rank
+            weights = safe_get_full_fp32_param(param)
+            values = {key: safe_get_full_optimizer_state(param, key) for key in keys}
+            if mine:
+                model[name] = weights.to("cpu", copy=True)
+                if keys:
+                    step = zero3_optimizer_states(engine.optimizer, param)["step"]
+                    optimizer[name] = {key: value.to("cpu", copy=True) for key, value in values.items()}
+                    optimizer[name]["step"] = torch.as_tensor(step, dtype=torch.float32).to("cpu", copy=True)
+    return {"model": model, "optimizer": optimizer}
+
+
+def zero3_owned_names(engine, group=None) -> list[str]:
+    """The parameters whose whole values this process keeps in `zero3_training_state` (and loads for
+    `set_zero3_training_state`)."""
+    import torch.distributed as dist
+
+    params = dict(engine.module.named_parameters())
+    owners = _owners({name: param.ds_numel for name, param in params.items()}, dist.get_world_size(group))
+    return [name for name in params if owners[name] == dist.get_rank(group)]
+
+
+def zero3_shapes(engine) -> dict[str, tuple[int, ...]]:
+    """{name: the whole shape} of a ZeRO-3 engine's parameters (each process holds a flat partition)."""
+    return {name: tuple(param.ds_shape) for name, param in engine.module.named_parameters()}
+
+
+def set_zero3_training_state(engine, state: dict, group=None) -> None:
+    """Load `state` (`zero3_training_state`'s layout: this process's share of the whole tensors, under
+    `zero3_owned_names`) into a DeepSpeed ZeRO-3 engine: one parameter at a time, its owner broadcasts each value and
+    every process writes its partition of the fp32 master weights and of the optimizer state (created first where the
+    optimizer has not stepped yet), then the model's own partitions are copied from the fp32 ones. Call on every
+    process."""
+    import torch.distributed as dist
+
+    from ..compat import (
+        zero3_copy_fp32_to_partitions,
+        zero3_optimizer_states,
+        zero3_set_full,
+        zero3_start_optimizer_states,
+    )
+
+    optimizer = engine.optimizer
+    if getattr(optimizer, "swap_optimizer", False):
+        raise ValueError("checkpoint_format: dcp does not load into DeepSpeed's NVMe-offloaded optimizer state")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    params = dict(engine.module.named_parameters())
+    owners = _owners({name: param.ds_numel for name, param in params.items()}, size)
+    keys = [None]  # the fp32 weights, then the optimizer's state (the same keys on every process: DCP's metadata)
+    held = next(iter(state["optimizer"].values()), None)
+    described = [sorted(key for key in held if key != "step") if held is not None else None]
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, described[0], group=group)
+    state_keys = next((found for found in everyone if found is not None), [])
+    keys += state_keys
+    if state_keys:
+        zero3_start_optimizer_states(optimizer, state_keys)
+    with torch.no_grad():
+        for name, param in params.items():
+            source, device = owners[name], param.ds_tensor.device
+            for key in keys:
+                if rank == source:
+                    value = (state["model"][name] if key is None else state["optimizer"][name][key]).to(device)
+                else:
+                    value = torch.empty(tuple(param.ds_shape), dtype=torch.float32, device=device)
+                dist.broadcast(value, group_src=source, group=group)
+                zero3_set_full(optimizer, param, value, key)
+            if state_keys:
+                step = torch.as_tensor(state["optimizer"][name]["step"] if rank == source else 0.0,
+                                       dtype=torch.float32).to(device)  # fmt: skip
+                dist.broadcast(step, group_src=source, group=group)
+                zero3_optimizer_states(optimizer, param)["step"] = step.cpu()
+    zero3_copy_fp32_to_partitions(optimizer)
 
 
 def _copy_buffers(source: nn.Module, target: nn.Module, device: torch.device | str | None = None) -> None:
@@ -413,6 +519,10 @@ __all__ = [
     "gather_shared_once",
     "materialize_zero3",
     "partition_zero3",
+    "set_zero3_training_state",
+    "zero3_owned_names",
     "zero3_owned_state",
+    "zero3_shapes",
+    "zero3_training_state",
     "zero3_units",
 ]

@@ -306,8 +306,9 @@ class TrainArguments:
         metadata={
             "help": "How resume checkpoints are written: accelerate (Accelerate's save_state; a pipeline's stage-{rank}"
             ".pt files; resumed by the same layout) or dcp (torch.distributed.checkpoint: every process writes its "
-            "shards under the model's global names; resumed by another data-parallel size, FSDP2 or one process, "
-            "another pipeline split or schedule). A resume reads either, whatever this says."
+            "shards under the model's global names; resumed by another data-parallel size, FSDP2, DeepSpeed ZeRO-3 or "
+            "one process, another pipeline split or schedule; not granular offload or ZeRO-1/2). A resume reads "
+            "either, whatever this says."
         },
     )
     checkpoint_async: bool = field(

@@ -428,6 +428,6 @@ def test_granular_offload_keeps_accelerates_format(tmp_path):
 
     config = parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, offload="0.5"))
     with pytest.raises(
-        ValueError, match=r"^checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2 and pip"
+        ValueError, match=r"^checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2, DeepSpeed ZeRO-3"
     ):
         AccelerateEngine(config)

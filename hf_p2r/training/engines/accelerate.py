@@ -15,13 +15,13 @@ from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
 from ...distributed import gather_shared_once
-from ...distributed.fsdp import materialize_zero3, zero3_owned_state
+from ...distributed.fsdp import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
 from ..compile import compile_blocks
 from ..config import TrainArguments, TrainConfig
-from ..dcp import is_dcp_checkpoint, load_model_state, model_state
+from ..dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
 from ..dcp import save as save_dcp
 from ..delink import check_delink_supported, delink_in_training
 from ..moe import RouterLoad
@@ -129,19 +129,23 @@ class AccelerateEngine(Engine):
             model.loss_from_hidden_states = HeadLoss(args.loss_kernel)
 
     def check_dcp(self) -> None:
-        """DCP checkpoints (`hf_p2r.training.dcp`) hold a torch optimizer's state by parameter name: one process, DDP
-        or FSDP2; granular offload's and DeepSpeed's optimizers keep Accelerate's format."""
-        if self.args.offload is not None or self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        """DCP checkpoints (`hf_p2r.training.dcp`) hold a torch optimizer's state by parameter name: one process, DDP,
+        FSDP2 and DeepSpeed ZeRO-3 (whose partitions are saved and loaded one whole parameter at a time); granular
+        offload's and ZeRO-1/2's optimizers keep Accelerate's format."""
+        deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        if self.args.offload is not None or (deepspeed and zero3_config(self.accelerator) is None):
             raise ValueError(
-                "checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2 and pipelines; granular offload "
-                "and DeepSpeed save and resume with checkpoint_format accelerate"
+                "checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2, DeepSpeed ZeRO-3 and pipelines; "
+                "granular offload and DeepSpeed ZeRO-1/2 save and resume with checkpoint_format accelerate"
             )
 
     def load(self, checkpoint: Path, state: TrainState) -> None:
         if is_dcp_checkpoint(checkpoint):
             self.check_dcp()
         with loading_checkpoint(self.accelerator, checkpoint):
-            if is_dcp_checkpoint(checkpoint):  # saved by any layout: resharded to this one
+            if is_dcp_checkpoint(checkpoint) and zero3_config(self.accelerator) is not None:
+                load_zero3_state(checkpoint, self.model)  # the DeepSpeed engine's partitions, from any layout
+            elif is_dcp_checkpoint(checkpoint):  # saved by any layout: resharded to this one
                 load_model_state(checkpoint, self.model, self.optimizer.optimizer)
             else:
                 self.accelerator.load_state(checkpoint)
@@ -237,7 +241,10 @@ class AccelerateEngine(Engine):
         if self.args.checkpoint_format == "dcp":  # every process its shards, under the model's names
 
             def write(folder: Path) -> None:
-                save_dcp(folder, model_state(self.model, self.optimizer.optimizer))
+                if zero3_config(self.accelerator) is not None:  # each process its share of the whole tensors
+                    save_dcp(folder, zero3_training_state(self.model))
+                else:
+                    save_dcp(folder, model_state(self.model, self.optimizer.optimizer))
 
         save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
 
