@@ -364,14 +364,16 @@ def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     (the largest tensors first, each to the process given the fewest bytes so far: at most 1/N of the model plus one
     tensor each).
 
-    The processes gather the parameters one at a time (`deepspeed.zero.GatheredParameters`, a collective: every
-    process must call this, with the same model), so a process holds its partitions, its share (about 1/N of the
-    model) and one gathered parameter, never the model whole. The copies are the gathered parameters as they are (the
-    module's dtype: the 16-bit weights under bf16 or fp16, as DeepSpeed's `_zero3_consolidated_16bit_state_dict`,
-    which Accelerate's `get_state_dict` writes, has them). Tied parameters (one tensor under two names) go to one
+    The processes gather the parameters one at a time (a collective: every process must call this, with the same
+    model), so a process holds its partitions, its share (about 1/N of the model) and one gathered parameter, never the
+    model whole. A parameter an optimizer steps is gathered from its fp32 master partitions (DeepSpeed's
+    `safe_get_full_fp32_param`) and kept in the module's dtype: the 16-bit weights under bf16 or fp16, as DeepSpeed's
+    `_zero3_consolidated_16bit_state_dict`, which Accelerate's `get_state_dict` writes, has them; any other parameter
+    as `deepspeed.zero.GatheredParameters` gathers it. Tied parameters (one tensor under two names) go to one
     process under both names, which `save_model` writes once."""
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     state = model.state_dict(keep_vars=True)
@@ -382,7 +384,15 @@ def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for key, tensor in unique.items():  # every process in the same order, so the gathers meet
             owner = owners[key]
-            if hasattr(tensor, "ds_id"):
+            # A trained parameter from its fp32 master partitions, in the module's dtype (what DeepSpeed copies into
+            # the module's partitions after each step): not this process's whole copy of a parameter ZeRO-3 keeps
+            # whole everywhere (`ds_persist`, the small ones), which GatheredParameters reads as it is and which
+            # DeepSpeed 0.19.0 was seen to leave stale after a step on one of two CPU processes.
+            master = safe_get_full_fp32_param(tensor) if hasattr(tensor, "_z3_optimizer") else None
+            if master is not None:
+                if owner == rank:
+                    copies[key] = master.to("cpu", dtype=tensor.dtype, copy=True)
+            elif hasattr(tensor, "ds_id"):  # (no optimizer holds it: a frozen parameter, a model without an engine)
                 with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                     if owner == rank:
                         copies[key] = tensor.detach().to("cpu", copy=True)

@@ -293,7 +293,8 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
         engine.backward(engine(input_ids=input_ids, labels=input_ids).loss)
         engine.step()
         owned = zero3_owned_state(engine.module)
-        partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in engine.module.parameters())
+        # (a parameter ZeRO-3 keeps whole on every process, `ds_persist`: the small ones, whole before the save too)
+        partitioned = all(hasattr(p, "ds_id") and (p.numel() == 0 or p.ds_persist) for p in engine.module.parameters())
         cooperative, gathered_folder = Path(f"{folder[0]}/{case}"), Path(f"{folder[0]}/{case}-g")
         save_model_from_shards(engine.module, cooperative, owned, tokenizer=tokenizer, max_shard_size=SMALL_SHARDS,
                                progress=False)  # fmt: skip
