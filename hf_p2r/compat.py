@@ -39,6 +39,7 @@ __all__ = [
     "reshard_after_backward",
     "tensor_version",
     "zero3_copy_fp32_to_partitions",
+    "zero3_full",
     "zero3_optimizer_states",
     "zero3_set_full",
     "zero3_start_optimizer_states",
@@ -452,3 +453,18 @@ def zero3_set_full(optimizer, param, value, key: str | None = None) -> None:
     flat = value.reshape(-1)
     partition.narrow(0, 0, real).copy_(flat.narrow(0, start, real))
     partition.narrow(0, real, partition.numel() - real).zero_()
+
+
+def zero3_full(param):
+    """The whole value of a DeepSpeed ZeRO-3 parameter, gathered from every process's partition (`ds_tensor`, over its
+    `ds_process_group`; a collective): what `deepspeed.zero.GatheredParameters` gives, except for a parameter this
+    process already holds whole or is gathering (the small ones ZeRO-3 keeps whole, `ds_persist`; status AVAILABLE or
+    INFLIGHT), which GatheredParameters leaves as it is: on DeepSpeed 0.19.0 with two CPU processes such a copy was
+    seen to read wrong, timing-dependently (a norm's weight, at build and after a step)."""
+    import deepspeed.comm as ds_dist
+    import torch
+
+    part = param.ds_tensor.detach().reshape(-1)
+    pieces = [torch.empty_like(part) for _ in range(ds_dist.get_world_size(group=param.ds_process_group))]
+    ds_dist.all_gather(pieces, part.contiguous(), group=param.ds_process_group)
+    return torch.cat(pieces).narrow(0, 0, param.ds_numel).view(param.ds_shape)

@@ -369,11 +369,12 @@ def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     model whole. A parameter an optimizer steps is gathered from its fp32 master partitions (DeepSpeed's
     `safe_get_full_fp32_param`) and kept in the module's dtype: the 16-bit weights under bf16 or fp16, as DeepSpeed's
     `_zero3_consolidated_16bit_state_dict`, which Accelerate's `get_state_dict` writes, has them; any other parameter
-    as `deepspeed.zero.GatheredParameters` gathers it. Tied parameters (one tensor under two names) go to one
+    from its partitions (`compat.zero3_full`). Tied parameters (one tensor under two names) go to one
     process under both names, which `save_model` writes once."""
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param
+
+    from ..compat import zero3_full
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     state = model.state_dict(keep_vars=True)
@@ -393,9 +394,9 @@ def zero3_owned_state(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
                 if owner == rank:
                     copies[key] = master.to("cpu", dtype=tensor.dtype, copy=True)
             elif hasattr(tensor, "ds_id"):  # (no optimizer holds it: a frozen parameter, a model without an engine)
-                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                    if owner == rank:
-                        copies[key] = tensor.detach().to("cpu", copy=True)
+                whole = zero3_full(tensor)
+                if owner == rank:
+                    copies[key] = whole.to("cpu", copy=True)
             elif owner == rank:
                 copies[key] = tensor.detach().to("cpu", copy=True)
     return {name: copies[id(tensor)] for name, tensor in state.items() if id(tensor) in copies}

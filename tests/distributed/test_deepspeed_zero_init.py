@@ -25,6 +25,7 @@ from accelerate import Accelerator
 
 from hf_p2r.checkpoint import save_model
 from hf_p2r.checkpoint.sharded_write import save_model_from_shards
+from hf_p2r.compat import zero3_full
 from hf_p2r.distributed.fsdp import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
 from hf_p2r.distributed.materialize import materialize
 from hf_p2r.training import parse_config
@@ -85,9 +86,9 @@ def partitioned(model: torch.nn.Module, config, fill_whole) -> tuple[int, int]:
 
 
 def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    params = dict(model.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-        return {name: p.detach().clone() for name, p in params.items()}
+    """Every parameter whole, from the processes' partitions (`zero3_full`: not a process's own whole copy of a small
+    parameter, which DeepSpeed 0.19.0 was seen to leave wrong, timing-dependently)."""
+    return {name: zero3_full(p).clone() for name, p in model.named_parameters()}
 
 
 def differ(reference: dict, other: dict) -> list[str]:
