@@ -410,8 +410,7 @@ def zero3_optimizer_states(optimizer, param) -> dict:
 def zero3_start_optimizer_states(optimizer, keys: list[str]) -> None:
     """Give every flat fp32 partition of DeepSpeed's ZeRO-3 `optimizer` the state `keys` (zeros like the partition)
     and a `step` of 0 where it has none yet: torch's optimizers create their state at the first step, and
-    `safe_set_full_optimizer_state` writes into a state that exists (DeepSpeed's universal-checkpoint load assigns
-    them so too)."""
+    `zero3_set_full` writes into a state that exists (DeepSpeed's universal-checkpoint load assigns them so too)."""
     import torch
 
     for flat in optimizer.fp32_partitioned_groups_flat:
@@ -423,7 +422,7 @@ def zero3_start_optimizer_states(optimizer, keys: list[str]) -> None:
 
 
 def zero3_copy_fp32_to_partitions(optimizer) -> None:
-    """After `safe_set_full_fp32_param` wrote DeepSpeed ZeRO-3's fp32 master partitions: copy them into the model's
+    """After `zero3_set_full` wrote DeepSpeed ZeRO-3's fp32 master partitions: copy them into the model's
     own (16-bit or fp32) partitions, which the forward gathers, as DeepSpeed's universal-checkpoint load does
     (`fp16_partitioned_groups_flat`, `unflatten` into `fp16_partitioned_groups`)."""
     for flat, low in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat, strict=True):

@@ -427,9 +427,8 @@ def zero3_training_state(engine, group=None) -> dict:
 
     from ..compat import zero3_optimizer_states
 
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    params = dict(engine.module.named_parameters())
-    owners = _owners({name: param.ds_numel for name, param in params.items()}, size)
+    rank = dist.get_rank(group)
+    params, owners = _parameter_owners(engine, group)
     first = next(iter(params.values()))
     keys = sorted(key for key in zero3_optimizer_states(engine.optimizer, first) if key != "step")  # none before a step
     model, optimizer = {}, {}
@@ -452,9 +451,16 @@ def zero3_owned_names(engine, group=None) -> list[str]:
     `set_zero3_training_state`)."""
     import torch.distributed as dist
 
-    params = dict(engine.module.named_parameters())
-    owners = _owners({name: param.ds_numel for name, param in params.items()}, dist.get_world_size(group))
+    params, owners = _parameter_owners(engine, group)
     return [name for name in params if owners[name] == dist.get_rank(group)]
+
+
+def _parameter_owners(engine, group=None) -> tuple[dict, dict]:
+    """(a ZeRO-3 engine's parameters by name, {name: the process of `group` that keeps it whole}), balanced by size."""
+    import torch.distributed as dist
+
+    params = dict(engine.module.named_parameters())
+    return params, _owners({name: param.ds_numel for name, param in params.items()}, dist.get_world_size(group))
 
 
 def zero3_shapes(engine) -> dict[str, tuple[int, ...]]:
@@ -480,16 +486,15 @@ def set_zero3_training_state(engine, state: dict, group=None) -> None:
     optimizer = engine.optimizer
     if getattr(optimizer, "swap_optimizer", False):
         raise ValueError("checkpoint_format: dcp does not load into DeepSpeed's NVMe-offloaded optimizer state")
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    params = dict(engine.module.named_parameters())
-    owners = _owners({name: param.ds_numel for name, param in params.items()}, size)
-    keys = [None]  # the fp32 weights, then the optimizer's state (the same keys on every process: DCP's metadata)
+    rank = dist.get_rank(group)
+    params, owners = _parameter_owners(engine, group)
+    # The optimizer's state keys (the same in every share: DCP's metadata; a process may keep no parameter)
     held = next(iter(state["optimizer"].values()), None)
-    described = [sorted(key for key in held if key != "step") if held is not None else None]
-    everyone: list = [None] * size
-    dist.all_gather_object(everyone, described[0], group=group)
+    mine = None if held is None else sorted(key for key in held if key != "step")
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
     state_keys = next((found for found in everyone if found is not None), [])
-    keys += state_keys
+    keys = [None, *state_keys]  # the fp32 weights, then the optimizer's state
     if state_keys:
         zero3_start_optimizer_states(optimizer, state_keys)
     with torch.no_grad():
