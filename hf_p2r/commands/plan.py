@@ -170,7 +170,7 @@ def read_plan_input(path: str | os.PathLike) -> "PlanInput":
 
     if not str(path).endswith((".yaml", ".yml")):
         return read_config(path)
-    from ..training.config import parse_config
+    from ..config import parse_config
 
     run = parse_config(["--config", str(path)])
     notes = []

@@ -48,21 +48,13 @@ from ..checkpoint import atomic_directory
 from ..checkpoint import save_model as write_model_folder
 from ..checkpoint.headers import read_header
 from ..compat import prepared_models
+from ..config.resume import CHECKPOINTS, STATE_FILE, different_run
 from ..errors import InputError, read_json
 from ..models.p2r import P2RForCausalLM
-from .config import DataArguments, ModelArguments, TrainConfig
+from .config import TrainConfig
 from .dcp import background_writes, is_dcp_checkpoint
 from .dcp import check_files as check_dcp_files
 from .dcp import wait as wait_for_write
-
-STATE_FILE = "trainer_state.json"
-CHECKPOINTS = "checkpoints"
-# Fields that decide what a checkpoint's weights mean, or its optimizer's parameter groups: a resumed run must agree.
-_COMPATIBLE_FIELDS = (
-    [f.name for f in dataclasses.fields(ModelArguments)]
-    + [f.name for f in dataclasses.fields(DataArguments) if f.name not in ("cache_dir", "preprocessing_num_workers")]
-    + ["seed", "shared_lr_scale"]
-)
 
 
 @dataclass
@@ -338,11 +330,8 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
     schedule has steps left from it, and that its files are whole (`check_checkpoint_files`). Every problem is one
     `InputError` naming the file or field."""
     state, stage, saved = read_trainer_state(path / STATE_FILE)
-    current = config.to_dict()
-    differing = [name for name in _COMPATIBLE_FIELDS if saved.get(name) != current[name]]
-    if differing:
-        details = ", ".join(f"{name}={saved.get(name)!r} there, {current[name]!r} now" for name in differing)
-        raise InputError(f"resume_from_checkpoint: {path} comes from a different run ({details})")
+    if problem := different_run(path, saved, config.to_dict()):  # the fields its weights and groups depend on
+        raise InputError(problem)
     depth, args = config.model.num_hidden_layers, config.train
     if stage not in (None, state.stage(depth)):
         raise InputError(

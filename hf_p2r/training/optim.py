@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_wsd_schedule
 
+from ..config import ConfigError, TrainArguments
 from .carry import block_of
-from .config import ConfigError, TrainArguments
 from .offload import GranularOffload
 
 
@@ -232,20 +232,22 @@ def shared_lr_scales(model, args: TrainArguments) -> dict[int, float]:
 def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -> float:
     """Learning rate of the update from `step` to `step + 1` (steps count from 0).
 
-    Linear warm-up over `warmup_steps`, then `lr_scheduler` decay to `min_lr_ratio * learning_rate` at the last step;
-    the schedule runs over the whole run (pseudo and real steps). `wsd` holds the peak until the last
+    Linear warm-up over `warmup_steps`, then `lr_scheduler` decay to `min_lr_ratio * learning_rate` at the schedule's
+    last step: the schedule spans the whole run (pseudo and real steps) unless `lr_schedule_steps` says otherwise (a
+    resumed run extended past the schedule's end runs on at its final rate). `wsd` holds the peak until the last
     `lr_decay_fraction` of the run (transformers' `get_wsd_schedule`, 1-sqrt decay): the delinks fall in its stable
     phase, and runs that differ before the decay are compared after the same anneal. With `lr_after_delink="rewarm"`
     the rate is also ramped up linearly over `rewarm_steps` after each step in `delink_steps`.
     """
-    peak, warmup = args.learning_rate, args.warmup_steps
-    if step < warmup:
-        lr = peak * (step + 1) / warmup
+    peak, warmup, last = args.learning_rate, args.warmup_steps, args.schedule_steps - 1
+    at = min(step, last)  # past the schedule's end: its final rate
+    if at < warmup:
+        lr = peak * (at + 1) / warmup
     elif args.lr_scheduler == "wsd":
         # The decay's last factor (min_lr_ratio) lands on the last step, as cosine's and linear's do.
-        lr = peak * _wsd_factor(warmup, args.decay_steps, args.total_steps - 1, args.min_lr_ratio)(step)
+        lr = peak * _wsd_factor(warmup, args.decay_steps, last, args.min_lr_ratio)(at)
     else:
-        progress = (step - warmup) / max(1, args.total_steps - 1 - warmup)
+        progress = (at - warmup) / max(1, last - warmup)
         decay = {
             "constant": 1.0,
             "linear": 1.0 - progress,

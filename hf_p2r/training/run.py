@@ -179,18 +179,23 @@ def _last_good(output_dir: Path) -> str:
     )
 
 
-def finish_run(output_dir: Path, title: str, wall_time_s: float, remote_code: bool) -> None:
+def finish_run(
+    output_dir: Path, title: str, wall_time_s: float, remote_code: bool, resumed: TrainState | None = None
+) -> None:
     """The main process's end of a run: the loss curve (`loss.png`), then the summary (`run_summary`) on stdout."""
     records = read_metrics(output_dir / METRICS_FILE)
     if not plot_losses(records, output_dir / PLOT_FILE, title):
         print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
-    print(run_summary(output_dir, records, wall_time_s, remote_code), flush=True)
+    print(run_summary(output_dir, records, wall_time_s, remote_code, resumed), flush=True)
 
 
-def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remote_code: bool) -> str:
+def run_summary(
+    output_dir: Path, records: list[dict], wall_time_s: float, remote_code: bool, resumed: TrainState | None = None
+) -> str:
     """What a finished run reached and where it is: each stage's steps, blocks, final validation loss and tokens/s
-    (`stage_summary` of its metrics records), the wall time, the output folders and files there, and the commands
-    that come next (load, publish, convert)."""
+    (`stage_summary` of its metrics records), the wall time of this invocation and its training steps' (a resumed run:
+    `resumed`, the state it started from; the whole run's training time beside), the output folders and files there,
+    and the commands that come next (load, publish, convert)."""
     lines = [f"***** run summary: {output_dir} *****"]
     stages = stage_summary(records)
     width = max((len(stage["stage"]) for stage in stages), default=0)
@@ -203,7 +208,14 @@ def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remot
             figures.append(f"{stage['tokens_per_s']:,.0f} tokens/s")
         lines.append(f"  {stage['stage'] + ' stage:':<{width + 7}} " + ", ".join(figures))
     training = sum(stage["train_time_s"] for stage in stages)
-    lines.append(f"  wall time: {_duration(wall_time_s)}, of which training steps {_duration(training)}")
+    if resumed is None:
+        lines.append(f"  wall time: {_duration(wall_time_s)}, of which training steps {_duration(training)}")
+    else:
+        lines.append(
+            f"  wall time: {_duration(wall_time_s)} (resumed at step {resumed.step}), of which training steps "
+            f"{_duration(max(0.0, training - resumed.train_time_s))}; training steps of the whole run "
+            f"{_duration(training)}"
+        )
     outputs = {
         "real": "the trained model",
         "pseudo": "the pseudo model at the end of its stage",

@@ -19,6 +19,7 @@ Nothing under output_dir changes until the run has built its data and model and,
 a bad configuration, bad data or a damaged checkpoint leaves every earlier output as it was.
 """
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -27,9 +28,9 @@ import torch
 from accelerate.utils import gather_object, set_seed
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..config import TrainConfig
 from ..distributed.materialize import materialize
 from .checkpointing import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
-from .config import TrainConfig
 from .data import BlockOrder, BlockStream, build_blocks, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
 from .metrics import METRICS_FILE
@@ -76,6 +77,9 @@ def build_model(
 
 def train(config: TrainConfig) -> int:
     """Run the schedule of `config`; returns the exit code (see the module docstring)."""
+    # The model's config as transformers builds it (its activation, RoPE scaling...): refused now, in one line, before
+    # the engine joins processes or the data is tokenized.
+    config.p2r_config(config.model.vocab_size or 256, config.initial_blocks(), special_tokens={})
     # The engine: its Accelerator (what it cannot run is refused now), later the model it places and parallelises.
     engine = engine_for(config)
     try:
@@ -97,7 +101,10 @@ def run(config: TrainConfig, engine: Engine) -> int:
     accelerator = engine.accelerator
     checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
+    resumed = dataclasses.replace(state) if checkpoint else None  # where this invocation starts (for the summary)
     existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
+    for note in config.notes:
+        say(accelerator, note)
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
@@ -185,7 +192,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
     engine.save_model(output_dir / "real", tokenizer)
     if accelerator.is_main_process:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {engine.title()}"
-        finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code)
+        finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code, resumed)
     return 0
 
 

@@ -3,7 +3,7 @@ granular offload) and `PipelineEngine` (pipeline stages, data-parallel pipelines
 sharded over the data-parallel processes). `engine_for` picks one from the configuration; a new engine is a module
 here and a line there."""
 
-from ..config import TrainConfig
+from ...config import TrainConfig
 from .accelerate import AccelerateEngine
 from .base import Engine
 from .pipeline import PipelineEngine

@@ -14,13 +14,14 @@ from accelerate.utils import DistributedType
 from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
+from ...compat import import_deepspeed_only_when_used
+from ...config import TrainArguments, TrainConfig
 from ...distributed import gather_shared_once
 from ...distributed.fsdp import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
-from ..compile import compile_blocks
-from ..config import TrainArguments, TrainConfig
+from ..compile import check_backend, compile_blocks
 from ..dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
 from ..dcp import save as save_dcp
 from ..delink import check_delink_supported, delink_in_training
@@ -39,6 +40,9 @@ class AccelerateEngine(Engine):
         args = self.args
         cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
         check_gpu_per_process(cpu)
+        import_deepspeed_only_when_used()  # (DeepSpeed's import prints into the progress bar of a run not using it)
+        if args.compile:
+            check_backend(args.compile_backend)
         self.accelerator = accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -57,7 +61,7 @@ class AccelerateEngine(Engine):
                 f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml "
                 "or deepspeed_zero3_offload.yaml"
             )
-        if args.checkpoint_format == "dcp":
+        if args.checkpoint_format == "dcp" or args.checkpoint_async:
             self.check_dcp()
         if zero3_config(accelerator) is not None:
             build_without_zero_init()
@@ -127,6 +131,17 @@ class AccelerateEngine(Engine):
             if args.loss_kernel == "liger" and device != "cuda":
                 raise ValueError(f"loss_kernel: liger runs on CUDA, this run computes on {device}; use chunked or auto")
             model.loss_from_hidden_states = HeadLoss(args.loss_kernel)
+
+    @property
+    def checkpoint_format(self) -> str:
+        """auto: DCP for several processes or asynchronous saves, where it runs (not under granular offload or
+        DeepSpeed ZeRO-1/2), so that another layout can resume them; Accelerate's format otherwise."""
+        if self.args.checkpoint_format != "auto":
+            return self.args.checkpoint_format
+        deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        runs = self.args.offload is None and not (deepspeed and zero3_config(self.accelerator) is None)
+        wanted = self.accelerator.num_processes > 1 or self.args.checkpoint_async
+        return "dcp" if runs and wanted else "accelerate"
 
     def check_dcp(self) -> None:
         """DCP checkpoints (`hf_p2r.training.dcp`) hold a torch optimizer's state by parameter name: one process, DDP,
@@ -238,7 +253,7 @@ class AccelerateEngine(Engine):
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
         write = None  # Accelerate's save_state
-        if self.args.checkpoint_format == "dcp":  # every process its shards, under the model's names
+        if self.checkpoint_format == "dcp":  # every process its shards, under the model's names
 
             def write(folder: Path) -> None:
                 if zero3_config(self.accelerator) is not None:  # each process its share of the whole tensors

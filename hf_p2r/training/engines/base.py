@@ -14,8 +14,8 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
+from ...config import TrainConfig
 from ..checkpointing import TrainState
-from ..config import TrainConfig
 from ..dcp import release_background_group
 
 
@@ -31,6 +31,11 @@ class Engine:
 
     def __init__(self, config: TrainConfig):
         self.config, self.args = config, config.train
+
+    @property
+    def checkpoint_format(self) -> str:
+        """How this run writes its resume checkpoints: `checkpoint_format`, "auto" resolved for the engine's layout."""
+        return self.args.checkpoint_format
 
     @property
     def tokens_per_step(self) -> int:

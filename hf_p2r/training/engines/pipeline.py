@@ -31,6 +31,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
+from ...config import TrainConfig
 from ...distributed.pipeline import (
     Pipeline,
     build_pipeline,
@@ -40,7 +41,6 @@ from ...distributed.pipeline import (
     pipeline_state,
 )
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint
-from ..config import TrainConfig
 from ..dcp import is_dcp_checkpoint, saved_schedule
 from ..dcp import load_pipeline_state as load_dcp_state
 from ..dcp import pipeline_state as dcp_state
@@ -58,12 +58,6 @@ class PipelineEngine(Engine):
     def __init__(self, config: TrainConfig):
         super().__init__(config)
         args = self.args
-        if config.model.num_experts:
-            raise ValueError(
-                "num_experts: mixture-of-experts models are not supported by the pipeline engine "
-                "(pipeline_parallel_size > 1 or data_parallel_size > 1) yet; shard one with accelerate launch and the "
-                "FSDP2 config"
-            )
         cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
         self.joined = dist.is_initialized()  # a caller's process group (tests) is left to the caller at the end
         self.accelerator = accelerator = Accelerator(
@@ -76,7 +70,8 @@ class PipelineEngine(Engine):
             name = "pipeline_parallel_size" if args.pipeline_parallel_size > 1 else "data_parallel_size"
             raise ValueError(
                 f"{name}: {args.pipeline_parallel_size} stages x data_parallel_size {args.data_parallel_size} need as "
-                f"many processes, the launcher started {accelerator.num_processes}"
+                f"many processes, the launcher started {accelerator.num_processes} (a resume takes the saved run's "
+                "layout: give this one's pipeline_parallel_size and data_parallel_size)"
             )
         self.pipeline: Pipeline | None = None
         self.data_size = args.data_parallel_size  # each pipeline reads its slice (`data_rank`, once built)
@@ -84,6 +79,11 @@ class PipelineEngine(Engine):
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.pipeline.optimizer
+
+    @property
+    def checkpoint_format(self) -> str:
+        """auto: DCP, which another split, schedule or data-parallel size resumes."""
+        return "accelerate" if self.args.checkpoint_format == "accelerate" else "dcp"
 
     def model_blocks(self, state: TrainState) -> int:
         # The split is chosen on the first model (a checkpoint records it); `load` delinks to the checkpoint's blocks.
@@ -128,8 +128,9 @@ class PipelineEngine(Engine):
         sharded = is_dcp_checkpoint(checkpoint)  # saved by any split, stages or schedule: resharded to this one
         if not sharded and not part.is_file():
             raise ValueError(
-                f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes (resume "
-                "with its pipeline_parallel_size and data_parallel_size)"
+                f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes; resume it "
+                "with its pipeline_parallel_size and data_parallel_size (a checkpoint_format dcp checkpoint, the "
+                "default of several processes, resumes on any layout)"
             )
         depth = self.config.model.num_hidden_layers
         if state.num_blocks > self.config.initial_blocks():  # the layout it saved: delinked (partly or fully)
@@ -230,7 +231,7 @@ class PipelineEngine(Engine):
         name = f"stage-{dist.get_rank()}.pt"
 
         def write(folder: Path) -> None:
-            if self.args.checkpoint_format == "dcp":
+            if self.checkpoint_format == "dcp":
                 save_dcp(folder, dcp_state(self.pipeline, self.optimizer))
             else:
                 torch.save(training_state, folder / name)
