@@ -4,16 +4,17 @@
 hf-p2r train --config configs/demo.yaml --pseudo_steps 50 --optimizer_carry copy
 ```
 
-Keys are flat (as in transformers' `run_clm.py`): every field of the argument dataclasses is both a YAML key and a
-`--flag` (spelled out: no abbreviations; `--field-name` works too, and `--no_FIELD` for a flag that defaults to true).
+Keys are flat (as in transformers' `run_clm.py`): every field of every section (`hf_p2r.config.sections`) is both a
+YAML key and a `--flag` (spelled out: no abbreviations; `--field-name` works too, and `--no_FIELD` for a flag that
+defaults to true).
 A list flag takes its values one after the other (`--partial_delink_blocks 2 4`); `none`, `[]` or no value clears it.
 Values are layered: each field's default, then the YAML file (`--config`), then the flags typed. Every bad input,
 whatever the YAML file or the command line holds, raises one `ConfigError` (a `ValueError`) of one line naming the
 field, the key or the file, and the problem.
 
-The parser is plain `argparse` built from the dataclasses' fields (their types, defaults and help), read the way
-transformers' `HfArgumentParser` reads them; nothing here imports torch or transformers, so `--help` and every
-configuration error answer at once.
+The parser is plain `argparse` built from the sections' fields (their types, defaults and help; `--help` lists them
+by section), read the way transformers' `HfArgumentParser` reads them; nothing here imports torch or transformers, so
+`--help` and every configuration error answer at once.
 """
 
 import argparse
@@ -28,15 +29,12 @@ from typing import Any, Literal
 
 import yaml
 
-from .arguments import DataArguments, ModelArguments, TrainArguments, offload_text
-from .fields import ConfigError, describe, matches, one_line, short, string_to_bool
+from .fields import ConfigError, check_value, one_line, short, string_to_bool
 from .model_file import read_model_config
 from .resume import LOCATION, STATE_FILE, different_run, resumed_values, saved_configuration
-from .rules import check_run
 from .run import TrainConfig
+from .sections import SECTION_OF, SECTIONS, ModelArguments
 
-# The argument dataclasses, in the order `--help` lists them and `TrainConfig` takes them.
-SECTIONS = (ModelArguments, DataArguments, TrainArguments)
 # The largest YAML configuration the trainer reads (the presets are a few kB).
 MAX_CONFIG_BYTES = 1 << 20
 DESCRIPTION = (
@@ -86,27 +84,18 @@ def with_model_config(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _default(name: str) -> Any:
-    return next(f.default for section in SECTIONS for f in dataclasses.fields(section) if f.name == name)
+    return SECTION_OF[name].__dataclass_fields__[name].default
 
 
 def build_config(values: dict[str, Any]) -> TrainConfig:
     """The `TrainConfig` of flat {field: value} (each field's default where absent), its fields checked one by one
-    and then together (`rules.check_run`)."""
-    parts = []
-    for section in SECTIONS:
-        names = {f.name for f in dataclasses.fields(section)}
-        parts.append(section(**{key: value for key, value in values.items() if key in names}))
-    config = TrainConfig(*parts)
-    check_run(config)
-    return config
+    and then together (`hf_p2r.config.rules`)."""
+    return TrainConfig.from_dict(values)
 
 
 def field_types() -> dict[str, Any]:
-    """{field name: its annotation} of every argument dataclass: the YAML keys and flags."""
-    hints = {}
-    for section in SECTIONS:
-        hints.update(typing.get_type_hints(section))
-    return hints
+    """{field name: its annotation} of every section: the YAML keys and flags."""
+    return {name: section.__dataclass_fields__[name].type for name, section in SECTION_OF.items()}
 
 
 # --- the command line -------------------------------------------------------------------------------------------------
@@ -117,9 +106,9 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str, shown_defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-    """The trainer's parser: one group of flags per argument dataclass, each flag typed, with its help and the value
-    it takes when not given (`shown_defaults`, e.g. the YAML file's, else the field's default). A flag not typed
-    leaves its field out of the result (argparse's SUPPRESS), so values can be layered."""
+    """The trainer's parser: one group of flags per section, each flag typed, with its help and the value it takes
+    when not given (`shown_defaults`, e.g. the YAML file's, else the field's default). A flag not typed leaves its
+    field out of the result (argparse's SUPPRESS), so values can be layered."""
     parser = _ArgumentParser(
         prog=prog,
         usage="%(prog)s [--config FILE] [--FIELD VALUE ...]",
@@ -129,12 +118,11 @@ def build_parser(prog: str, shown_defaults: dict[str, Any] | None = None) -> arg
     )
     parser.add_argument("--config", help="YAML file of FIELD: VALUE lines; flags on the command line override it.")
     shown = shown_defaults or {}
-    for section in SECTIONS:
-        group = parser.add_argument_group(section.__name__, (section.__doc__ or "").split("\n\n")[0])
-        hints = typing.get_type_hints(section)
+    for name, section in SECTIONS.items():
+        group = parser.add_argument_group(f"{name} ({section.__name__})", " ".join(section.__doc__.split()))
         for f in dataclasses.fields(section):
             declared = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            add_flag(group, f.name, hints[f.name], declared, shown.get(f.name, declared), f.metadata.get("help", ""))
+            add_flag(group, f.name, f.type, declared, shown.get(f.name, declared), f.metadata.get("help", ""))
     return parser
 
 
@@ -250,12 +238,10 @@ def checked_values(values: dict, where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: unknown key {short(key)}{hint}")
     converted = {}
     for key, value in values.items():
-        annotation = fields[key]
-        value = offload_text(value) if key == "offload" else from_text(value, annotation)
-        if not matches(value, annotation):
-            expected = describe(annotation) if key != "offload" else "auto, a ratio (0.5) or block indices ([1, 3])"
-            raise ConfigError(f"{where}: {key}: expected {expected}, got {short(value)}")
-        converted[key] = value
+        try:  # the field's own declared checks
+            converted[key] = check_value(SECTION_OF[key], key, from_text(value, fields[key]))
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
     return converted
 
 
@@ -311,4 +297,4 @@ def from_text(value: Any, annotation) -> Any:
     return value
 
 
-__all__ = ["MAX_CONFIG_BYTES", "SECTIONS", "build_config", "build_parser", "field_types", "parse_config", "read_yaml"]
+__all__ = ["MAX_CONFIG_BYTES", "build_config", "build_parser", "field_types", "parse_config", "read_yaml"]

@@ -16,30 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, read_json
-from .arguments import DataArguments, ModelArguments, TrainArguments
 from .fields import short
+from .sections import SECTION_OF
 
 # Where a run's checkpoints are (`output_dir/checkpoints/checkpoint-N/`) and the file each records its state and
 # configuration in (`hf_p2r.training.checkpointing` writes them).
 CHECKPOINTS, STATE_FILE = "checkpoints", "trainer_state.json"
 # Where the run is: this invocation's, whatever the checkpoint recorded.
 LOCATION = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
-# Fields free to change at a resume although they sit with those that may not (where data is cached, how it is
-# tokenized, where the model's config was read from: its values are what count).
-_FREE = {"model_config", "cache_dir", "preprocessing_num_workers"}
-# What a checkpoint's weights, data position and optimizer groups depend on: a resume keeps them.
-FIXED = tuple(
-    [f.name for kind in (ModelArguments, DataArguments) for f in dataclasses.fields(kind) if f.name not in _FREE]
-    + ["seed", "shared_lr_scale"]
-)
+# What a checkpoint's weights, data position and optimizer groups depend on: a resume keeps them (the fields declared
+# with `resume="fixed"`).
+FIXED = tuple(name for name, kind in SECTION_OF.items() if kind.__dataclass_fields__[name].metadata["resume"] != "free")
 
 
 def field_defaults() -> dict[str, Any]:
     """{field: its default} of every field."""
     defaults = {}
-    for kind in (ModelArguments, DataArguments, TrainArguments):
-        for f in dataclasses.fields(kind):
-            defaults[f.name] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    for name, kind in SECTION_OF.items():
+        f = kind.__dataclass_fields__[name]
+        defaults[name] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     return defaults
 
 

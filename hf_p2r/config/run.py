@@ -1,5 +1,6 @@
-"""`TrainConfig`: the whole run's configuration, and what is derived from it in one place: the delink schedule, the
-blocks at each step, the flat record a checkpoint keeps, the model's config.
+"""`TrainConfig`: the whole run's configuration, its sections (`hf_p2r.config.sections`), and what is derived from it in
+one place: the delink schedule, the blocks at each step, the learning-rate schedule, the flat record a checkpoint
+keeps, the model's config.
 
 Plain Python; only `p2r_config` (which builds transformers' config class) imports transformers, when called.
 """
@@ -10,27 +11,84 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from .arguments import MOE_FIELDS, DataArguments, ModelArguments, TrainArguments
-from .fields import ConfigError
+from .fields import ConfigError, build
+from .flat import TRAIN_SECTIONS, TrainArguments
+from .rules import check_run
+from .sections import (
+    MOE_FIELDS,
+    SECTION_OF,
+    SECTIONS,
+    CheckpointArguments,
+    ComputeArguments,
+    DataArguments,
+    LearningRateSchedule,
+    LoggingArguments,
+    ModelArguments,
+    OffloadArguments,
+    OptimizerArguments,
+    ParallelArguments,
+    ScheduleArguments,
+    StageArguments,
+    even_delink_steps,
+)
 
 
 @dataclass
 class TrainConfig:
-    """The whole run: `config.model`, `config.data`, `config.train`."""
+    """The whole run, by section: `config.model`, `config.data`, `config.stages`, `config.optim`, `config.schedule`,
+    `config.offload`, `config.parallel`, `config.compute`, `config.checkpointing`, `config.logging`. Each part of the
+    trainer is given the sections it reads. `TrainConfig.from_dict` builds one from flat values, checked."""
 
     model: ModelArguments
     data: DataArguments
-    train: TrainArguments
+    stages: StageArguments
+    optim: OptimizerArguments
+    schedule: ScheduleArguments
+    offload: OffloadArguments
+    parallel: ParallelArguments
+    compute: ComputeArguments
+    checkpointing: CheckpointArguments
+    logging: LoggingArguments
     # What the run says before it starts (a resume: the saved configuration and what the flags change).
     notes: list[str] = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], check: bool = True) -> "TrainConfig":
+        """The configuration of flat {field: value} (each field's default where absent), every value checked by its
+        field (`ConfigError` naming it), then, with `check`, the rules between fields (`hf_p2r.config.rules`).
+        Unknown keys are a `ConfigError` too."""
+        if unknown := sorted(key for key in values if key not in SECTION_OF):
+            raise ConfigError(f"{short_names(unknown)}: not a field of the trainer (see --help for the fields)")
+        parts = {
+            name: build(kind, {key: value for key, value in values.items() if SECTION_OF[key] is kind})
+            for name, kind in SECTIONS.items()
+        }
+        config = cls(**parts)
+        if check:
+            check_run(config)
+        return config
+
+    def sections(self) -> dict[str, Any]:
+        """{section name: section}, in `SECTIONS`' order."""
+        return {name: getattr(self, name) for name in SECTIONS}
+
+    @property
+    def train(self) -> TrainArguments:
+        """Every section but the model's and the data's as one flat object (`TrainArguments`), for code written
+        before the sections: reads and writes go to this configuration's own sections."""
+        return TrainArguments.of({name: part for name, part in self.sections().items() if name in TRAIN_SECTIONS})
 
     def to_dict(self) -> dict[str, Any]:
         """Flat {field: value}, the YAML layout (recorded in every checkpoint and given to trackers), resolved: the
         partial delinks' steps are the ones the run takes (`delink_schedule`), also where they were left to default."""
-        values = {**dataclasses.asdict(self.model), **dataclasses.asdict(self.data), **dataclasses.asdict(self.train)}
-        if self.train.pseudo_steps:
+        values = {key: value for part in self.sections().values() for key, value in dataclasses.asdict(part).items()}
+        if self.stages.pseudo_steps:
             values["partial_delink_steps"] = [step for step, _ in self.delink_schedule()[:-1]]
         return values
+
+    def lr_schedule(self) -> LearningRateSchedule:
+        """The learning rate's schedule (`hf_p2r.training.optim.learning_rate_at` reads it)."""
+        return LearningRateSchedule.of(self.optim, self.schedule, self.stages)
 
     def delink_schedule(self) -> list[tuple[int, int]]:
         """[(step, blocks after the delink at that step)], ending with (pseudo_steps, L); empty for a scratch run.
@@ -45,7 +103,7 @@ class TrainConfig:
         [(17, 2), (33, 4), (50, 8)]
         ```
         """
-        t = self.train
+        t = self.stages
         if t.pseudo_steps == 0:
             return []
         steps = t.partial_delink_steps or even_delink_steps(t.pseudo_steps, len(t.partial_delink_blocks))
@@ -53,7 +111,7 @@ class TrainConfig:
 
     def initial_blocks(self) -> int:
         """Blocks of the model at step 0: k for a P2R run, L for a real model trained from scratch."""
-        return self.model.num_unique_layers if self.train.pseudo_steps else self.model.num_hidden_layers
+        return self.model.num_unique_layers if self.stages.pseudo_steps else self.model.num_hidden_layers
 
     def blocks_at(self, step: int) -> int:
         """Blocks the model must have once every delink due at `step` (or before) is done."""
@@ -131,14 +189,5 @@ class TrainConfig:
             raise ConfigError(f"model: {re.sub(r'^[A-Za-z]+Error: ', '', message)}") from None
 
 
-def even_delink_steps(pseudo_steps: int, count: int) -> list[int]:
-    """`count` partial delinks evenly spaced over a pseudo stage of `pseudo_steps` steps: the i-th at
-    round(pseudo_steps * i / (count + 1)) (halves up), increasing and within (0, pseudo_steps) when
-    pseudo_steps > count.
-
-    ```python
-    >>> even_delink_steps(80, 2), even_delink_steps(3300, 4)  # configs/demo.yaml, configs/gpu_1b.yaml
-    ([27, 53], [660, 1320, 1980, 2640])
-    ```
-    """
-    return [(2 * pseudo_steps * i + count + 1) // (2 * (count + 1)) for i in range(1, count + 1)]
+def short_names(names: list[str]) -> str:
+    return ", ".join(repr(name)[:60] for name in names[:8]) + (", ..." if len(names) > 8 else "")

@@ -128,8 +128,9 @@ def save_checkpoint(
         (folder / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
     main = accelerator.is_main_process
-    limit = config.train.save_total_limit if main else None  # (the main process prunes)
-    with ExitStack() as rename, background_writes() if config.train.checkpoint_async else nullcontext([]) as futures:
+    saving = config.checkpointing
+    limit = saving.save_total_limit if main else None  # (the main process prunes)
+    with ExitStack() as rename, background_writes() if saving.checkpoint_async else nullcontext([]) as futures:
         if main:
             tmp = rename.enter_context(atomic_directory(destination, overwrite=True))  # renamed as the stack closes
             broadcast_object_list([str(tmp)])
@@ -332,7 +333,7 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
     state, stage, saved = read_trainer_state(path / STATE_FILE)
     if problem := different_run(path, saved, config.to_dict()):  # the fields its weights and groups depend on
         raise InputError(problem)
-    depth, args = config.model.num_hidden_layers, config.train
+    depth, args = config.model.num_hidden_layers, config.stages
     if stage not in (None, state.stage(depth)):
         raise InputError(
             f'{path / STATE_FILE}: stage "{stage}" does not match num_blocks {state.num_blocks} of {depth} layers'

@@ -17,14 +17,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_wsd_schedule
 
-from ..config import ConfigError, TrainArguments
+from ..config import ConfigError, LearningRateSchedule, OptimizerArguments
 from .carry import block_of
 from .offload import GranularOffload
 
 
 def build_optimizer(
     model: nn.Module,
-    args: TrainArguments,
+    args: OptimizerArguments,
     offload: GranularOffload | None = None,
     lr_scales: dict[int, float] | None = None,
 ) -> torch.optim.Optimizer:
@@ -83,7 +83,7 @@ def is_matrix(param: nn.Parameter) -> bool:
     return len(getattr(param, "ds_shape", param.shape)) >= 2
 
 
-def check_optimizer_supported(accelerator: Accelerator, args: TrainArguments) -> None:
+def check_optimizer_supported(accelerator: Accelerator, args: OptimizerArguments) -> None:
     """Raise `ConfigError` up front where `optimizer: muon` cannot run: its Newton–Schulz step needs each matrix
     whole, and FSDP (FSDP2's DTensor rows) and DeepSpeed's ZeRO (flat partitions) hand the optimizer shards. Gathering
     each matrix for its step is not implemented: the refusal says so in one line."""
@@ -215,7 +215,7 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return min(group["lr"] for group in optimizer.param_groups)
 
 
-def shared_lr_scales(model, args: TrainArguments) -> dict[int, float]:
+def shared_lr_scales(model, args: OptimizerArguments) -> dict[int, float]:
     """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths of the
     whole model. `model`: a P2R model, or a pipeline's stages (their parameters under the model's names, the whole
     model's layout in `config`)."""
@@ -229,7 +229,7 @@ def shared_lr_scales(model, args: TrainArguments) -> dict[int, float]:
     }
 
 
-def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -> float:
+def learning_rate_at(step: int, args: LearningRateSchedule, delink_steps: list[int]) -> float:
     """Learning rate of the update from `step` to `step + 1` (steps count from 0).
 
     Linear warm-up over `warmup_steps`, then `lr_scheduler` decay to `min_lr_ratio * learning_rate` at the schedule's

@@ -15,8 +15,8 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from ..config import LoggingArguments, TrainConfig
 from .checkpointing import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
-from .config import TrainArguments, TrainConfig
 from .metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -45,7 +45,8 @@ class StepLog:
         self,
         accelerator: Accelerator,
         state: TrainState,
-        args: TrainArguments,
+        args: LoggingArguments,
+        total_steps: int,
         tokens_per_step: int,
         depth: int,
         metrics_path: Path,
@@ -54,7 +55,7 @@ class StepLog:
         self.tokens_per_step, self.metrics_path = tokens_per_step, metrics_path
         self.interval_steps, self.interval_time = 0, 0.0  # in this process since the last record, for tokens_per_s
         self.progress = tqdm(
-            total=args.total_steps,
+            total=total_steps,
             initial=state.step,
             desc=state.stage(depth),
             dynamic_ncols=True,
@@ -121,7 +122,7 @@ def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> li
     nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run needs a readable metrics.jsonl.
     Called on every process (so all of them stop on an error)."""
     existing = [output_dir / name for name in OUTPUTS if (output_dir / name).exists()]
-    if not resumed and existing and not config.train.overwrite_output_dir:
+    if not resumed and existing and not config.checkpointing.overwrite_output_dir:
         raise FileExistsError(
             f"output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); pass "
             "--resume_from_checkpoint latest to continue it or --overwrite_output_dir true to start over"

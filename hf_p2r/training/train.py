@@ -69,7 +69,7 @@ def build_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config.p2r_config(vocab_size, num_blocks, special_tokens))
     if not meta:
-        materialize(model, config.train.seed)
+        materialize(model, config.compute.seed)
     if config.model.activation_checkpointing:
         model.activation_checkpointing_enable()
     return model.train()
@@ -91,31 +91,33 @@ def train(config: TrainConfig) -> int:
 
 def run(config: TrainConfig, engine: Engine) -> int:
     """The run itself, top to bottom, on `engine`; returns the exit code."""
-    args = config.train
+    stages, logging, saving, compute = config.stages, config.logging, config.checkpointing, config.compute
     started_run = time.perf_counter()
-    output_dir = Path(args.output_dir)
+    output_dir = Path(saving.output_dir)
     depth = config.model.num_hidden_layers
     delink_steps = [step for step, _ in config.delink_schedule()]
+    lr_schedule = config.lr_schedule()
 
     # Build: where the run starts, the data, the model (placed and parallelised by the engine); then resume.
     accelerator = engine.accelerator
-    checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    resume = saving.resume_from_checkpoint
+    checkpoint = resolve_checkpoint(output_dir, resume) if resume else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
     resumed = dataclasses.replace(state) if checkpoint else None  # where this invocation starts (for the summary)
     existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
     for note in config.notes:
         say(accelerator, note)
 
-    set_seed(args.seed)
+    set_seed(compute.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     if not config.data.streaming:
         with accelerator.main_process_first():  # the main process tokenizes, the others read its cache file
-            train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
+            train_blocks, validation_blocks = build_blocks(config.data, tokenizer, compute.seed)
     num_blocks = engine.model_blocks(state)
     engine.build(build_model(config, tokenizer, num_blocks, meta=True), num_blocks)  # it materialises what it holds
     if config.data.streaming:  # split by the engine's data layout (a pipelined engine's is known once built)
         train_blocks, validation_blocks = stream_blocks(
-            config.data, tokenizer, engine.data_rank, engine.data_size, args.eval_blocks
+            config.data, tokenizer, engine.data_rank, engine.data_size, logging.eval_blocks
         )
         if checkpoint:
             train_blocks.resume(state.stream_states, accelerator.process_index, accelerator.num_processes, checkpoint)
@@ -123,12 +125,14 @@ def run(config: TrainConfig, engine: Engine) -> int:
         engine.load(checkpoint, state)
         say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
     prepare_output_dir(accelerator, output_dir, config, state if checkpoint else None, existing)
-    if args.report_to != "none":
+    if logging.report_to != "none":
         accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
 
-    order = None if config.data.streaming else BlockOrder(len(train_blocks), args.seed)
-    log = StepLog(accelerator, state, args, engine.tokens_per_step, depth, output_dir / METRICS_FILE)
-    if checkpoint is None and args.eval_steps:
+    order = None if config.data.streaming else BlockOrder(len(train_blocks), compute.seed)
+    log = StepLog(
+        accelerator, state, logging, stages.total_steps, engine.tokens_per_step, depth, output_dir / METRICS_FILE
+    )
+    if checkpoint is None and logging.eval_steps:
         log.record(val_loss=engine.evaluate(validation_blocks))
 
     # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
@@ -145,15 +149,15 @@ def run(config: TrainConfig, engine: Engine) -> int:
                 log.record(event="delink", num_blocks_before=before, **extra)
                 log.say(f"step {state.step}: delinked {before} -> {target} blocks{engine.delink_note()}")
                 log.stage_changed()
-            if state.step >= args.total_steps:  # (read_state refuses a checkpoint past the end)
+            if state.step >= stages.total_steps:  # (read_state refuses a checkpoint past the end)
                 break
 
             started = time.perf_counter()
-            lr = learning_rate_at(state.step, args, delink_steps)
+            lr = learning_rate_at(state.step, lr_schedule, delink_steps)
             shared_lr = set_learning_rate(engine.optimizer, lr)  # (2BW steps inside its schedule, at this rate)
             losses = [
                 engine.forward_backward(next_batch(train_blocks, order, state, engine))
-                for _ in range(args.gradient_accumulation_steps)
+                for _ in range(compute.gradient_accumulation_steps)
             ]
             # One collective gives every process the same mean loss and the same stop decision.
             loss_value, signum = engine.mean_loss(losses, stop.signum)
@@ -162,15 +166,15 @@ def run(config: TrainConfig, engine: Engine) -> int:
             grad_norm = engine.optimizer_step()
             log.step(loss_value, lr, time.perf_counter() - started)
 
-            final = state.step == args.total_steps
+            final = state.step == stages.total_steps
             measure = log.measures(final, lr, shared_lr, grad_norm)
             if measure:
                 measure.update(engine.step_measures())
-            if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
+            if (logging.eval_steps and state.step % logging.eval_steps == 0) or state.step in delink_steps or final:
                 measure["val_loss"] = engine.evaluate(validation_blocks)
             if measure:
                 log.record(**measure)
-            if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
+            if (saving.save_steps and state.step % saving.save_steps == 0) or final or signum:
                 if config.data.streaming:  # every process's stream position, by process index
                     state.stream_states = gather_object([train_blocks.state_dict()])
                 saved = engine.training_state()
@@ -192,14 +196,14 @@ def run(config: TrainConfig, engine: Engine) -> int:
     engine.save_model(output_dir / "real", tokenizer)
     if accelerator.is_main_process:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {engine.title()}"
-        finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code, resumed)
+        finish_run(output_dir, title, time.perf_counter() - started_run, saving.remote_code, resumed)
     return 0
 
 
 def next_batch(blocks, order: BlockOrder | None, state: TrainState, engine: Engine) -> torch.Tensor:
     """This process's slice of the next global micro-batch (`engine.data_rank` of `engine.data_size`; a stream is
     already this process's share); advances the data position by the global batch."""
-    size = engine.args.per_device_batch_size
+    size = engine.config.compute.per_device_batch_size
     if isinstance(blocks, BlockStream):
         batch = blocks.take(size)
     else:
