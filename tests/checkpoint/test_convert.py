@@ -616,7 +616,7 @@ def test_script_wraps_the_cli(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
 
 
-# --- the README's section runs as written --------------------------------------------------------------------------
+# --- the docs' section runs as written ----------------------------------------------------------------------------
 
 
 def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, capsys):
@@ -630,7 +630,7 @@ def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, cap
     from hf_p2r.training.train import build_model
 
     repo = Path(__file__).resolve().parents[2]
-    section = (repo / "README.md").read_text().split("## Converting, exporting and publishing checkpoints")[1]
+    section = (repo / "docs" / "checkpoints.md").read_text().split("## Pseudo → real on disk, streamed")[1]
     section = section.split("\n## ")[0]
     config = parse_config(["--config", str(repo / "configs" / "demo.yaml")])
     pseudo = Path(config.train.output_dir) / "pseudo"
