@@ -1,7 +1,9 @@
 """P2R: a Llama decoder whose layers may share parameters (a *pseudo* model), and `delink()` to the *real* model.
 
 Weight names are Llama's, so a real (delinked) P2R checkpoint is a Llama checkpoint. Everything that is not about
-sharing (norm, rotary embedding, MLP, attention kernels, masks, caches, generation) comes from transformers.
+sharing comes from transformers: the attention and decoder layer are Llama's classes (P2R's attention changes only the
+KV-cache slot, which is the depth of the call), as are the MLP, norm, rotary embedding, attention kernels, masks,
+caches and generation.
 This file imports nothing from `hf_p2r`, so `save_pretrained(..., remote_code=True)` folders load anywhere with
 `trust_remote_code=True`.
 """
@@ -21,12 +23,13 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.integrations import use_kernelized_func
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -78,36 +81,13 @@ _PAGED_PSEUDO_ERROR = (
 )
 
 
-@use_kernelized_func(apply_rotary_pos_emb)
-class P2RAttention(nn.Module):
-    """Llama's attention, except that the KV-cache slot is the depth of the call, not the module's own index.
+class P2RAttention(LlamaAttention):
+    """Llama's attention, except that the KV-cache slot is the depth of the call (`layer_idx`), not the module's own
+    index.
 
     A shared block runs at several depths; with a fixed `self.layer_idx` every depth would write the same cache slot
     and cached generation would differ from uncached generation.
     """
-
-    def __init__(self, config: P2RConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-
-        self.q_proj = nn.Linear(
-            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.k_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
-        )
 
     @accepts_past_key_values
     def forward(
@@ -153,9 +133,16 @@ class P2RAttention(nn.Module):
         return attn_output, attn_weights
 
 
-class P2RDecoderLayer(GradientCheckpointingLayer):
+class P2RDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer (its forward: the `layer_idx` the model passes reaches `P2RAttention` through its
+    keyword arguments) with P2R's attention.
+
+    `LlamaDecoderLayer.__init__` is not called: it would build, and draw random numbers for, Llama's own attention
+    only to replace it. The modules are built in its order, so a seeded model's weights are unchanged.
+    """
+
     def __init__(self, config: P2RConfig, layer_idx: int):
-        super().__init__()
+        GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
 
         self.self_attn = P2RAttention(config=config, layer_idx=layer_idx)
@@ -166,40 +153,6 @@ class P2RDecoderLayer(GradientCheckpointingLayer):
         # Outputs added to the residual stream: `_init_weights` scales their init by depth.
         self.self_attn.o_proj.is_residual_projection = True
         self.mlp.down_proj.is_residual_projection = True
-
-    @accepts_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        layer_idx: int | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            layer_idx=layer_idx,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
 
 
 class P2RPreTrainedModel(PreTrainedModel):
