@@ -34,8 +34,11 @@ from ..errors import InputError
 from ..models.p2r.inventory_p2r import DEPTH_DEFAULT, LAYOUT_DEFAULTS, MOE_DEFAULTS, SHAPE_DEFAULTS, inventory
 from ..models.p2r.sharing_p2r import (
     LAYER_KEY,
+    RESIDUAL_OUTPUT,
+    DelinkPlan,
     delink_names,
     delink_sources,
+    plan_delink,
     reachable_block_counts,
     validate_layout,
     validate_moe,
@@ -72,6 +75,9 @@ def convert_pseudo_to_real(
     dst: str | os.PathLike,
     *,
     num_unique_layers: int | None = None,
+    num_hidden_layers: int | None = None,
+    growth: str = "stack",
+    function_preserving: bool = False,
     max_shard_size: int | str = "5GB",
     dtype=None,
     target: str = "p2r",
@@ -99,6 +105,13 @@ def convert_pseudo_to_real(
     source, re-sharded or cast, and a warning says so. Other counts must keep the function (`reachable_block_counts`):
     the message lists those that do.
 
+    `num_hidden_layers=L'` grows a checkpoint of depth d (a shallow one, or any) to L' layers, a delink along the
+    depths (`P2RPreTrainedModel.delink`, `sharing_p2r.plan_delink`): new layer i copies layer i mod d (`growth="stack"`)
+    or floor(i d / L') (`"interleave"`), byte for byte, into one block per layer unless `num_unique_layers` says fewer.
+    `function_preserving=True` writes zeros for the residual outputs (o_proj, down_proj) of the later copies of each
+    layer, so the output computes the source's function; a Depth-µP source (`depth_mup`) is refused there (its kept
+    outputs would need rescaling: grow it with `from_pretrained(..., function_preserving=True)` instead).
+
     `src` is only read, and only files within it (a Hub cache snapshot's links into its blobs included): a carried file
     that is a link out of `src`, a FIFO or a device is skipped with a warning naming it; weights or a config.json that
     lie outside `src` refuse the conversion. Sizes in config.json are bounded and checked against the safetensors
@@ -115,20 +128,37 @@ def convert_pseudo_to_real(
     >>> convert_pseudo_to_real("pseudo_1x24", "real_24", dtype="bfloat16")
     >>> convert_pseudo_to_real("pseudo_1x24", "pseudo_4x24", num_unique_layers=4)   # partial: 1 -> 4 blocks
     >>> convert_pseudo_to_real("real_24", "llama_24", target="llama")              # a real P2R folder -> Llama
+    >>> convert_pseudo_to_real("shallow_2", "grown_8", num_hidden_layers=8, function_preserving=True)   # growth
     ```
     """
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
     get_target(target)
     src = Path(src)
     config = read_p2r_config_dict(src)
-    blocks = conversion_blocks(
-        config, src, src / CONFIG_NAME, num_unique_layers=num_unique_layers, target=target, dtype=dtype
-    )
+    plan = None
+    if num_hidden_layers is not None and num_hidden_layers != config["num_hidden_layers"]:
+        plan = conversion_growth(
+            config,
+            src,
+            num_unique_layers=num_unique_layers,
+            num_hidden_layers=num_hidden_layers,
+            growth=growth,
+            function_preserving=function_preserving,
+            target=target,
+        )
+        blocks = plan.num_unique_layers
+    elif function_preserving:
+        raise InputError(f"function_preserving: nothing grows (num_hidden_layers is {src}'s own)")
+    else:
+        blocks = conversion_blocks(
+            config, src, src / CONFIG_NAME, num_unique_layers=num_unique_layers, target=target, dtype=dtype
+        )
     return rewrite_checkpoint(
         src,
         dst,
         config,
         num_blocks=blocks,
+        plan=plan,
         target=target,
         max_shard_size=max_shard_size,
         dtype=dtype,
@@ -151,6 +181,12 @@ def conversion_blocks(
     ):
         raise InputError(f"num_unique_layers must be an integer, got {num_unique_layers!r}")
     depth, stored = config["num_hidden_layers"], config["num_unique_layers"]
+    if config.get("real_num_hidden_layers") and not config["share_layers"] and not spec.real_only and dtype is None:
+        raise InputError(
+            f"{config_path}: {src} is a shallow checkpoint with a block per layer ({depth} of the real model's "
+            f"{config['real_num_hidden_layers']}): there is nothing to delink at its depth; grow it with "
+            f"num_hidden_layers (--num-hidden-layers {config['real_num_hidden_layers']})"
+        )
     if not config["share_layers"] and not spec.real_only and dtype is None:
         raise InputError(
             f"{config_path}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
@@ -175,6 +211,45 @@ def conversion_blocks(
             )
     spec.check(config, config_path)
     return blocks
+
+
+def conversion_growth(
+    config: dict,
+    src: Path,
+    *,
+    num_unique_layers: int | None,
+    num_hidden_layers: int,
+    growth: str,
+    function_preserving: bool,
+    target: str,
+) -> DelinkPlan:
+    """The `DelinkPlan` of growing the checkpoint `src` (config dict `config`, from `read_p2r_config_dict`) to
+    `num_hidden_layers` layers: `InputError` naming them for a growth the converter refuses, before anything is read
+    or written."""
+    spec, config_path = get_target(target), src / CONFIG_NAME
+    try:
+        plan = plan_delink(
+            config,
+            num_unique_layers,
+            num_hidden_layers=num_hidden_layers,
+            growth=growth,
+            function_preserving=function_preserving,
+        )
+    except ValueError as error:
+        raise InputError(f"{src}: {_cut(str(error))}") from None
+    if plan.output_scale != 1.0:
+        raise InputError(
+            f"{config_path}: depth_mup is true, and function-preserving growth rescales the kept layers' outputs "
+            "(a cast the streamed converter does not make): load it with from_pretrained(..., num_hidden_layers="
+            f"{num_hidden_layers}, growth={growth!r}, function_preserving=True) and save the result"
+        )
+    if spec.real_only and plan.num_unique_layers != num_hidden_layers:
+        raise InputError(
+            f"target={target!r} needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
+            f"not num_hidden_layers ({num_hidden_layers})"
+        )
+    spec.check({**config, **plan.fields}, config_path)
+    return plan
 
 
 def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
@@ -211,6 +286,7 @@ def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
         "share_layers": layout.share_layers,
         "num_unique_layers": layout.num_unique_layers,
         "sharing_pattern": layout.sharing_pattern,
+        **({"real_num_hidden_layers": layout.real_num_hidden_layers} if "real_num_hidden_layers" in config else {}),
     }
 
 
@@ -254,6 +330,7 @@ def rewrite_checkpoint(
     config: dict,
     *,
     num_blocks: int,
+    plan: DelinkPlan | None = None,
     target: str,
     max_shard_size: int,
     dtype: str | None,
@@ -263,7 +340,7 @@ def rewrite_checkpoint(
 ) -> Path:
     """Stream the checkpoint in `src` (whose config.json is `config`, from `read_p2r_config_dict`) into `dst` with
     `num_blocks` blocks (the shared engine of `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype`
-    already parsed; `target` checked by its `Target.check`)."""
+    already parsed; `target` checked by its `Target.check`), grown as `plan` says (`conversion_growth`) if given."""
     dst = Path(dst)
     _check_not_nested(src, dst)
     stored_blocks = config["num_unique_layers"] if config["share_layers"] else config["num_hidden_layers"]
@@ -279,8 +356,11 @@ def rewrite_checkpoint(
             f"{src}: {src / CONFIG_NAME} describes a model of {count} tensors but the weights hold {len(weights)}"
         )
     expected = parameter_shapes(config, stored_blocks)
+    out_config = config if plan is None else {**config, **plan.fields}  # the model written
     # new name -> source name: the delink map of the model, so conversion and delink() agree by construction
-    if num_blocks == stored_blocks:
+    if plan is not None:
+        new_to_old = delink_names(expected, list(plan.sources))
+    elif num_blocks == stored_blocks:
         new_to_old = {name: name for name in expected}
     else:
         try:
@@ -288,11 +368,17 @@ def rewrite_checkpoint(
         except ValueError as error:
             raise InputError(f"{src}: {error}") from None
         new_to_old = delink_names(expected, sources)
-    order = parameter_shapes(config, num_blocks)  # the order transformers itself saves in
+    order = parameter_shapes(out_config, num_blocks)  # the order transformers itself saves in
+    fresh = () if plan is None else plan.fresh
+    zeroed = {
+        name
+        for name in order
+        if (m := LAYER_KEY.match(name)) and int(m["block"]) in fresh and RESIDUAL_OUTPUT.match(m["rest"])
+    }
 
     source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
-    if num_blocks == stored_blocks and not get_target(target).real_only:
+    if num_blocks == stored_blocks and plan is None and not get_target(target).real_only:
         change = "a copy" if out_dtype == source_dtype else f"cast from {source_dtype} to {out_dtype}"
         logger.warning(f"nothing to delink: {src} already has {stored_blocks} blocks; {dst} is {change}")
     tensors = {new: weights[new_to_old[new]] for new in order}
@@ -300,31 +386,39 @@ def rewrite_checkpoint(
         "source": src.resolve().name,
         "source_kind": "pseudo" if config["share_layers"] else "real",
         "source_num_unique_layers": stored_blocks,
-        "num_hidden_layers": config["num_hidden_layers"],
+        "num_hidden_layers": out_config["num_hidden_layers"],
         "num_unique_layers": num_blocks,
         "sharing_pattern": config["sharing_pattern"],
+        **(
+            {}
+            if plan is None
+            else {"source_num_hidden_layers": config["num_hidden_layers"], "growth": growth_note(plan, zeroed)}
+        ),
         "dtype": f"{out_dtype} (unchanged)" if out_dtype == source_dtype else f"{out_dtype} (cast from {source_dtype})",
         "target": target,
         "converted_with": f"hf-p2r {_version('hf-p2r')}",
     }
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        if out_dtype == source_dtype:  # bytes as they are: copied by the kernel while the rest is written
+        if (
+            out_dtype == source_dtype and not zeroed
+        ):  # bytes as they are: copied by the kernel while the rest is written
             with copying(tmp, tensors, max_shard_size=max_shard_size, progress=progress):
-                _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
+                _write_the_rest(src, tmp, out_config, num_blocks, target, out_dtype, dst.name, provenance)
         else:
-            _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress)
-            _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
+            _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress, zeroed)
+            _write_the_rest(src, tmp, out_config, num_blocks, target, out_dtype, dst.name, provenance)
         if verify:
-            files = _verify_against_source(tmp, src, new_to_old, views, out_dtype)
+            files = _verify_against_source(tmp, src, new_to_old, views, out_dtype, zeroed)
             cast = "" if out_dtype == source_dtype else f" cast to {out_dtype}"
             layers = (
                 f"each of the {num_blocks} blocks is the block its depths ran in {src} ({stored_blocks} blocks)"
                 if num_blocks != stored_blocks
                 else f"the same {stored_blocks} blocks as {src}"
             )
+            zeros = f" ({len(zeroed)} new residual outputs all zeros)" if zeroed else ""
             logger.info(
                 f"verified {len(new_to_old)} tensors in {files} file{'s' * (files > 1)} before the rename: names, "
-                f"shapes and dtypes as planned, every byte equal to its source tensor's{cast}; {layers}"
+                f"shapes and dtypes as planned, every byte equal to its source tensor's{cast}{zeros}; {layers}"
             )
     return dst
 
@@ -333,6 +427,12 @@ def tensor_count(config: dict, num_blocks: int) -> int:
     """len(parameter_shapes(config, num_blocks)), counted without building it (`Inventory.disk_count`: one pass over
     the blocks, experts counted, not listed), so that a size can be checked before work grows with it."""
     return inventory(config, num_blocks).disk_count
+
+
+def growth_note(plan: DelinkPlan, zeroed: set) -> str:
+    """How a grown checkpoint's new layers started, for its model card."""
+    zeros = f"; {len(zeroed)} residual outputs of the later copies zeroed (function-preserving)" if zeroed else ""
+    return f"each new block copies block {list(plan.sources)} of the source{zeros}"
 
 
 def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, provenance) -> None:
@@ -367,36 +467,48 @@ def _version(package: str) -> str | None:
 
 
 def _write_cast(
-    tmp: Path, src: Path, new_to_old: dict, views: dict, order: dict, dtype: str, max_shard_size: int, progress: bool
+    tmp: Path,
+    src: Path,
+    new_to_old: dict,
+    views: dict,
+    order: dict,
+    dtype: str,
+    max_shard_size: int,
+    progress: bool,
+    zeroed: set = frozenset(),
 ):
-    """The weights cast to `dtype`: torch's path (the source memory-mapped, each tensor cast into a file-backed
-    scratch mapping on its way to safetensors)."""
+    """The weights cast to `dtype`, the `zeroed` ones zeros: torch's path (the source memory-mapped, each tensor cast
+    into a file-backed scratch mapping on its way to safetensors)."""
     import torch
 
     from .reader import CheckpointReader
     from .writer import write_checkpoint
 
     with CheckpointReader(src) as reader:
-        tensors = {new: _source_tensor(reader, new_to_old[new], views) for new in order}
+        tensors = {new: _source_tensor(reader, new_to_old[new], views, new in zeroed) for new in order}
         write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=getattr(torch, dtype), progress=progress)
 
 
-def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str) -> int:
+def _verify_against_source(
+    tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str, zeroed: set = frozenset()
+) -> int:
     import torch
 
     from .reader import CheckpointReader
 
     with CheckpointReader(src) as reader:
-        expected = {new: (_source_tensor(reader, old, views), getattr(torch, dtype)) for new, old in new_to_old.items()}
+        expected = {
+            new: (_source_tensor(reader, old, views, new in zeroed), getattr(torch, dtype))
+            for new, old in new_to_old.items()
+        }
         return verify_checkpoint(tmp, expected)
 
 
-def _source_tensor(reader, name: str, views: dict):
-    """The source tensor of `name`: stored under that name, or a view of a stored 3-D expert (`split_experts`)."""
-    if name not in views:
-        return reader.get(name)
-    source, index = views[name]
-    return reader.get(source)[index]
+def _source_tensor(reader, name: str, views: dict, zero: bool = False):
+    """The source tensor of `name`: stored under that name, or a view of a stored 3-D expert (`split_experts`); with
+    `zero`, zeros of its shape and dtype (one element, expanded: no memory)."""
+    tensor = reader.get(name) if name not in views else reader.get(views[name][0])[views[name][1]]
+    return tensor.new_zeros(()).expand(tensor.shape) if zero else tensor
 
 
 # A sparse layer's tensors as the model holds them in memory (3-D experts), which from_pretrained also loads.
@@ -471,7 +583,8 @@ def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> int:
             flat, flat_source = tensor.reshape(-1), source.reshape(-1)
             step = 1 << 22
             for start in range(0, flat.numel(), step):
-                chunk, source_chunk = flat[start : start + step], flat_source[start : start + step].to(dtype)
+                chunk = flat[start : start + step]
+                source_chunk = flat_source[start : start + step].to(dtype).contiguous()  # (zeros are expanded)
                 # bytes, not values: NaNs compare equal to themselves, -0.0 differs from 0.0
                 if not torch.equal(chunk.view(torch.uint8), source_chunk.view(torch.uint8)):
                     raise ValueError(f"{out.file_of(name)}: verify failed: {name} differs from its source")
