@@ -44,6 +44,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoint.card import render_model_card
+from ..compat import restore_forward
 from ..training.config import TrainArguments
 from ..training.delink import check_delink_supported, delink_in_training
 from ..training.optim import rewarm_factor
@@ -160,6 +161,9 @@ class P2RTrainerMixin:
         with the new optimizer."""
         accelerator, old_optimizer = self.accelerator, self.optimizer
         rates = [(group["lr"], group.get("initial_lr")) for group in old_optimizer.param_groups]
+        # Mixed precision's autocast forward off as Accelerate found the forward (one process and DDP delink in place
+        # and prepare the model again): a forward patched on the instance (TRL's fused LM head) stays.
+        restore_forward(accelerator.unwrap_model(self.model_wrapped))
 
         def trainers_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
             self.optimizer = None  # create_optimizer builds one only when there is none

@@ -22,22 +22,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(tmp_path, name: str, processes: int, resume: str | None = None) -> list[dict]:
-    """One run of `tests.integrations.helpers` under `accelerate launch` with `processes` CPU processes, each taking
-    an equal slice of the same global batch; its log history."""
+def launch(
+    tmp_path, name: str, processes: int, resume: str | None = None, fields=None, args=None, launcher=()
+) -> list[dict]:
+    """One run of `tests.integrations.helpers` under `accelerate launch` (`launcher`: its extra flags) with
+    `processes` CPU processes, each taking an equal slice of the same global batch; its log history."""
+    fields = {**FIELDS, **(fields or {})}
     spec = {
         "output_dir": str(tmp_path / name),
-        "fields": {**FIELDS, "per_device_batch_size": FIELDS["per_device_batch_size"] // processes},
-        "args": {"save_strategy": "steps", "save_steps": 2},
+        "fields": {**fields, "per_device_batch_size": fields["per_device_batch_size"] // processes},
+        "args": {"save_strategy": "steps", "save_steps": 2, **(args or {})},
         "world_size": processes,
         "resume": resume,
     }
     spec_file = tmp_path / f"{name}.json"
     spec_file.write_text(json.dumps(spec))
-    command = [ACCELERATE, "launch", "--num_processes", str(processes), "--main_process_port", str(free_port())]
-    command += ["--multi_gpu"] if processes > 1 else []
+    command = [ACCELERATE, "launch", *launcher, "--num_processes", str(processes)]
+    command += ["--main_process_port", str(free_port())] + (["--multi_gpu"] if processes > 1 else [])
     command += ["-m", "tests.integrations.helpers", str(spec_file)]
-    done = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return history(tmp_path / name)
 

@@ -183,6 +183,9 @@ def test_gradient_accumulation_and_bf16_autocast_go_on_after_the_delink(tmp_path
     assert len(losses) == 8 and all(0 < loss < 10 for loss in losses) and blocks_of_depths(trainer) == 4
     assert dtypes == [torch.bfloat16] * 4  # 2 steps x 2 micro-batches, under Accelerate's autocast again
     assert trainer.accelerator.mixed_precision == "bf16"
+    # The forward is the model's own, decorators included (Accelerate's unwrap would have kept its innermost function)
+    ids = torch.randint(0, 256, (1, 8))
+    assert isinstance(trainer.model(input_ids=ids, return_dict=False), tuple)
 
 
 def test_push_to_hub_publishes_the_real_model_with_hf_p2rs_card(tmp_path):
