@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
-from hf_p2r.integrations import P2RCallback
+from hf_p2r.integrations import P2RCallback, P2RTrainerMixin
 
 from .helpers import deterministic, p2r_config, trainer_for
 
@@ -211,6 +211,26 @@ def test_push_to_hub_publishes_the_real_model_with_hf_p2rs_card(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32).state_dict()
     trained = trainer.model.state_dict()
     assert all(torch.equal(loaded[name], trained[name]) for name in trained)
+
+
+def test_the_loops_private_hooks_are_still_called_with_its_model(tmp_path):
+    """P2RTrainer overrides two private methods of Trainer's loop (it passes them the model it prepared at the start):
+    a transformers release that stops calling them would leave FSDP2's clipping on the old model, silently."""
+    trainer = trainer_for(p2r_config(tmp_path, pseudo_steps=1, real_steps=2))
+    calls = {"_clip_grad_norm": [], "_get_grad_norm": []}
+
+    def spy(name):
+        def called(model, *args, **kwargs):
+            calls[name].append(model)
+            return getattr(P2RTrainerMixin, name)(trainer, model, *args, **kwargs)
+
+        return called
+
+    for name in calls:
+        setattr(trainer, name, spy(name))
+    trainer.train()
+    loops_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    assert [len(seen) for seen in calls.values()] == [3, 3] and all(m is loops_model for m in calls["_clip_grad_norm"])
 
 
 def test_a_plain_trainer_with_the_callback_is_refused_in_one_line(tmp_path):
