@@ -2,6 +2,8 @@
 at the same global batch, and a resume of the two-process run from a checkpoint of its real stage."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 
@@ -23,7 +25,7 @@ def free_port() -> int:
 
 
 def launch(
-    tmp_path, name: str, processes: int, resume: str | None = None, fields=None, args=None, launcher=()
+    tmp_path, name: str, processes: int, resume=None, fields=None, args=None, launcher=(), timeout: int = 900
 ) -> list[dict]:
     """One run of `tests.integrations.helpers` under `accelerate launch` (`launcher`: its extra flags) with
     `processes` CPU processes, each taking an equal slice of the same global batch; its log history."""
@@ -40,8 +42,18 @@ def launch(
     command = [ACCELERATE, "launch", *launcher, "--num_processes", str(processes)]
     command += ["--main_process_port", str(free_port())] + (["--multi_gpu"] if processes > 1 else [])
     command += ["-m", "tests.integrations.helpers", str(spec_file)]
-    done = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # Its own process group: a run past its time is ended with the processes the launcher started.
+    process = subprocess.Popen(
+        command, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    assert process.returncode == 0, stderr[-3000:]
     return history(tmp_path / name)
 
 
