@@ -7,8 +7,8 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
 `causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
-(`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
-`local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
+(`prepared_models`, `forget_preparation`, `restore_forward`), torch autograd and tensors (`in_backward`,
+`tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
 `initialize_pipeline_stage`, `pipeline_stage_backward`), torch.distributed.checkpoint (`dcp_reader`). A new read
 goes beside its library's, with a test.
 """
@@ -37,6 +37,7 @@ __all__ = [
     "pipeline_stage_backward",
     "prepared_models",
     "reshard_after_backward",
+    "restore_forward",
     "tensor_version",
     "zero3_copy_fp32_to_partitions",
     "zero3_full",
@@ -243,6 +244,20 @@ def forget_preparation(model) -> None:
     """Drop Accelerate's "already prepared" mark from `model` (`_is_accelerate_prepared`), so that the next `prepare`
     wraps it again (mixed precision's autocast forward included) instead of handing it back as it is."""
     vars(model).pop("_is_accelerate_prepared", None)
+
+
+def restore_forward(model) -> None:
+    """Put back the forward that Accelerate's mixed precision wrapped in autocast (`_original_forward`): the class's,
+    or one patched on the instance (TRL's fused LM head). `unwrap_model(keep_fp32_wrapper=False)` instead follows the
+    `__wrapped__` chain to its innermost function, past the model's own decorators (`can_return_tuple`) and past such
+    a patch."""
+    original = vars(model).pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__self__", None) is model and original.__func__ is type(model).forward:
+        vars(model).pop("forward", None)  # the class's: no instance attribute
+    else:
+        model.forward = original
 
 
 def local_tensor(tensor):
