@@ -698,7 +698,7 @@ def stream_blocks(
     files = f", {sum(size for _, size, _ in record['train_files']):,} bytes" if args.train_files else ""
     report = (
         f"data: train streamed from {field} {source}{files}, split over {data_size} process(es) and tokenized as it is "
-        "read (documents and tokens counted in metrics.jsonl's steps, not ahead)\n"
+        "read (its documents and tokens are not counted ahead)\n"
         f"data: validation the first {len(rows):,} blocks of {args.block_size} ({len(rows) * args.block_size:,} "
         f"tokens) of {held_out} {held_out_source}"
     )

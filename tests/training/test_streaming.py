@@ -346,7 +346,14 @@ def test_a_stream_resumes_only_on_the_shards_it_saved_or_warns_with_allow_data_c
     shards = jsonl_shards(tmp_path, 2)
     args = data_args(tmp_path, shards)
     tokenizer = byte_level_tokenizer()
-    stream, _ = stream_blocks(args, tokenizer, 0, 1, eval_blocks=2)
+    blocks = stream_blocks(args, tokenizer, 0, 1, eval_blocks=2)
+    assert blocks.report.splitlines() == [  # the run's first lines
+        f"data: train streamed from train_files {shards[0]}, {shards[1]} (2 files), "
+        f"{sum(map(os.path.getsize, shards)):,} bytes, split over 1 process(es) and tokenized as it is read (its "
+        "documents and tokens are not counted ahead)",
+        f"data: validation the first 2 blocks of 32 (64 tokens) of validation_files {args.validation_files[0]}",
+    ]
+    stream = blocks.train
     stream.take(3)
     states = json.loads(json.dumps([stream.state_dict()]))  # as a checkpoint keeps them
     assert states[0]["source"] == {"train_files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in shards]}
