@@ -62,14 +62,18 @@ def test_validation_is_held_out_by_document_and_the_report_counts_each_split(tmp
         split[name] = {texts.index(document) for document in whole}
         assert len(text) > sum(len(texts[i]) + 1 for i in split[name]) - 16
     assert not split["train"] & split["validation"], "no document in both splits"
-    held_out = [i for i in range(20) if i not in split["train"]]  # (the validation documents, the cut one included)
-    share = sum(len(texts[i]) for i in held_out) / sum(map(len, texts))
-    assert 0.2 <= share < 0.2 + max(map(len, texts)) / sum(map(len, texts))
+    total, longest = sum(map(len, texts)), max(map(len, texts))
+    outside_train = sum(len(texts[i]) for i in range(20) if i not in split["train"])  # (validation's, one cut)
+    assert (
+        outside_train / total >= 0.2 and sum(len(texts[i]) for i in split["validation"]) / total < 0.2 + longest / total
+    )
+    counts = [int(line.split()[2]) for line in blocks.report.splitlines()[1:]]
+    assert sum(counts) == 20 and all(0 <= counts[k] - len(split[n]) <= 1 for k, n in enumerate(split)), counts
     assert blocks.report.splitlines() == [
         f"data: train_files: 20 files, {sum(map(len, texts)):,} bytes; text files split into documents at blank lines "
         "(.py files: one document each)",
-        f"data: train {20 - len(held_out)} documents, {len(train) * 16:,} tokens in {len(train)} blocks of 16",
-        f"data: validation {len(held_out)} documents, {len(validation) * 16:,} tokens in {len(validation)} blocks of "
+        f"data: train {counts[0]} documents, {len(train) * 16:,} tokens in {len(train)} blocks of 16",
+        f"data: validation {counts[1]} documents, {len(validation) * 16:,} tokens in {len(validation)} blocks of "
         "16 (held out by document: 20% of the text)",
     ]
     again = build_blocks(args, tokenizer, seed=0)
