@@ -60,7 +60,11 @@ CHECKPOINTS = "checkpoints"
 # Fields that decide what a checkpoint's weights mean, or its optimizer's parameter groups: a resumed run must agree.
 _COMPATIBLE_FIELDS = (
     [f.name for f in dataclasses.fields(ModelArguments)]
-    + [f.name for f in dataclasses.fields(DataArguments) if f.name not in ("cache_dir", "preprocessing_num_workers")]
+    + [
+        f.name
+        for f in dataclasses.fields(DataArguments)
+        if f.name not in ("cache_dir", "preprocessing_num_workers", "allow_data_change")
+    ]
     + ["seed", "shared_lr_scale"]
 )
 

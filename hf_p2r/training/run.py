@@ -15,6 +15,7 @@ import yaml
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from ..checkpoint.card import usage_code
 from .checkpointing import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
 from .config import TrainArguments, TrainConfig
 from .metrics import (
@@ -216,12 +217,9 @@ def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remot
     width = max(map(len, names), default=0)
     lines += ["  outputs:", *(f"    {name:<{width}}  {text}" for name, (_, text) in zip(names, found))]
     real, pseudo, cli = output_dir / "real", output_dir / "pseudo", hf_p2r_command()
-    load = (
-        f"from transformers import AutoModelForCausalLM; model = AutoModelForCausalLM.from_pretrained({str(real)!r}, "
-        "trust_remote_code=True)"
-        if remote_code  # the modeling code is in real/
-        else f"import hf_p2r; from transformers import AutoModelForCausalLM; "
-        f"model = AutoModelForCausalLM.from_pretrained({str(real)!r})"
+    # with remote_code the modeling code is in real/, else `import hf_p2r` registers it; its tokenizer is there too
+    load = usage_code(
+        str(real), import_hf_p2r=not remote_code, remote_code=remote_code, has_tokenizer=True, one_line=True
     )
     lines += [
         "  next:",
