@@ -431,12 +431,13 @@ def test_readmes_that_cannot_be_hf_p2rs_card_go_up_unchanged(converted, hub, con
     assert _uploaded(hub)["README.md"] == content
 
 
-def test_token_shaped_strings_are_masked_too():
-    from hf_p2r.commands.push import _without_token
+def test_token_shaped_strings_are_masked_too(monkeypatch):
+    from hf_p2r.errors import redact
 
+    monkeypatch.setenv("HF_TOKEN", "not-hf-shaped-secret-0123")
     other = "hf_" + "A1b2" * 9
-    message = _without_token(f"401: {TOKEN} and {other}", TOKEN)
-    assert message == "401: *** and ***"
+    message = redact(f"401: {TOKEN} and {other}, not-hf-shaped-secret-0123")
+    assert message == "401: *** and ***, ***"
 
 
 _CARD_FIELDS = ["model_type", "architectures", "num_hidden_layers", "share_layers", "num_unique_layers", "auto_map"]
