@@ -288,3 +288,13 @@ def test_the_optimizer_is_checked_whichever_model_and_direction(tmp_path, moe, s
         with pytest.raises(InputError, match=OPTIMIZER_MESSAGE.format(saved="adamw", now="muon")):
             read_state(tmp_path, config("muon"))
 
+
+@pytest.mark.parametrize("inside", ["", "out"], ids=["the checkpoint", "inside it"])
+def test_an_output_dir_in_the_checkpoint_it_resumes_from_is_refused(run, inside):
+    """The run's outputs (checkpoints, metrics, models) would be written into the checkpoint it reads."""
+    checkpoint = run / "checkpoints/checkpoint-3"
+    before = snapshot(run)
+    argv = tiny_argv(checkpoint / inside, **SCHEDULE, resume_from_checkpoint=checkpoint)
+    with pytest.raises(InputError, match=r"is the checkpoint it resumes from \(.*checkpoint-3\) or lies inside it"):
+        train(parse_config(argv))
+    assert snapshot(run) == before
