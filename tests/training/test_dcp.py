@@ -308,6 +308,9 @@ def _steps(model, optimizer, ids, count: int) -> list[float]:
 def _sharded(folder: str, rank: int, world: int) -> dict:
     """Each process half of the batch. (a) Two steps, a checkpoint, two more; (b) the one-process checkpoint
     loaded, two more steps."""
+    import torch.distributed.checkpoint as dcp_module
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     from hf_p2r.training.dcp import load_model_state, model_state, save
@@ -317,6 +320,10 @@ def _sharded(folder: str, rank: int, world: int) -> dict:
     model, optimizer = _model_and_optimizer(mesh)
     _steps(model, optimizer, ids, 2)
     save(Path(folder) / "sharded", model_state(model, optimizer))
+    # What Accelerate's FSDP2 SHARDED_STATE_DICT save writes (an engine folder of its format): the optimizer's whole
+    # state dict, its parameter groups pickled values
+    optimizer_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp_module.save(optimizer_state, storage_writer=FileSystemWriter(Path(folder) / "optimizer_0"))
     after = _steps(model, optimizer, ids, 2)
     model, optimizer = _model_and_optimizer(mesh)
     load_model_state(Path(folder) / "one", model, optimizer)
@@ -351,6 +358,12 @@ def test_fsdp2_shards_resume_on_one_process_and_back(fsdp2):
     weight = chunks["model.model.layers.0.mlp.up_proj.weight"]
     assert [tuple(chunk.sizes) for chunk in weight.chunks] == [(32, 32), (32, 32)]  # each process wrote its half
     assert "optimizer.model.layers.0.mlp.up_proj.weight.exp_avg" in chunks
+    # issue 36's checks accept what FSDP2 writes: hf-p2r's DCP checkpoint, and Accelerate's engine folder
+    from hf_p2r.checkpoint.dcp_metadata import read_dcp_metadata
+
+    read_dcp_metadata(folder / "sharded")
+    engine_folder = read_dcp_metadata(folder / "optimizer_0", bytes_entries=True).state_dict_metadata
+    assert any(type(entry).__name__ == "BytesStorageMetadata" for entry in engine_folder.values()), "the control"
     model, optimizer = _model_and_optimizer()
     load_model_state(folder / "sharded", model, optimizer)
     from_sharded = _steps(model, optimizer, BATCH, 2)

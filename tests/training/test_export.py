@@ -282,3 +282,18 @@ def test_a_conversion_the_converter_refuses_is_refused_first_naming_the_checkpoi
     state = run / "checkpoints/checkpoint-4/trainer_state.json"
     assert capsys.readouterr().err.startswith(f"hf-p2r export: error: {state}: share_layers is false")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_half_covered_tensor_is_exit_2_and_nothing_written_as_users_run_it(run, tmp_path):
+    """What once wrote uninitialised memory (values like 1e38) and exited 0: in a fresh process, with a timeout."""
+    checkpoint = Path(shutil.copytree(run / "checkpoints/checkpoint-4", tmp_path / "checkpoint-4"))
+    _rewrite_metadata(checkpoint, _halve_embeddings)
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "export", str(checkpoint), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.count("\n") == 1 and re.search(BAD["a tensor half covered"], result.stderr), result.stderr
+    assert not (tmp_path / "out").exists()

@@ -298,3 +298,22 @@ def test_an_output_dir_in_the_checkpoint_it_resumes_from_is_refused(run, inside)
     with pytest.raises(InputError, match=r"is the checkpoint it resumes from \(.*checkpoint-3\) or lies inside it"):
         train(parse_config(argv))
     assert snapshot(run) == before
+
+
+def test_another_optimizer_is_one_line_and_exit_2_as_users_run_it(run):
+    """In a fresh process, with a timeout: the field named, no traceback, nothing changed."""
+    before = snapshot(run)
+    argv = tiny_argv(run, **SCHEDULE, optimizer="muon", resume_from_checkpoint=run / "checkpoints/checkpoint-3")
+    result = subprocess.run(
+        [PYTHON, str(REPO / "scripts/train.py"), *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "(optimizer='adamw' there, 'muon' now)" in errors[0], errors
+    assert "Traceback" not in result.stderr + result.stdout
+    assert snapshot(run) == before
