@@ -172,7 +172,9 @@ class OutputDirLock:
             except OSError as error:
                 os.close(fd)
                 if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    return None  # no flock on this file system
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)  # no flock on this file system: no lock, no lock file
+                    return None
                 raise
             try:  # the holder may have released (removed) the file between our open and our lock: the lock is ours
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))  # only if the file is still the path's
@@ -232,6 +234,10 @@ def holding_output_dir(accelerator: Accelerator, output_dir: Path) -> Iterator[N
     if problem is not None:
         in_use, text = problem
         raise (InputError if in_use else OSError)(text)
+    if lock is not None and not lock.held:
+        say(
+            accelerator, f"output_dir: {printable(output_dir)}'s file system has no flock: this run holds no lock on it"
+        )
     try:
         yield
     finally:

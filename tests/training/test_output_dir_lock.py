@@ -106,3 +106,21 @@ def test_a_second_trainer_on_the_same_output_dir_is_refused_naming_the_first(tmp
     assert steps and steps == sorted(set(steps)), "one run's records, in order"
     (checkpoint,) = list_checkpoints(output_dir)  # the first run's, saved at its stop
     assert int(checkpoint.name.removeprefix("checkpoint-")) >= steps[-1]
+
+
+def test_a_file_system_without_flock_runs_without_a_lock_and_says_so(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from accelerate import Accelerator
+
+    from hf_p2r.training.run import holding_output_dir
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with holding_output_dir(Accelerator(cpu=True), tmp_path / "run"):
+        assert (tmp_path / "run").is_dir()
+    assert "run's file system has no flock: this run holds no lock on it" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists(), "no lock file left, and the folder it made removed"
