@@ -380,13 +380,15 @@ _DCP_METADATA_GLOBALS = {
 }
 
 
-def dcp_reader(path):
+def dcp_reader(path, *, bytes_entries: bool = False):
     """torch.distributed.checkpoint's `FileSystemReader` for `path` whose `.metadata` (a pickle, which torch's reader
     loads with `pickle.load`: any code a crafted file names would run) is unpickled naming only DCP's metadata records,
     torch.Size, dtypes, layouts and paths; anything else is `pickle.UnpicklingError` before it is called. The shards'
     tensors torch reads itself, with `torch.load(weights_only=True)`; an entry of pickled bytes (which DCP would load
-    with `weights_only=False`) is refused with the rest. Reads the reader's private `_get_metadata_path`,
-    `fs` and `load_id` (the same in torch 2.11 and 2.15) to do what its `read_metadata` does."""
+    with `weights_only=False`) is refused with the rest, unless `bytes_entries` (to check the metadata of a folder
+    another library loads, such as Accelerate's FSDP optimizer state, whose bytes entries are then checked one by one:
+    never load through such a reader). Reads the reader's private `_get_metadata_path`, `fs` and `load_id` (the same in
+    torch 2.11 and 2.15) to do what its `read_metadata` does."""
     import pickle
 
     import torch
@@ -395,8 +397,13 @@ def dcp_reader(path):
 
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str):
-            allowed = name in _DCP_METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            allowed = (
+                name in _DCP_METADATA_GLOBALS.get(module, ())
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+                or (
+                    bytes_entries
+                    and (module, name) == ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+                )
             )
             if not allowed:
                 raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")

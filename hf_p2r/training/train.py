@@ -41,6 +41,7 @@ from .run import (
     check_finite,
     check_output_dir,
     finish_run,
+    holding_output_dir,
     non_finite_loss,
     prepare_output_dir,
     say,
@@ -79,7 +80,8 @@ def train(config: TrainConfig) -> int:
     # The engine: its Accelerator (what it cannot run is refused now), later the model it places and parallelises.
     engine = engine_for(config)
     try:
-        return run(config, engine)
+        with holding_output_dir(engine.accelerator, Path(config.train.output_dir)):  # one run per output_dir
+            return run(config, engine)
     finally:
         abandon_checkpoint()  # an error's way out: a checkpoint still written in the background (checkpoint_async) ends
         engine.close()  # every way out (done, stopped by a signal, an error) releases what it built and ends the run
