@@ -65,14 +65,14 @@ def hide_gpus_for_cpu_launch() -> None:
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     """Parse the trainer's arguments (`hf_p2r.config.parse_config`, torch-free: `--help` and every configuration
     error answer before torch is imported) and run it; returns the exit code. Expected errors are one line on stderr,
-    `prog: error: ...`."""
+    `prog: error: ...` (`hf_p2r.errors.one_line`, as every command prints them)."""
     from .config import parse_config
-    from .errors import exit_code
+    from .errors import exit_code, one_line
 
     try:
         config = parse_config(argv, prog=prog)
     except ValueError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)
         return 2
     hide_gpus_for_cpu_launch()
     set_malloc()  # before torch allocates anything
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     try:
         return train(config)
     except (ValueError, OSError, NonFiniteLossError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)  # (redacted: `run`, the cli's run_redacted)
         return exit_code(error)
 
 
@@ -109,7 +109,9 @@ def run(argv: list[str] | None = None) -> int:
     """The trainer as a process's entry point (`python -m hf_p2r.train`, a launcher's `-m hf_p2r.train`,
     `scripts/train.py`): `stop_with_launcher`, then `main`."""
     stop_with_launcher()
-    return main(argv)
+    from .errors import run_redacted
+
+    return run_redacted(lambda: main(argv))  # the Hub token never printed
 
 
 if __name__ == "__main__":

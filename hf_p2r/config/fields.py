@@ -26,6 +26,7 @@ from typing import Any, Literal
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 
+from .. import errors
 from ..errors import InputError
 
 
@@ -212,9 +213,8 @@ def short(value: Any) -> str:
 
 
 def one_line(text: str, limit: int = 400) -> str:
-    """`text` on one printable line of at most `limit` characters (control characters escaped)."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.split()))
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+    """`text` on one printable line of at most `limit` characters: `hf_p2r.errors.one_line`, every message's."""
+    return errors.one_line(text, limit)
 
 
 __all__ = [

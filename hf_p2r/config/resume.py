@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, read_json
+from ..errors import InputError, printable, read_json
 from .fields import short
 from .sections import SECTION_OF
 
@@ -75,10 +75,18 @@ def different_run(checkpoint: Path, saved: dict, current: dict) -> str | None:
     if not names:
         return None
     defaults = field_defaults()
+    then = {name: saved.get(name, defaults[name]) for name in names}
     details = ", ".join(
-        f"{name}={saved.get(name, defaults[name])!r} there, {current.get(name, defaults[name])!r} now" for name in names
+        f"{name}={printable(repr(then[name]), 80)} there, {printable(repr(current.get(name, defaults[name])), 80)} now"
+        for name in names
     )
-    return f"resume_from_checkpoint: {checkpoint} comes from a different run ({details})"
+    hint = (
+        f"; an optimizer's state does not load into another's: resume with --optimizer "
+        f"{printable(then['optimizer'], 20)}, or start a new run"
+        if "optimizer" in names
+        else ""
+    )
+    return f"resume_from_checkpoint: {checkpoint} comes from a different run ({details}){hint}"
 
 
 def resumed_values(saved: dict, from_file: dict, flags: dict, checkpoint: Path) -> tuple[dict[str, Any], list[str]]:

@@ -49,8 +49,11 @@ class TrainConfig:
     compute: ComputeArguments
     checkpointing: CheckpointArguments
     logging: LoggingArguments
-    # What the run says before it starts (a resume: the saved configuration and what the flags change).
-    notes: list[str] = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self):
+        # What the run says before it starts (a resume: the saved configuration and what the flags change). Not a
+        # field: the configuration's fields are its sections.
+        self.notes: list[str] = []
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], check: bool = True) -> "TrainConfig":
@@ -143,6 +146,7 @@ class TrainConfig:
             attention_bias=m.attention_bias,
             attention_dropout=m.attention_dropout,
             mlp_bias=m.mlp_bias,
+            depth_mup=m.depth_mup,
             share_layers=num_blocks < depth,
             num_unique_layers=num_blocks if num_blocks < depth else None,
             sharing_pattern=m.sharing_pattern,
@@ -153,7 +157,9 @@ class TrainConfig:
         """The model's fields as the model's own torch-free validators (`validate_layout`, `validate_moe`) and the
         pipeline split read them: what `p2r_config` would build, without transformers (the defaults P2RConfig fills
         in filled the same way)."""
-        fields = self.model_fields(vocab_size or self.model.vocab_size or 256, num_blocks)
+        fields = {"real_num_hidden_layers": None} | self.model_fields(
+            vocab_size or self.model.vocab_size or 256, num_blocks
+        )
         if self.model.num_experts:
             fields.update(output_router_logits=False)
             fields["moe_intermediate_size"] = fields["moe_intermediate_size"] or fields["intermediate_size"]

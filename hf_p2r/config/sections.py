@@ -163,6 +163,12 @@ class ModelArguments:
         resume="fixed",
     )
     mlp_bias: bool = option(False, "Biases in the MLP projections.", resume="fixed")
+    depth_mup: bool = option(
+        False,
+        "Depth-muP (arXiv 2310.02244): each residual branch's output times 1/sqrt(num_hidden_layers), and the blocks' "
+        "learning rate too (the model's block_lr_scale; hf_p2r.training.optim.shared_lr_scales).",
+        resume="fixed",
+    )
     attn_implementation: str = option("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, ...", resume="fixed")
     activation_checkpointing: bool = option(
         False,
@@ -197,10 +203,23 @@ class DataArguments:
     dataset_config_name: str | None = option(None, "The Hub dataset's configuration.", resume="fixed")
     train_files: list[str] = option(
         [],
-        "Local .txt/.md/.py (one document per file), .json/.jsonl or .parquet files, or folders of them.",
+        "Local .txt/.md/.rst/.py (split into documents: text_document_separator), .json/.jsonl or .parquet files (a"
+        " record is a document), or folders of them.",
         resume="fixed",
     )
     text_column: str = option("text", "Column holding the text (JSON, Parquet and Hub datasets).", resume="fixed")
+    text_document_separator: str | None = option(
+        None,
+        "Where a text file (.txt/.md/.py/.rst) splits into documents: a string (escapes \\n \\t \\f read as such,"
+        " e.g. '\\n\\n\\n' or '<|endoftext|>'), or '' for one document per file. Default: at blank lines (a line of"
+        " whitespace only) in .txt/.md/.rst files; each .py file is one document.",
+        resume="fixed",
+    )
+    allow_data_change: bool = option(
+        False,
+        "Resume on training data that differs from the checkpoint's (files added, removed or modified) with a "
+        "one-line warning, instead of refusing: its data position then points into other data.",
+    )
     streaming: bool = option(
         False,
         "Stream dataset_name or train_files (.jsonl/.parquet/text shards): read, split per process, tokenized and"
@@ -232,7 +251,7 @@ class DataArguments:
     )
     validation_fraction: float = option(
         0.05,
-        "Share of the blocks held out for validation.",
+        "Share of the text held out for validation, by whole documents (map-style runs).",
         check=between(0.0, 1.0, strict_low=True, strict_high=True),
         resume="fixed",
     )
@@ -282,6 +301,7 @@ class OptimizerArguments:
         "adamw",
         "adamw, or muon: torch.optim.Muon for the blocks' matrices (an MoE model's experts one expert at a time),"
         " AdamW for the embeddings, norms, head and biases (hf_p2r.training.optim.MuonAdamW).",
+        resume="fixed",
     )
     learning_rate: float = option(1e-3, "Peak AdamW learning rate.", check=above(0.0))
     weight_decay: float = option(0.1, "AdamW weight decay (matrices and embeddings only).", check=at_least(0.0))
@@ -501,7 +521,12 @@ class CheckpointArguments:
         "CPU memory, training goes on while a background thread writes it, and the checkpoint is renamed into "
         "place when the write completes (hf_p2r.training.checkpointing).",
     )
-    remote_code: bool = option(True, "Save the modeling code with pseudo/ and real/ (trust_remote_code).")
+    remote_code: bool = option(
+        False,
+        "Save the modeling code with pseudo/ and real/ (config.json's auto_map), for loading with "
+        "trust_remote_code=True where hf-p2r is not installed. Off: the folders load after `import hf_p2r` with "
+        "AutoModelForCausalLM and AutoTokenizer as they are, and transformers asks nothing.",
+    )
 
 
 @section

@@ -37,7 +37,8 @@ def build_optimizer(
     on their host masters (`GranularOffload.build_optimizer`; Muon's Newton–Schulz too). torch's fused AdamW is used
     wherever it applies (not on FSDP2's DTensor shards), with or without offload, so the two give the same updates.
     Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared block's by the depths it runs
-    at; a Muon group's also carries `muon_learning_rate / learning_rate`): the training loop sets each group's rate to
+    at, or the model's `depth_mup` scales the blocks' by its `block_lr_scale`: `shared_lr_scales`; a Muon group's also
+    carries `muon_learning_rate / learning_rate`): the training loop sets each group's rate to
     the schedule's times it. `lr_scales` ({id(parameter): factor}) replaces the model's own where `model` holds a part
     of it (pipeline stages).
     """
@@ -216,14 +217,17 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
 
 
 def shared_lr_scales(model, args: OptimizerArguments) -> dict[int, float]:
-    """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths of the
-    whole model. `model`: a P2R model, or a pipeline's stages (their parameters under the model's names, the whole
-    model's layout in `config`)."""
-    if args.shared_lr_scale == "none":
+    """{id(parameter): learning-rate factor} of the blocks' parameters: with `shared_lr_scale: depth`, 1/n for a block
+    run at n depths of the whole model; under the model's `depth_mup`, times its `block_lr_scale` (1/sqrt(L) of the
+    depth the model has now, TP VI's eta/sqrt(L): a depth growth's new optimizer takes the new depth's). `model`: a P2R
+    model, or a pipeline's stages (their parameters under the model's names, the whole model's layout in `config`)."""
+    config = model.config
+    depth_scale = config.block_lr_scale if getattr(config, "depth_mup", False) else 1.0
+    uses = Counter(config.block_of_depth) if args.shared_lr_scale == "depth" else None
+    if uses is None and depth_scale == 1.0:
         return {}
-    uses = Counter(model.config.block_of_depth)
     return {
-        id(param): 1.0 / uses[block]
+        id(param): depth_scale / (uses[block] if uses is not None else 1)
         for name, param in model.named_parameters()
         if (block := block_of(name)) is not None
     }
@@ -256,10 +260,15 @@ def learning_rate_at(step: int, args: LearningRateSchedule, delink_steps: list[i
         floor = 1.0 if args.lr_scheduler == "constant" else args.min_lr_ratio
         lr = peak * (floor + (1.0 - floor) * decay)
     if args.lr_after_delink == "rewarm":
-        since = [step - delink_step for delink_step in delink_steps if delink_step <= step]
-        if since:
-            lr *= min(1.0, (min(since) + 1) / args.rewarm_steps)
+        lr *= rewarm_factor(step, delink_steps, args.rewarm_steps)
     return lr
+
+
+def rewarm_factor(step: int, delink_steps: list[int], rewarm_steps: int) -> float:
+    """`lr_after_delink: rewarm`'s factor on the rate of the update from `step`: (steps since the last delink at or
+    before `step`, + 1) / `rewarm_steps`, at most 1 (1 before the first delink)."""
+    since = [step - delink_step for delink_step in delink_steps if delink_step <= step]
+    return min(1.0, (min(since) + 1) / rewarm_steps) if since else 1.0
 
 
 @functools.cache

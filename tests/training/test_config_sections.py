@@ -4,6 +4,9 @@ preset and every field name of the flat configuration load unchanged), and the f
 sections."""
 
 import dataclasses
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +14,13 @@ import yaml
 
 from hf_p2r import P2RForCausalLM
 from hf_p2r.config import SECTIONS, ConfigError, TrainArguments, TrainConfig, parse_config
+from hf_p2r.config.flat import TrainArguments as FlatView
 from hf_p2r.config.parse import read_yaml
 from hf_p2r.config.rules import RULES
+from hf_p2r.training import train
 from hf_p2r.training.optim import build_optimizer, learning_rate_at
 
-from .helpers import REPO
+from .helpers import REPO, tiny_argv
 
 # Every field of the flat configuration (hf_p2r/training/config.py before the sections): the keys users' YAML files
 # and command lines hold.
@@ -128,3 +133,93 @@ def test_each_part_takes_its_section(tmp_path):
         learning_rate_at(s, config.train, delinks) for s in range(240)
     ]
     assert dataclasses.is_dataclass(config.optim) and not hasattr(config.optim, "optimizer_carry")
+
+
+def test_the_saved_folders_carry_no_code_by_default_and_depth_mup_reaches_the_optimizer():
+    """remote_code defaults to false (issue 37.2: no auto_map, so `import hf_p2r` then AutoTokenizer /
+    AutoModelForCausalLM load without transformers asking; test_train and test_usage_snippets run those loads); the
+    model section's depth_mup reaches the model's config and, through it, the blocks' learning rates."""
+    assert parse_config([]).checkpointing.remote_code is False
+    config = parse_config(["--depth_mup", "true", "--num_hidden_layers", "4", "--pseudo_steps", "0"])
+    with torch.device("meta"):
+        model = P2RForCausalLM(config.p2r_config(256, 4, {}))
+    assert model.config.depth_mup and model.config.block_lr_scale == 0.5
+    scales = {group["lr_scale"] for group in build_optimizer(model, config.optim).param_groups}
+    assert scales == {0.5, 1.0}
+
+
+# Where each section may go, as hf_p2r/config/sections.py's table promises: the files (under hf_p2r/) whose functions
+# take it as an argument, besides the configuration package itself. delink.py and offload.py take a flat view of the
+# sections they read (`TrainArguments.of`), counted here as each of them; delink.py hands its view on to
+# build_optimizer (optim.py).
+SECTION_READERS = {
+    "model": set(),  # (read through TrainConfig.p2r_config by build_model)
+    "data": {"training/data.py"},
+    "stages": {"training/delink.py", "training/checkpointing.py", "training/optim.py"},
+    "optim": {"training/optim.py", "training/delink.py"},
+    "schedule": set(),  # (TrainConfig.lr_schedule)
+    "offload": {"training/offload.py", "training/delink.py", "training/optim.py"},
+    "parallel": set(),  # (the pipeline engine, from its config)
+    "compute": {"training/offload.py", "training/delink.py", "training/optim.py"},
+    "checkpointing": set(),
+    "logging": {"training/run.py"},
+}
+# The functions given the whole configuration: the run's top, the engines it builds, what a checkpoint records.
+WHOLE_CONFIG = {
+    "training/train.py:train",
+    "training/train.py:run",
+    "training/train.py:build_model",
+    "training/engines/__init__.py:engine_for",
+    "training/engines/base.py:Engine.__init__",
+    "training/engines/accelerate.py:AccelerateEngine.__init__",
+    "training/engines/pipeline.py:PipelineEngine.__init__",
+    "training/checkpointing.py:save_checkpoint",
+    "training/checkpointing.py:read_state",
+    "training/run.py:check_output_dir",
+    "training/run.py:prepare_output_dir",
+}
+
+
+def test_each_section_is_given_to_its_part_of_the_trainer(tmp_path):
+    """A traced one-process run (pseudo stage, a partial delink, the delink, the real stage, checkpoints): every
+    function of hf_p2r called with a section takes only the sections its part reads (SECTION_READERS), and only the
+    few at the top take the whole configuration (WHOLE_CONFIG); the data, the optimizer and the log are each reached
+    with their own section."""
+    package = str(REPO / "hf_p2r") + os.sep
+    kinds = {cls: name for name, cls in SECTIONS.items()}
+    received: dict[str, set[str]] = {}
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(package):
+            return
+        where = f"{Path(code.co_filename).relative_to(REPO / 'hf_p2r')}:{code.co_qualname}"
+        for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+            value = frame.f_locals.get(name)
+            if type(value) is TrainConfig:
+                received.setdefault(where, set()).add("config")
+            elif type(value) in kinds:
+                received.setdefault(where, set()).add(kinds[type(value)])
+            elif type(value) is FlatView:
+                received.setdefault(where, set()).update(value.__dict__["_sections"])
+
+    config = parse_config(tiny_argv(tmp_path / "run", pseudo_steps=2, real_steps=2, partial_delink_blocks=2,
+                                    save_steps=2))  # fmt: skip
+    sys.setprofile(profile)
+    try:
+        assert train(config) == 0
+    finally:
+        sys.setprofile(None)
+    outside = {where: names for where, names in received.items() if not where.startswith("config/")}
+    whole = {where for where, names in outside.items() if "config" in names}
+    assert whole <= WHOLE_CONFIG, sorted(whole - WHOLE_CONFIG)
+    strays = {
+        f"{where} takes {name}"
+        for where, names in outside.items()
+        for name in names - {"config"}
+        if where.split(":")[0] not in SECTION_READERS[name]
+    }
+    assert not strays, sorted(strays)
+    assert {"data"} <= received["training/data.py:build_blocks"]
+    assert received["training/optim.py:check_optimizer_supported"] == {"optim"}
+    assert received["training/run.py:StepLog.__init__"] == {"logging"}
