@@ -7,10 +7,10 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
 `causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
-(`prepared_models`, `forget_preparation`, `restore_forward`), torch autograd and tensors (`in_backward`,
-`tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
-`initialize_pipeline_stage`, `pipeline_stage_backward`), torch.distributed.checkpoint (`dcp_reader`). A new read
-goes beside its library's, with a test.
+(`prepared_models`, `forget_preparation`, `restore_forward`, `import_deepspeed_only_when_used`), torch autograd and
+tensors (`in_backward`, `tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`),
+torch.distributed.pipelining (`pipeline_order`, `initialize_pipeline_stage`, `pipeline_stage_backward`),
+torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with a test.
 """
 
 import importlib
@@ -26,6 +26,7 @@ __all__ = [
     "dynamo_counters",
     "forward_without_checkpointing",
     "forget_preparation",
+    "import_deepspeed_only_when_used",
     "in_backward",
     "init_module_weights",
     "initialize_pipeline_stage",
@@ -238,6 +239,29 @@ def prepared_models(accelerator) -> list:
     """The models `accelerator.prepare` returned and still holds (what `save_state` saves): a DeepSpeed engine, DDP,
     or the model itself when prepared in place (one device, FSDP2). Accelerate keeps them in `_models`."""
     return list(accelerator._models)
+
+
+def import_deepspeed_only_when_used() -> None:
+    """Make Accelerate's model unwrapping (`Accelerator.unwrap_model`, `extract_model_from_parallel`) import DeepSpeed
+    only where DeepSpeed is already imported (idempotent).
+
+    It imports DeepSpeed whenever DeepSpeed is installed, to test whether a model is its engine, and DeepSpeed's
+    import prints "Setting accelerator to CPU" (and more) into a run that does not use it. A model can only be a
+    DeepSpeed engine once DeepSpeed has been imported (Accelerate imports it to make one), so the test is skipped
+    before: Accelerate reads its `is_deepspeed_available` from `accelerate.utils.other`'s namespace there."""
+    import sys
+
+    from accelerate.utils import other
+
+    available = other.is_deepspeed_available
+    if getattr(available, "only_when_imported", False):
+        return
+
+    def is_deepspeed_available() -> bool:
+        return "deepspeed" in sys.modules and available()
+
+    is_deepspeed_available.only_when_imported = True
+    other.is_deepspeed_available = is_deepspeed_available
 
 
 def forget_preparation(model) -> None:
