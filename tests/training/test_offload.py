@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_p2r.compat import tensor_version
-from hf_p2r.training.offload import (
+from hf_p2r.distributed.offload import (
     GranularOffload,
     decoder_layers,
     estimate_device_bytes,

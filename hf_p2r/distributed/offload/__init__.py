@@ -1,0 +1,35 @@
+"""Granular CPU offload (M6-10T's second technique), applied to a model from outside it, a module per job:
+
+- `estimates`: which blocks (`select_layers`: indices, a ratio, `auto` within a budget) and what a choice costs in
+  device and host memory (`estimate_device_bytes`, `estimate_host_bytes`, `offload_working_set_bytes`, the
+  planner's formula too);
+- `placement`: each offloaded block's one (pinned) host allocation, everything else on the compute device;
+- `fetch`: the hooks that copy a block in just before it runs and release it after;
+- `gradients`: the gradient path to the host and the clip that needs no pass over it;
+- `step`: the optimizer step of the offloaded parameters (on the host, or on the device in chunks);
+- `granular`: `GranularOffload`, which puts them together.
+
+The trainer's adapter (`hf_p2r.training.offload.apply_offload`) builds one from the run's configuration. Names load
+on first use (PEP 562).
+"""
+
+from ...lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".estimates": (
+            "DEFAULT_BUDGET_FRACTION",
+            "decoder_layers",
+            "estimate_device_bytes",
+            "estimate_host_bytes",
+            "execution_order",
+            "measure_activation_bytes",
+            "offload_working_set_bytes",
+            "select_layers",
+            "spread_layers",
+        ),
+        ".granular": ("GranularOffload",),
+        ".step": ("DEFAULT_CHUNK_BYTES", "OPTIMIZER_STEPS"),
+    },
+)
