@@ -348,6 +348,34 @@ class TrainArguments:
         default=256.0,
         metadata={"help": "device_chunked: MiB of parameters, gradients and optimizer state stepped at a time."},
     )
+    offload_grad_accumulation: Literal["host", "device"] = field(
+        default="host",
+        metadata={
+            "help": "Where an offloaded block's gradient is summed over a step's micro-batches: host (each "
+            "micro-batch's gradient sent and added on the CPU; no device memory) or device (summed on the device in "
+            "a buffer per offloaded parameter, offload_grad_dtype bytes each, and sent once per step)."
+        },
+    )
+    offload_grad_dtype: Literal["fp32", "bf16"] = field(
+        default="fp32",
+        metadata={"help": "offload_grad_accumulation device: dtype of the sums and of their copy to the host."},
+    )
+    offload_update: Literal["after_backward", "during_backward", "delayed"] = field(
+        default="after_backward",
+        metadata={
+            "help": "When the host updates offloaded blocks (offload_optimizer host): after_backward (each block "
+            "while the next forward runs, before its use), during_backward (each block once its last gradient has "
+            "landed; needs max_grad_norm 0) or delayed (during the next step, which sends the weights of the update "
+            "before: one step stale, as ZeRO-Offload's delayed parameter update; not exact)."
+        },
+    )
+    offload_delay_correction: Literal["none", "error_feedback"] = field(
+        default="none",
+        metadata={"help": "offload_update delayed: correct the stale update (PipeDream-2BW's error feedback)."},
+    )
+    offload_host_threads: int = field(
+        default=1, metadata={"help": "Host threads updating offloaded blocks (and summing their gradients), >= 1."}
+    )
     pipeline_parallel_size: int = field(
         default=1,
         metadata={"help": "Pipeline stages (processes) the model is split into by depth (hf_p2r.distributed)."},

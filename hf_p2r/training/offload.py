@@ -24,7 +24,7 @@ from ..distributed.offload.estimates import (
 )
 from ..distributed.offload.granular import GranularOffload
 from ..distributed.offload.step import DEFAULT_CHUNK_BYTES, OPTIMIZER_STEPS
-from .config import TrainArguments
+from .config import ConfigError, TrainArguments
 
 __all__ = [
     "DEFAULT_BUDGET_FRACTION",
@@ -48,11 +48,20 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
     """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it.
 
     Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks).
-    Raises `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA.
+    Raises `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA, and for
+    `offload_update: during_backward` with clipping.
     """
     if args.offload is None:
         return None
     args.check_offload_budget(accelerator.device.type)  # ConfigError: `auto` with no device memory to plan for
+    if args.offload_update == "during_backward" and args.max_grad_norm:
+        raise ConfigError(
+            "offload_update: during_backward steps each offloaded block before the whole gradient's norm is known, "
+            f"so it cannot clip (max_grad_norm is {args.max_grad_norm:g}): set max_grad_norm 0, or offload_update "
+            "delayed or after_backward"
+        )
+    if args.offload_host_threads < 1:
+        raise ConfigError(f"offload_host_threads: must be at least 1, got {args.offload_host_threads}")
     budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
     meta = any(param.is_meta for param in model.parameters())
     return GranularOffload(
@@ -67,6 +76,15 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         optimizer_step=args.offload_optimizer,
         chunk_bytes=max(1, int(args.offload_chunk_mb * 2**20)),
         overlap_step=True,  # the engine calls `synchronize` before it reads weights or optimizer state itself
+        grad_accumulation=args.offload_grad_accumulation,
+        accumulation_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.offload_grad_dtype]
+        if args.offload_grad_accumulation == "device"
+        else None,
+        # Accelerate's `accumulate()` says before each forward whether its backward ends the step's accumulation.
+        last_micro_batch=lambda: accelerator.sync_gradients,
+        update=args.offload_update,
+        delay_correction=args.offload_delay_correction,
+        host_threads=args.offload_host_threads,
         # A model on the meta device: each part materialised straight into its home (`materialize`'s values).
         materialize=partial(_materialize_parts, model, args.seed) if meta else None,
     )

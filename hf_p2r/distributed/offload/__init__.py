@@ -5,9 +5,13 @@
   planner's formula too);
 - `placement`: each offloaded block's one (pinned) host allocation, everything else on the compute device;
 - `fetch`: the hooks that copy a block in just before it runs and release it after;
-- `gradients`: the gradient path to the host and the clip that needs no pass over it;
-- `step`: the optimizer step of the offloaded parameters (on the host, or on the device in chunks);
-- `granular`: `GranularOffload`, which puts them together.
+- `gradients`: the gradient path to the host (or the sums on the device, sent once per step) and the clip that needs
+  no pass over it;
+- `step`: the optimizer step of the offloaded parameters (on the host after the backward, during it, or delayed by a
+  step; or on the device in chunks);
+- `granular`: `GranularOffload`, which puts them together;
+- `step_time`: a model of the offloaded step's time from the device's compute, the bus and the host's measured rates
+  (torch-free: the planner uses it).
 
 The trainer's adapter (`hf_p2r.training.offload.apply_offload`) builds one from the run's configuration. Names load
 on first use (PEP 562).
@@ -20,6 +24,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
     {
         ".estimates": (
             "DEFAULT_BUDGET_FRACTION",
+            "GRADIENT_ACCUMULATIONS",
             "decoder_layers",
             "estimate_device_bytes",
             "estimate_host_bytes",
@@ -30,6 +35,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "spread_layers",
         ),
         ".granular": ("GranularOffload",),
-        ".step": ("DEFAULT_CHUNK_BYTES", "OPTIMIZER_STEPS"),
+        ".step": ("DEFAULT_CHUNK_BYTES", "OPTIMIZER_STEPS", "UPDATES"),
+        ".step_time": ("HostRates", "OffloadStep", "predict_step_seconds"),
     },
 )

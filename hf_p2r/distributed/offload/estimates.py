@@ -11,6 +11,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from .step_time import spread_layers
+
 __all__ = [
     "DEFAULT_BUDGET_FRACTION",
     "GRADIENT_ACCUMULATIONS",
@@ -56,18 +58,6 @@ def execution_order(model: nn.Module) -> list[int]:
     pseudo model comes back at several depths), `0..n-1` for other decoders."""
     order = getattr(getattr(model, "config", None), "block_of_depth", None)
     return list(order) if order is not None else list(range(len(decoder_layers(model))))
-
-
-def spread_layers(count: int, num_blocks: int) -> list[int]:
-    """`count` of `num_blocks` block indices, evenly spaced and ending at the last block.
-
-    Spacing lets each offloaded block's copy overlap the compute of the resident blocks before it; the first blocks
-    are offloaded last because nothing runs before them in forward to hide their copy.
-
-    >>> spread_layers(4, 8), spread_layers(2, 8), spread_layers(3, 8)
-    ([1, 3, 5, 7], [3, 7], [2, 5, 7])
-    """
-    return sorted(num_blocks - 1 - (i * num_blocks) // count for i in range(count))
 
 
 def unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -151,14 +141,23 @@ def estimate_device_bytes(
 ALIGN = 64
 
 
-def slab_specs(params: Sequence[torch.Tensor], compute_dtype: torch.dtype | None) -> list[tuple]:
+def slab_specs(
+    params: Sequence[torch.Tensor],
+    compute_dtype: torch.dtype | None,
+    grad_dtype: torch.dtype | None = None,
+    *,
+    delayed: bool = False,
+) -> list[tuple]:
     """(shape, dtype) of a block's host tensors, in order: the masters; the copies sent to the device, for the
-    parameters whose dtype differs from `compute_dtype`; the buffers gradients land in (in the device dtype)."""
+    parameters whose dtype differs from `compute_dtype` (`delayed`: for every parameter, twice: the copies a step
+    sends and those the update running meanwhile writes); the buffers gradients land in (in `grad_dtype`, default
+    the device dtype)."""
     works = [compute_dtype or p.dtype for p in params]
+    sources = [(p.shape, dtype) for p, dtype in zip(params, works) if dtype != p.dtype or delayed]
     return (
         [(p.shape, p.dtype) for p in params]
-        + [(p.shape, dtype) for p, dtype in zip(params, works) if dtype != p.dtype]
-        + [(p.shape, dtype) for p, dtype in zip(params, works)]
+        + sources * (2 if delayed else 1)
+        + [(p.shape, grad_dtype or dtype) for p, dtype in zip(params, works)]
     )
 
 
@@ -174,21 +173,28 @@ def estimate_host_bytes(
     compute_dtype: torch.dtype | None = None,
     pinned: bool = True,
     optimizer_states: int = 2,
+    grad_dtype: torch.dtype | None = None,
+    delayed: bool = False,
+    error_feedback: bool = False,
 ) -> int:
     """CPU bytes of the blocks `offloaded`: what `GranularOffload` allocates for them, plus their gradients and their
     optimizer state (`optimizer_states` tensors per parameter, AdamW: 2, in the parameter's dtype).
 
     Each block has one allocation (`slab_specs`): its parameters, their `compute_dtype` copies to send (when that
-    dtype differs) and the buffers their gradients land in. `pinned` (the compute device is CUDA): torch's caching
-    host allocator rounds every pinned allocation up to a power of two, so that is what it costs.
+    dtype differs; `delayed`: two copies of each), and the buffers their gradients land in (in `grad_dtype`). With
+    `grad_dtype` the parameter's (`grad_accumulation="device"`), that buffer is the gradient: none besides it.
+    `error_feedback`: the last update of each parameter and the weights before the update running. `pinned` (the
+    compute device is CUDA): torch's caching host allocator rounds every pinned allocation up to a power of two, so
+    that is what it costs.
     """
     blocks = decoder_layers(model)
     total = 0
     for i in sorted(set(offloaded)):
         params = unique(blocks[i].parameters())
-        slab = slab_bytes(slab_specs(params, compute_dtype))
+        slab = slab_bytes(slab_specs(params, compute_dtype, grad_dtype, delayed=delayed))
         total += 1 << (slab - 1).bit_length() if pinned and slab > 1 else slab
-        total += (1 + optimizer_states) * sum(p.numel() * p.element_size() for p in params)
+        extra = optimizer_states + 2 * error_feedback + (grad_dtype is None or grad_dtype != params[0].dtype)
+        total += extra * sum(p.numel() * p.element_size() for p in params)
     return total
 
 

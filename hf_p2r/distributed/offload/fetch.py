@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ...compat import in_backward, tensor_version
 from .estimates import decoder_layers
@@ -43,29 +44,33 @@ class FetchHooks:
         """Allocate the block's device tensors and start copying the masters in (on the side stream when CUDA)."""
         if block.fetched:
             return
-        self._wait_for_step(block.index)  # `overlap_step`: its update is done first
+        if self.update != "delayed":  # its update is done first (`delayed` sends the copies of the one before)
+            with record_function("offload.wait_step"):
+                self._wait_for_step(block.index)
         block.fetched = True
         self.copied_bytes["to_device"] += sum(s.numel() * s.element_size() for s in block.sources)
-        if self._h2d is None:
-            for work, source in zip(block.works, block.sources):
-                alloc(work)
-                work.copy_(source)
-            return
-        with torch.cuda.stream(self._h2d):
-            # Device memory stays bounded by `prefetch + 1` blocks however far the CPU runs ahead of the GPU. The copies
-            # are allocated on this side stream and `_release` frees them without `record_stream`, so the caching
-            # allocator hands a released block's memory straight to the next allocation on this stream. That is safe
-            # because this stream first waits for the compute stream's last use of every released block (the event
-            # `_release` recorded): a copy into reused memory starts only after the kernels reading it are done.
-            # (With `record_stream` the allocator reuses memory only once the GPU has passed the recorded point, as
-            # seen from the CPU at allocation time; a CPU running ahead then gets fresh memory for every fetch and the
-            # cache grows until an out-of-memory retry stalls it. FSDP2 orders its all-gather buffers the same way.)
-            if self._freed is not None:
-                self._h2d.wait_event(self._freed)
-            for work, source in zip(block.works, block.sources):
-                alloc(work)
-                work.copy_(source, non_blocking=True)  # same dtype, pinned: an asynchronous memcpy
-            block.event = self._h2d.record_event()
+        with record_function("offload.fetch"):
+            if self._h2d is None:
+                for work, source in zip(block.works, block.sources):
+                    alloc(work)
+                    work.copy_(source)
+                return
+            with torch.cuda.stream(self._h2d):
+                # Device memory stays bounded by `prefetch + 1` blocks however far the CPU runs ahead of the GPU. The
+                # copies are allocated on this side stream and `_release` frees them without `record_stream`, so the
+                # caching allocator hands a released block's memory straight to the next allocation on this stream.
+                # That is safe because this stream first waits for the compute stream's last use of every released
+                # block (the event `_release` recorded): a copy into reused memory starts only after the kernels
+                # reading it are done. (With `record_stream` the allocator reuses memory only once the GPU has passed
+                # the recorded point, as seen from the CPU at allocation time; a CPU running ahead then gets fresh
+                # memory for every fetch and the cache grows until an out-of-memory retry stalls it. FSDP2 orders its
+                # all-gather buffers the same way.)
+                if self._freed is not None:
+                    self._h2d.wait_event(self._freed)
+                for work, source in zip(block.works, block.sources):
+                    alloc(work)
+                    work.copy_(source, non_blocking=True)  # same dtype, pinned: an asynchronous memcpy
+                block.event = self._h2d.record_event()
 
     def _ready(self, block: Block) -> None:
         """Make the compute stream wait for the block's copy before it uses the weights."""
@@ -107,6 +112,7 @@ class FetchHooks:
         self._training = torch.is_grad_enabled()
         self._schedule = self._order + self._order[::-1] if self._training else list(self._order)
         self._check_autocast()
+        self._begin_step_bookkeeping()
         for block in self._blocks.values():
             for i, (p, master, work, source) in enumerate(zip(block.params, block.masters, block.works, block.sources)):
                 if p.data_ptr() != master.data_ptr():
@@ -115,12 +121,16 @@ class FetchHooks:
                         "offload: an offloaded parameter was moved or replaced while GranularOffload is applied "
                         "(model.to(), .half(), ...); call offload.remove() first and apply it again after"
                     )
-                stepping = block.index in self._steps  # its step refreshes its copies (`_step_block`)
+                # Its step refreshes its copies (`_step_block`; `delayed`: swapped in at the next step).
+                stepping = block.index in self._steps or block.swap_pending
                 if source is not master and not stepping and (self._stale or block.versions[i] != tensor_version(p)):
+                    if self._h2d is not None:
+                        self._h2d.synchronize()  # (rare: weights written between steps) no copy still reads it
                     source.copy_(master)
                     block.versions[i] = tensor_version(p)
                 if p.grad is not None:  # accumulated on the CPU; this backward's gradient is added to it
-                    self._grads[p] = p.grad
+                    staged = p.grad.data_ptr() == block.staging[i].data_ptr()  # (`grad_accumulation="device"`)
+                    self._grads[p] = p.grad.clone() if staged else p.grad
                     p.grad = None
                 self._norms.pop(p, None)
                 p.data = work
@@ -203,15 +213,24 @@ class FetchHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _end(self) -> None:
-        """Close the window: gradients into the CPU `.grad`, device copies released, `p.data` back to the masters."""
+        """Close the window: device copies released, `p.data` back to the masters; after a sending backward (the
+        step's last micro-batch, see `last_micro_batch`; every backward without it) the gradients into the CPU
+        `.grad`. A backward that sends nothing waits for nothing (its gradients stay on the device or with the
+        worker), so the micro-batches of a step run without a synchronisation between them."""
         if not self._window:
             return
         self._window = False
-        if self._h2d is not None:
-            self._h2d.synchronize()  # a prefetch still reading a master must finish before the optimizer writes it
-        self._finish_gradients()
+        sending = self._training and self._sending
+        if sending:
+            if self._backward:
+                self._send_accumulated()
+            if self._h2d is not None:  # a prefetch still reading a master must finish before the optimizer writes it
+                with record_function("offload.wait_fetches"):
+                    self._h2d.synchronize()
+            self._finish_gradients()
         for block in self._blocks.values():
             self._release(block)
             for p, master in zip(block.params, block.masters):
                 p.data = master
-                self._hand_over_gradient(p)
+                if sending and block.index not in self._early:  # (an early step took its gradients)
+                    self._hand_over_gradient(p)

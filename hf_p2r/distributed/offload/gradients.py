@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ...compat import tensor_version
 
@@ -15,8 +16,9 @@ __all__ = ["GradientPath"]
 
 
 class GradientPath:
-    """`GranularOffload`'s gradients: `_grad_ready` (the hook), `_collect` (the worker), `_finish_gradients` and
-    `_hand_over_gradient` (at the end of a backward), `clip_grad_norm_`."""
+    """`GranularOffload`'s gradients: `_grad_ready` (the hook; with `grad_accumulation="device"` the device sums),
+    `_send` (the copy to the host), `_collect` (the worker), `_finish_gradients` and `_hand_over_gradient` (at the
+    end of a backward), `clip_grad_norm_`."""
 
     def _install_gradient_hooks(self) -> list:
         return [p.register_post_accumulate_grad_hook(self._grad_ready) for b in self._blocks.values() for p in b.params]
@@ -35,51 +37,100 @@ class GradientPath:
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         """Autograd has accumulated `p`'s gradient: once per backward after its last use, or with reentrant
-        checkpointing once per inner backward that uses it. Its norm is taken where it is (the compute device) when it
-        is the first part of `p`'s gradient; it is copied to `p`'s staging buffer (CUDA: on the side stream) and the
-        worker adds it to `p`'s CPU gradient, while the backward goes on."""
+        checkpointing once per inner backward that uses it. With `grad_accumulation="host"` it is sent now (`_send`).
+        With "device" it is added to `p`'s buffer on the device, and the sum is sent only by the step's last
+        micro-batch (`last_micro_batch`), once the block's last use in that backward is behind (`_final`; what is left
+        is sent at the end of the backward)."""
         self._queue_finish()
         grad, p.grad = p.grad, None
-        if (earlier := self._pending.pop(p, None)) is not None:  # the staging buffer still holds an earlier part
-            earlier.result()
+        if self.grad_accumulation == "device":
+            with record_function("offload.accumulate_on_device"):
+                held = self._accumulated.pop(p, None)
+                if held is not None:
+                    grad = held.add_(grad)  # type promotion: the same sums as the host's, bit for bit
+                elif grad.dtype != self._accumulation_dtype(p):
+                    grad = grad.to(self._accumulation_dtype(p))
+            if not (self._sending and self._final(p)):
+                self._accumulated[p] = grad
+                return
+        self._send(p, grad)
+
+    def _accumulation_dtype(self, p: nn.Parameter) -> torch.dtype:
+        return self._host[p][1].dtype  # the staging buffer's (`accumulation_dtype`, default the master's)
+
+    def _final(self, p: nn.Parameter) -> bool:
+        """Whether the backward running now is past the last use of `p`'s block (its lowest depth)."""
+        return self._bpos is not None and self._bpos >= self._last_position.get(self._where[p][0].index, 0)
+
+    def _send_accumulated(self) -> None:
+        """The end of a sending backward: the device sums whose last part `_final` did not recognise are sent now."""
+        while self._accumulated:
+            p, grad = self._accumulated.popitem()
+            self._send(p, grad)
+
+    def _send(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Copy a gradient (a part, or a step's device sum) into `p`'s staging buffer (CUDA: on the side stream) and
+        have the worker add it to `p`'s CPU gradient while the backward goes on. Its norm is taken where it is (the
+        compute device) when it is the first part of `p`'s gradient."""
+        with record_function("offload.wait_staging"):
+            if (earlier := self._pending.pop(p, None)) is not None:  # the staging buffer still holds an earlier part
+                earlier.result()
+            if self.grad_accumulation == "device":  # the staging buffer may be the `.grad` its last step still reads
+                self._wait_for_step(self._where[p][0].index)
         master, host = self._host[p]
         nbytes = grad.numel() * grad.element_size()
         self.copied_bytes["to_host"] += nbytes
         # The norm of what `.grad` will hold (in the master's dtype); of a sum of parts the worker takes it instead.
         norm = None if p in self._grads else torch.linalg.vector_norm(grad, dtype=master.dtype)
         event = None
-        if self._d2h is None:
-            host.copy_(grad)
-        else:
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                host.copy_(grad, non_blocking=True)
-                grad.record_stream(self._d2h)  # freed on the compute stream now, reused only after the copy
-                event = self._d2h.record_event()
-            self._bound_inflight(event, nbytes)
-        self._pending[p] = self._worker.submit(self._collect, p, event, norm)
+        with record_function("offload.gradient_copy"):
+            if self._d2h is None:
+                host.copy_(grad)
+            else:
+                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._d2h):
+                    host.copy_(grad, non_blocking=True)
+                    grad.record_stream(self._d2h)  # freed on the compute stream now, reused only after the copy
+                    event = self._d2h.record_event()
+                self._bound_inflight(event, nbytes)
+        task = self._worker.submit(self._collect, p, event, norm)
+        self._pending[p] = task
+        if self.update == "during_backward" and self._sending:
+            self._landed(p, task)
 
     def _collect(self, p: nn.Parameter, event: torch.Event | None, norm: torch.Tensor | None) -> None:
         """The worker: once the copy into `p`'s staging buffer is done, add it to `p`'s CPU gradient in one pass: the
-        first is copied out in the master's dtype, later ones are added with type promotion (the same float32 sums as
+        first is copied out in the master's dtype (or, with `grad_accumulation="device"` in that dtype, handed over
+        as it is: it is the step's one part), later ones are added with type promotion (the same float32 sums as
         adding a converted copy, bit for bit). `norm` is the first part's; a sum's norm is taken here, on the CPU but
         off the critical path (overlapping the rest of the backward)."""
-        if event is not None:
-            event.synchronize()
-        (master, host), total = self._host[p], self._grads.get(p)
-        if total is None:
-            self._grads[p] = host.to(master.dtype, copy=True)
-            self._part_norms[p] = norm
-        else:
-            self._part_norms[p] = torch.linalg.vector_norm(total.add_(host))
+        with record_function("offload.wait_gradient_copy"):
+            if event is not None:
+                event.synchronize()
+        with record_function("offload.host_accumulate"):
+            (master, host), total = self._host[p], self._grads.get(p)
+            if total is None:
+                handed = self.grad_accumulation == "device" and host.dtype == master.dtype
+                self._grads[p] = host if handed else host.to(master.dtype, copy=True)
+                self._part_norms[p] = norm
+            else:
+                self._part_norms[p] = torch.linalg.vector_norm(total.add_(host))
 
     def _finish_gradients(self) -> None:
-        """End of a backward: every gradient collected by the worker."""
-        pending, self._pending = self._pending, {}
-        for task in pending.values():
-            task.result()
+        """End of a sending backward: every gradient collected by the worker."""
+        with record_function("offload.wait_gradients"):
+            pending, self._pending = self._pending, {}
+            for task in pending.values():
+                task.result()
         self._inflight.clear()
         self._inflight_bytes = 0
+
+    def _flush_gradients(self) -> None:
+        """Every gradient still on its way (device sums, the worker's parts) into its parameter's `.grad` (`remove`)."""
+        self._send_accumulated()
+        self._finish_gradients()
+        for p in list(self._grads):
+            self._hand_over_gradient(p)
 
     def _hand_over_gradient(self, p: nn.Parameter) -> None:
         """`p` is back on its master: its CPU gradient becomes its `.grad`, with the norm measured for it."""
@@ -100,6 +151,12 @@ class GradientPath:
         (`overlap_step`, "device_chunked"); on one device (the CPU) the result is torch's bit for bit. Returns the total
         norm, on the compute device.
         """
+        if self._early:
+            raise RuntimeError(
+                "offload: update='during_backward' has already stepped the offloaded blocks "
+                f"{sorted(self._early)} with their gradients, before the whole gradient's norm was known: clip "
+                "nothing with it (max_grad_norm 0), or use update='after_backward' or 'delayed'"
+            )
         params = [p for p in parameters if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.device)

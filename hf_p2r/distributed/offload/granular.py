@@ -37,6 +37,12 @@ pseudo model gets one gradient per backward, after its last use (with gradient a
 gradient is added to the CPU `.grad`). With no CUDA device, storage and compute device are both the CPU: the copies
 are CPU to CPU and every other step runs unchanged.
 
+The host off the critical path (issue 40; each an option, measured by `make gpu-report`): gradients summed on the
+device and sent once per step (`grad_accumulation="device"`, told the last micro-batch by `last_micro_batch`), the
+blocks updated during the backward (`update="during_backward"`, exact without clipping) or one step late
+(`update="delayed"`, not exact: one step stale), several host threads (`host_threads`). Each synchronous design
+equals training without offload bit for bit in fp32 on one device.
+
 Under autocast pass `compute_dtype` (the autocast dtype): otherwise autocast caches a low-precision cast of every
 offloaded weight, and autograd saves it, from forward to backward, and offload frees no weight memory (a warning
 says so).
@@ -53,11 +59,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .estimates import DEFAULT_BUDGET_FRACTION, LayerSpec, execution_order, select_layers
+from ..delay import DELAY_CORRECTIONS
+from .estimates import DEFAULT_BUDGET_FRACTION, GRADIENT_ACCUMULATIONS, LayerSpec, execution_order, select_layers
 from .fetch import FetchHooks
 from .gradients import GradientPath
 from .placement import Block, Placement, check_supported
-from .step import DEFAULT_CHUNK_BYTES, OPTIMIZER_STEPS, OptimizerStep
+from .step import DEFAULT_CHUNK_BYTES, OPTIMIZER_STEPS, UPDATES, OptimizerStep
 
 __all__ = ["GranularOffload"]
 
@@ -91,6 +98,22 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
             tensors of `modules` on `device` (`hf_p2r.distributed.materialize`, as `apply_offload` passes it): called
             once for the resident modules (on the compute device), then for each offloaded block (on the CPU) just
             before it is copied into its slab, so the host holds the offloaded blocks and one block at most.
+        grad_accumulation: where an offloaded parameter's gradient is summed over a step's micro-batches: "host"
+            (each backward's part sent and added on the CPU by the worker) or "device" (summed on the compute device
+            in a buffer per parameter, in `accumulation_dtype`, default the master's; sent once, by the step's last
+            backward, and handed over as `.grad` without a host copy: `last_micro_batch` says which backward that is).
+        last_micro_batch: called at each training forward: whether its backward ends the step's accumulation (the
+            trainer passes Accelerate's `sync_gradients`). A backward that does not hands nothing over and waits for
+            nothing: offloaded `.grad` stay None (summed on the device, or by the worker) until the last one. Default:
+            every backward is a step's last.
+        update: when `optimizer_step="host"` updates the offloaded blocks (`UPDATES`): "after_backward" (as
+            `overlap_step`), "during_backward" (each block once its last gradient has landed, while the backward
+            goes on: no `clip_grad_norm_` then) or "delayed" (ZeRO-Offload's delayed parameter update: step t's update
+            runs during step t+1, which sends the weights of before it; `synchronize` drains it). The last two imply
+            `overlap_step`.
+        delay_correction: "delayed" only: "error_feedback" corrects the stale update as PipeDream-2BW's is
+            (`hf_p2r.distributed.delay`), at the cost of two more fp32 copies of the offloaded weights on the host.
+        host_threads: worker threads (gradient sums, block updates): several update several blocks at once.
 
     Apply it after the model has its final structure and placement (after `accelerator.prepare(model)`, after
     `delink`); do not move the model while it is applied (`remove()` first). Build the optimizer after applying it.
@@ -113,6 +136,12 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         overlap_step: bool = False,
         materialize: Callable[[list[nn.Module], torch.device], object] | None = None,
+        grad_accumulation: str = "host",
+        accumulation_dtype: torch.dtype | None = None,
+        last_micro_batch: Callable[[], bool] | None = None,
+        update: str = "after_backward",
+        delay_correction: str = "none",
+        host_threads: int = 1,
     ):
         check_supported(model)
         self.model = model
@@ -131,8 +160,22 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
             )
         if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"offload: chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+        _check_choice("grad_accumulation", grad_accumulation, GRADIENT_ACCUMULATIONS)
+        _check_choice("update", update, UPDATES)
+        _check_choice("delay_correction", delay_correction, DELAY_CORRECTIONS)
+        if update != "after_backward" and optimizer_step != "host":
+            raise ValueError(f"offload: update={update!r} steps the offloaded blocks on the host (optimizer_step host)")
+        if delay_correction != "none" and update != "delayed":
+            raise ValueError(f"offload: delay_correction={delay_correction!r} corrects update='delayed' only")
+        if accumulation_dtype is not None and grad_accumulation != "device":
+            raise ValueError("offload: accumulation_dtype is the dtype of grad_accumulation='device''s sums")
+        if isinstance(host_threads, bool) or not isinstance(host_threads, int) or host_threads < 1:
+            raise ValueError(f"offload: host_threads must be a positive integer, got {host_threads!r}")
         self.optimizer_step, self.chunk_bytes = optimizer_step, chunk_bytes
-        self.overlap_step = overlap_step and optimizer_step == "host"
+        self.grad_accumulation, self.accumulation_dtype = grad_accumulation, accumulation_dtype
+        self.last_micro_batch, self.update, self.delay_correction = last_micro_batch, update, delay_correction
+        self.host_threads = host_threads
+        self.overlap_step = (overlap_step or update != "after_backward") and optimizer_step == "host"
         if layers == "auto" and budget_bytes is None and self.device.type == "cuda":
             budget_bytes = int(DEFAULT_BUDGET_FRACTION * torch.cuda.get_device_properties(self.device).total_memory)
         self.prefetch, self.compute_dtype = prefetch, compute_dtype
@@ -143,8 +186,13 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
             activation_bytes=activation_bytes,
             prefetch=prefetch,
             compute_dtype=compute_dtype,
+            accumulation_dtype=(accumulation_dtype or torch.float32) if grad_accumulation == "device" else None,
         )
         self._order = execution_order(model)
+        # Training schedule position of each block's last use (its lowest depth's backward): the device sums of
+        # `grad_accumulation="device"` are final past it.
+        schedule = self._order + self._order[::-1]
+        self._last_position = {index: position for position, index in enumerate(schedule)}
         cuda = self.device.type == "cuda"
         # Two side streams so host-to-device prefetches and device-to-host gradients use both copy engines.
         self._h2d = torch.cuda.Stream(self.device) if cuda else None
@@ -172,7 +220,7 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
         # CPU gradient by one worker thread while the backward goes on. `_pending`: the worker's task per parameter
         # (its staging buffer is busy until it is done); `_inflight`: copies not yet known to be done, with their bytes
         # (device gradients are kept alive until then: the backward waits only when they exceed `max_inflight_bytes`).
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-p2r-offload")
+        self._worker = ThreadPoolExecutor(max_workers=host_threads, thread_name_prefix="hf-p2r-offload")
         self._pending: dict[nn.Parameter, Future] = {}
         self._inflight: deque[tuple[torch.Event, int]] = deque()
         self._inflight_bytes = 0
@@ -189,6 +237,17 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
         self._clip: tuple[torch.Tensor, dict] | None = None
         self._overlapping = False  # the last optimizer `build_optimizer` made steps blocks on the worker
         self._chunking = False  # ... or steps them on the device in chunks
+        self._optimizer = lambda: None  # (a weak reference to) that optimizer
+        self._group_of: dict[nn.Parameter, dict] = {}  # its group of each offloaded parameter
+        # `grad_accumulation="device"`: each offloaded parameter's sum of this step's micro-batches, on the device;
+        # whether the backward running sends the step's gradients (`last_micro_batch`).
+        self._accumulated: dict[nn.Parameter, torch.Tensor] = {}
+        self._sending = True
+        # `update="during_backward"`: the blocks this step's backward has stepped, and the gradient tasks of each
+        # block's parameters so far; `delay_correction="error_feedback"`: each master's last update, d(t-1).
+        self._early: set[int] = set()
+        self._landed_tasks: dict[int, list[Future]] = {}
+        self._previous_updates: dict[torch.Tensor, torch.Tensor] = {}
         # Bytes copied so far, for benchmarks and tests: weights to the device, gradients to the host.
         self.copied_bytes = {"to_device": 0, "to_host": 0}
 
@@ -196,7 +255,7 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
 
     def _install(self) -> list:
         handles = self._install_fetch_hooks() + self._install_gradient_hooks()
-        if self.overlap_step:  # what reads or writes every weight waits for the steps still running
+        if self.overlap_step:  # what reads or writes every weight waits for the steps still running (`delayed`: drains)
             handles.append(self.model.register_state_dict_pre_hook(lambda *args: self.synchronize()))
             handles.append(self.model.register_load_state_dict_pre_hook(lambda *args: self.synchronize()))
         if any(source is not master for b in self._blocks.values() for source, master in zip(b.sources, b.masters)):
@@ -204,9 +263,15 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
         return handles
 
     def remove(self) -> None:
-        """Remove every hook and put every parameter and buffer back on the device it came from (same objects)."""
+        """Remove every hook and put every parameter and buffer back on the device it came from (same objects): a
+        gradient still on its way (summed on the device, or with the worker) becomes its parameter's `.grad`."""
         self.synchronize()
         self._end()
+        self._flush_gradients()
+        self.synchronize()
+        for p, (_, staging) in self._host.items():  # a `.grad` that is a staging buffer leaves the slab with it
+            if p.grad is not None and p.grad.data_ptr() == staging.data_ptr():
+                p.grad = p.grad.clone()
         self._worker.shutdown()
         for handle in self._handles:
             handle.remove()
@@ -216,3 +281,8 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
     @property
     def offloaded_parameters(self) -> list[nn.Parameter]:
         return [p for block in self._blocks.values() for p in block.params]
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"offload: {name} must be one of {', '.join(choices)}, got {value!r}")

@@ -110,6 +110,10 @@ class Block:
     ready: bool = False  # the compute stream has waited for the copy
     event: torch.Event | None = None  # copy to the device done
     origins: list[torch.device] = field(default_factory=list)
+    # `update="delayed"`: the copies the update running now writes, swapped with `sources` (and sent from then on)
+    # once it is done (`swap_pending` until then).
+    next_sources: list[torch.Tensor] = field(default_factory=list)
+    swap_pending: bool = False
 
 
 class Placement:
@@ -132,20 +136,27 @@ class Placement:
                 for module in root.modules()
                 for name, buffer in module.named_buffers(recurse=False, remove_duplicate=False)
             ]
+        delayed = self.update == "delayed"
         for i in self.layers:
             if materialize is not None:  # each offloaded block on the CPU, then copied into its slab before the next
                 materialize([blocks[i]], torch.device("cpu"))
             params = unique(blocks[i].parameters())
-            allocation, tensors = slab(slab_specs(params, self.compute_dtype), pin)
+            staging_dtype = (self.accumulation_dtype or params[0].dtype) if self.grad_accumulation == "device" else None
+            specs = slab_specs(params, self.compute_dtype, staging_dtype, delayed=delayed)
+            allocation, tensors = slab(specs, pin)
             n = len(params)
-            masters, converted, staging = tensors[:n], iter(tensors[n:-n]), tensors[-n:]
+            masters, converted, staging = tensors[:n], tensors[n:-n], tensors[-n:]
             block = Block(i, params, allocation, masters, [], staging=staging, origins=[p.device for p in params])
+            if delayed:
+                converted, block.next_sources = converted[:n], converted[n:]
+            converted = iter(converted)
             for p, master in zip(params, masters):
                 master.copy_(p.detach())
                 work = torch.empty(p.shape, dtype=self.compute_dtype or p.dtype, device=self.device)
                 free(work)
                 self._set_data(p, master)
-                source = master if work.dtype == master.dtype else next(converted).copy_(master)
+                # `delayed`: always a copy of its own, as the update writes the masters while a step sends it.
+                source = master if work.dtype == master.dtype and not delayed else next(converted).copy_(master)
                 block.works.append(work)
                 block.sources.append(source)
                 block.versions.append(tensor_version(p))

@@ -6,16 +6,20 @@ host memory (`optimizer_step="device_chunked"`, Megatron-Core's chunked optimize
 
 import copy
 import types
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ...compat import tensor_version
+from ..delay import feed_back_error_
 from .placement import Block, slab
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "OPTIMIZER_STEPS", "OptimizerStep"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "OPTIMIZER_STEPS", "UPDATES", "OptimizerStep"]
 
 # Where the offloaded parameters' optimizer step runs (`GranularOffload(optimizer_step=...)`): "host", on the CPU over
 # the CPU masters and CPU optimizer state (ZeRO-Offload's cut); "device_chunked", on the compute device, a chunk of
@@ -24,6 +28,15 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "OPTIMIZER_STEPS", "OptimizerStep"]
 OPTIMIZER_STEPS = ("host", "device_chunked")
 # The bound on one chunk of "device_chunked": its parameters, their gradients and their optimizer state, in bytes.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+# When a "host" step updates the offloaded blocks (`GranularOffload(update=...)`):
+# - "after_backward": once `optimizer.step()` is called, block by block on the worker while the next forward runs,
+#   each block's next fetch waiting for its own update (with `overlap_step`; at once without it);
+# - "during_backward": each block as soon as its gradient of the step's last micro-batch has reached the host, while
+#   the rest of the backward runs (exact, but no clip can scale gradients already used: no `clip_grad_norm_`);
+# - "delayed": ZeRO-Offload's delayed parameter update: step t's update runs on the worker during step t+1, whose
+#   forward and backward send the weights of the update before (one step stale: W(t+1) = W(t) - u(grad f_t(W(t-1)))),
+#   optionally corrected as PipeDream-2BW's delay is (`delay_correction="error_feedback"`).
+UPDATES = ("after_backward", "during_backward", "delayed")
 
 
 class OptimizerStep:
@@ -35,12 +48,39 @@ class OptimizerStep:
             self._stale = True
 
     def synchronize(self) -> None:
-        """Wait for the offloaded blocks' optimizer steps still running (`overlap_step`). A block's next fetch, the
-        model's and the optimizer's `state_dict`/`load_state_dict`, the next step and `remove` wait by themselves; call
-        it before reading offloaded weights or optimizer state otherwise."""
-        while self._steps:
-            _, task = self._steps.popitem()
-            task.result()
+        """Wait for the offloaded blocks' optimizer steps still running (`overlap_step`, `update`). A block's next
+        fetch, the model's and the optimizer's `state_dict`/`load_state_dict`, the next step and `remove` wait by
+        themselves; call it before reading offloaded weights or optimizer state otherwise. With `update="delayed"` it
+        drains: the last update is applied and sent from the next step on (no staleness at that step, as after a
+        resume from a checkpoint written here), and the delay correction starts afresh."""
+        self._settle_updates(drain=True)
+
+    def _settle_updates(self, drain: bool = False) -> None:
+        """The updates a new step must see done: all of them (`after_backward`, a drain), those not started during
+        this step's backward (`during_backward`); `delayed`: the last step's, whose copies to send are swapped in."""
+        with record_function("offload.wait_steps"):
+            for index in list(self._steps):
+                if drain or index not in self._early:
+                    self._wait_for_step(index)
+        for block in self._blocks.values():
+            if block.swap_pending:  # `delayed`: what its last update wrote is sent from now on
+                block.sources, block.next_sources = block.next_sources, block.sources
+                block.swap_pending = False
+        if drain:
+            self._previous_updates.clear()
+
+    def _begin_step_bookkeeping(self) -> None:
+        """A forward starts: whether its backward sends the step's gradients (`last_micro_batch`), and which blocks
+        its backward has stepped (`during_backward`)."""
+        self._sending = not self._training or self.last_micro_batch is None or bool(self.last_micro_batch())
+        if self._sending:
+            self._early, self._landed_tasks = set(), {}
+        if self.update == "during_backward" and self._training and self._sending and self._optimizer() is None:
+            self._window = False
+            raise RuntimeError(
+                "offload: update='during_backward' steps each block with the optimizer build_optimizer made: build "
+                "it before the first training forward"
+            )
 
     def _wait_for_step(self, index: int) -> None:
         """Block `index`'s optimizer step still running on the worker, if any, done."""
@@ -83,6 +123,13 @@ class OptimizerStep:
         # reads only `param_groups` and `state`; another class (one with inner optimizers) steps its offloaded part
         # at once, on the CPU, as without `overlap_step`.
         self._overlapping = self.overlap_step and optimizer_cls.__module__.startswith("torch.optim.")
+        if self.update != "after_backward" and not self._overlapping:
+            raise ValueError(
+                f"offload: update={self.update!r} steps blocks through views of a torch.optim optimizer; "
+                f"{optimizer_cls.__name__} is not one (use update='after_backward')"
+            )
+        self._optimizer = weakref.ref(optimizer)
+        self._group_of = {p: group for group in optimizer.param_groups for p in group["params"] if p in self._host}
         if self._overlapping:
             step = optimizer.step
 
@@ -104,6 +151,12 @@ class OptimizerStep:
 
     def _offloaded_gradients(self, optimizer: torch.optim.Optimizer) -> tuple[list, dict]:
         """The offloaded parameters `optimizer` steps that have a gradient, each with its group, and their gradients."""
+        if self._accumulated:
+            raise RuntimeError(
+                f"offload: the optimizer steps while the gradients of {len(self._accumulated)} offloaded parameters "
+                "are still summed on the device: the last backward was not the step's last micro-batch "
+                "(last_micro_batch said so)"
+            )
         offloaded = [
             (p, group)
             for group in optimizer.param_groups
@@ -125,7 +178,7 @@ class OptimizerStep:
         offloaded gradients are handed to these steps: after `step` the offloaded parameters' `.grad` is None. A clip
         by `clip_grad_norm_` just before scales them there too (once its device-side factor is known, on the worker).
         """
-        self.synchronize()
+        self._settle_updates()
         offloaded, grads = self._offloaded_gradients(optimizer)
         for p in grads:
             p.grad = None
@@ -149,39 +202,84 @@ class OptimizerStep:
         for index in dict.fromkeys(self._order):
             if index not in parts:
                 continue
-            view = copy.copy(optimizer)
-            view.param_groups = [
-                {**{k: v for k, v in group.items() if k != "params"}, "params": [m for _, m in pairs]}
-                for group, pairs in parts[index].values()
-            ]
+            view = self._view(optimizer, parts[index])
             pairs = [pair for _, pairs in parts[index].values() for pair in pairs]
-            view.state = defaultdict(dict, {master: optimizer.state[p] for p, master in pairs})
             scaled = [master.grad for p, master in pairs if clipped.get(p) == (id(grads[p]), tensor_version(grads[p]))]
-            self._views.add(id(view))
-            self._steps[index] = self._worker.submit(self._step_block, self._blocks[index], view, scaled, coef)
+            self._submit_step(self._blocks[index], view, scaled, coef)
         return loss
 
+    def _view(self, optimizer: torch.optim.Optimizer, parts: dict) -> torch.optim.Optimizer:
+        """A shallow copy of `optimizer` stepping the masters of `parts` ({id(group): (group, [(p, master)])}, each
+        master with its `.grad`): its groups hold the masters with each group's current options, its state maps each
+        master to its parameter's state dict (filled in place)."""
+        view = copy.copy(optimizer)
+        view.param_groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [m for _, m in pairs]}
+            for group, pairs in parts.values()
+        ]
+        pairs = [pair for _, pairs in parts.values() for pair in pairs]
+        view.state = defaultdict(dict, {master: optimizer.state[p] for p, master in pairs})
+        self._views.add(id(view))
+        return view
+
+    def _submit_step(self, block: Block, view: torch.optim.Optimizer, scaled: list, coef) -> None:
+        self._steps[block.index] = self._worker.submit(self._step_block, block, view, scaled, coef)
+        block.swap_pending = self.update == "delayed"
+
+    def _landed(self, p: nn.Parameter, task: Future) -> None:
+        """`during_backward`: `p`'s gradient of the step's last micro-batch is on its way to the host (`task`); once
+        its whole block's are, the block is stepped on the worker, after them, while the backward goes on."""
+        block = self._where[p][0]
+        tasks = self._landed_tasks.setdefault(block.index, [])
+        tasks.append(task)
+        if len(tasks) == len(block.params) and all(q in self._group_of for q in block.params):
+            self._early.add(block.index)
+            self._steps[block.index] = self._worker.submit(self._step_early, block, tasks)
+
+    def _step_early(self, block: Block, tasks: list[Future]) -> None:
+        """The worker: a block's update as soon as its gradients have landed (`during_backward`)."""
+        for task in tasks:
+            task.result()
+        parts: dict[int, tuple[dict, list]] = {}
+        for p, master in zip(block.params, block.masters):
+            master.grad = self._grads.pop(p)
+            self._part_norms.pop(p, None)
+            group = self._group_of[p]
+            parts.setdefault(id(group), (group, []))[1].append((p, master))
+        self._step_block(block, self._view(self._optimizer(), parts), [], None)
+
     def _step_block(self, block: Block, view: torch.optim.Optimizer, scaled: list, coef) -> None:
-        """The worker: a block's deferred clip and its optimizer step on the CPU, then its copies to send. `coef`: the
-        clip's factor, with (CUDA) the event after which the compute stream has it."""
+        """The worker: a block's deferred clip and its optimizer step on the CPU, then its copies to send (`delayed`:
+        the next step's, after the delay correction). `coef`: the clip's factor, with (CUDA) the event after which
+        the compute stream has it."""
+        delayed = self.update == "delayed"
+        correct = delayed and self.delay_correction == "error_feedback"
         try:
             if scaled:
                 if isinstance(coef, tuple):
                     coef, made = coef
-                    made.synchronize()  # waits for the norm on the device, here rather than in the step
+                    with record_function("offload.wait_clip"):
+                        made.synchronize()  # waits for the norm on the device, here rather than in the step
                 factor = coef.to("cpu")
                 for grad in scaled:
                     grad.mul_(factor)  # as clip_grads_with_norm_ scales them
-            type(view).step(view)
+            stepped = [master for group in view.param_groups for master in group["params"]]
+            before = [master.clone() for master in stepped] if correct else []
+            with record_function("offload.host_step"):
+                type(view).step(view)
+            for master, old in zip(stepped, before):
+                self._previous_updates[master] = feed_back_error_(master, old, self._previous_updates.get(master))
         finally:
             for group in view.param_groups:
                 for master in group["params"]:
                     master.grad = None
             self._views.discard(id(view))
-        for i, (p, master, source) in enumerate(zip(block.params, block.masters, block.sources)):
-            if source is not master:
-                source.copy_(master)
-            block.versions[i] = tensor_version(p)
+        targets = block.next_sources if delayed else block.sources
+        with record_function("offload.refresh_copies"):
+            for i, (p, master, source) in enumerate(zip(block.params, block.masters, targets)):
+                if source is not master:
+                    source.copy_(master)
+                block.versions[i] = tensor_version(p)
 
     def step_in_chunks(self, optimizer: torch.optim.Optimizer, step, closure=None):
         """`optimizer_step="device_chunked"`: `step` (the optimizer's own) first over the resident parameters, then
