@@ -43,9 +43,12 @@ class Counter:
         return self.calls % self.accumulation == 0
 
 
-def _train(model, offload=None, *, steps=3, accumulation=1, checkpointing=None, clip=True, offload_clip=False, **kw):
+def _train(
+    model, offload=None, *, steps=3, accumulation=1, checkpointing=None, clip=True, offload_clip=False, evals=None, **kw
+):
     """AdamW (weight decay, clipping that bites unless `clip` is False) for `steps` steps of `accumulation`
-    micro-batches; returns ({name: parameter}, the offload or None)."""
+    micro-batches; returns ({name: parameter}, the offload or None). `evals`: a list to which the logits of a forward
+    without grad after each step are added."""
     model.train()
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
@@ -62,6 +65,9 @@ def _train(model, offload=None, *, steps=3, accumulation=1, checkpointing=None, 
                 (offload.clip_grad_norm_ if offload_clip else torch.nn.utils.clip_grad_norm_)(model.parameters(), 0.05)
             optimizer.step()
             optimizer.zero_grad()
+            if evals is not None:
+                with torch.no_grad():
+                    evals.append(model(input_ids=batch).logits)
     if offload is not None:
         offload.synchronize()
     return {name: p.detach().clone() for name, p in model.named_parameters()}, offload
@@ -163,13 +169,19 @@ def test_bf16_accumulation_sums_and_sends_in_bf16():
 @pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("grad_accumulation", ["host", "device"])
-def test_update_during_backward_equals_training_without_offload(overrides, accumulation, grad_accumulation):
-    expected, _ = _train(tiny_model(**overrides), accumulation=accumulation, clip=False)
+@pytest.mark.parametrize("checkpointing", [None, True], ids=["plain", "reentrant"])
+def test_update_during_backward_equals_training_without_offload(
+    overrides, accumulation, grad_accumulation, checkpointing
+):
+    """Each block stepped once its last part of the step has landed (a shared block under reentrant checkpointing
+    sends a part per depth: the last one counts)."""
+    expected, _ = _train(tiny_model(**overrides), accumulation=accumulation, clip=False, checkpointing=checkpointing)
     got, offload = _train(
         tiny_model(**overrides),
         0.5,
         accumulation=accumulation,
         clip=False,
+        checkpointing=checkpointing,
         update="during_backward",
         grad_accumulation=grad_accumulation,
     )
@@ -251,22 +263,30 @@ def _train_delayed_reference(model, offloaded, *, steps, accumulation, correctio
 @pytest.mark.parametrize("correction", ["none", "error_feedback"])
 def test_delayed_update_equals_its_rule(overrides, accumulation, correction):
     """Bit for bit the reference delayed rule (one step stale, corrected or not), with the device sums and the
-    offload's clip; and not training without offload (the control: the delay changes the weights)."""
+    offload's clip, an evaluation after each step seeing the newest weights (every update made) without changing
+    the rule; and not training without offload (the control: the delay changes the weights)."""
     offloaded = [1]
     expected = _train_delayed_reference(
         tiny_model(**overrides), offloaded, steps=4, accumulation=accumulation, correction=correction != "none"
     )
+    evals = []
     got, offload = _train(
         tiny_model(**overrides),
         offloaded,
         steps=4,
         accumulation=accumulation,
+        evals=evals,
         update="delayed",
         delay_correction=correction,
         grad_accumulation="device",
         offload_clip=True,
     )
     _assert_equal(got, expected)
+    reference = tiny_model(**overrides).eval()
+    reference.load_state_dict(got)
+    batch = _batches(4 * accumulation)[-1]
+    with torch.no_grad():
+        assert torch.equal(evals[-1], reference(input_ids=batch).logits)  # the last evaluation: the final weights
     plain, _ = _train(tiny_model(**overrides), steps=4, accumulation=accumulation)
     assert not torch.equal(got["model.layers.1.mlp.up_proj.weight"], plain["model.layers.1.mlp.up_proj.weight"])
 

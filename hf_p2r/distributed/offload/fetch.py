@@ -48,10 +48,12 @@ class FetchHooks:
             with record_function("offload.wait_step"):
                 self._wait_for_step(block.index)
         block.fetched = True
-        self.copied_bytes["to_device"] += sum(s.numel() * s.element_size() for s in block.sources)
+        # `delayed`: a forward without grad (an evaluation) reads the newest weights, the masters.
+        sources = block.masters if self._newest else block.sources
+        self.copied_bytes["to_device"] += sum(s.numel() * s.element_size() for s in sources)
         with record_function("offload.fetch"):
             if self._h2d is None:
-                for work, source in zip(block.works, block.sources):
+                for work, source in zip(block.works, sources):
                     alloc(work)
                     work.copy_(source)
                 return
@@ -67,7 +69,7 @@ class FetchHooks:
                 # all-gather buffers the same way.)
                 if self._freed is not None:
                     self._h2d.wait_event(self._freed)
-                for work, source in zip(block.works, block.sources):
+                for work, source in zip(block.works, sources):
                     alloc(work)
                     work.copy_(source, non_blocking=True)  # same dtype, pinned: an asynchronous memcpy
                 block.event = self._h2d.record_event()
@@ -110,6 +112,12 @@ class FetchHooks:
         self._window, self._backward, self._finish_queued, self._pos = True, False, False, 0
         self._bpos, self._recomputed = None, False
         self._training = torch.is_grad_enabled()
+        # `delayed`: an evaluation sees the weights of every update made, the one running included (the training
+        # rule is unchanged: the next training step still sends the copies of before it).
+        self._newest = self.update == "delayed" and not self._training
+        if self._newest:
+            for index in list(self._steps):
+                self._wait_for_step(index)
         self._schedule = self._order + self._order[::-1] if self._training else list(self._order)
         self._check_autocast()
         self._begin_step_bookkeeping()

@@ -95,7 +95,7 @@ class GradientPath:
                 self._bound_inflight(event, nbytes)
         task = self._worker.submit(self._collect, p, event, norm)
         self._pending[p] = task
-        if self.update == "during_backward" and self._sending:
+        if self.update == "during_backward" and self._sending and self._final(p):  # its last part of the step
             self._landed(p, task)
 
     def _collect(self, p: nn.Parameter, event: torch.Event | None, norm: torch.Tensor | None) -> None:

@@ -243,10 +243,11 @@ class GranularOffload(Placement, FetchHooks, GradientPath, OptimizerStep):
         # whether the backward running sends the step's gradients (`last_micro_batch`).
         self._accumulated: dict[nn.Parameter, torch.Tensor] = {}
         self._sending = True
+        self._newest = False  # `delayed`: this forward (without grad) reads the masters
         # `update="during_backward"`: the blocks this step's backward has stepped, and the gradient tasks of each
         # block's parameters so far; `delay_correction="error_feedback"`: each master's last update, d(t-1).
         self._early: set[int] = set()
-        self._landed_tasks: dict[int, list[Future]] = {}
+        self._landed_tasks: dict[int, dict[nn.Parameter, Future]] = {}
         self._previous_updates: dict[torch.Tensor, torch.Tensor] = {}
         # Bytes copied so far, for benchmarks and tests: weights to the device, gradients to the host.
         self.copied_bytes = {"to_device": 0, "to_host": 0}

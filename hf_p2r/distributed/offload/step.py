@@ -230,11 +230,11 @@ class OptimizerStep:
         """`during_backward`: `p`'s gradient of the step's last micro-batch is on its way to the host (`task`); once
         its whole block's are, the block is stepped on the worker, after them, while the backward goes on."""
         block = self._where[p][0]
-        tasks = self._landed_tasks.setdefault(block.index, [])
-        tasks.append(task)
+        tasks = self._landed_tasks.setdefault(block.index, {})
+        tasks[p] = task
         if len(tasks) == len(block.params) and all(q in self._group_of for q in block.params):
             self._early.add(block.index)
-            self._steps[block.index] = self._worker.submit(self._step_early, block, tasks)
+            self._steps[block.index] = self._worker.submit(self._step_early, block, list(tasks.values()))
 
     def _step_early(self, block: Block, tasks: list[Future]) -> None:
         """The worker: a block's update as soon as its gradients have landed (`during_backward`)."""
