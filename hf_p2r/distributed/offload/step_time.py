@@ -59,6 +59,7 @@ class Design:
 
 DESIGNS = {
     "today": Design(),
+    "today, device_chunked": Design(optimizer_step="device_chunked"),
     "device sums": Design(grad_accumulation="device"),
     "device sums, during_backward": Design(grad_accumulation="device", update="during_backward"),
     "device sums, delayed": Design(grad_accumulation="device", update="delayed"),
