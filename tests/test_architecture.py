@@ -6,10 +6,10 @@ private reads of other libraries) and `lazy` import nothing of hf_p2r; `models` 
 checkpoints, parallelism or training) and `ops` (compute kernels in plain torch); `checkpoint` (every tensor read and
 write, and the model card); `hub` (pushes folders); `distributed` (parallelism applied to a model from outside);
 `planning` (sizes layouts from what the models and `distributed` say); `training` (the loop and its engines: granular
-offload is `distributed.offload`, applied from outside the model, with a thin adapter in `training.offload`); the
-command lines (`cli`, `commands`, the trainer's entry point `train`). The package's `__init__` is its facade and may
-name anything. Every import counts, at module
-level or inside a function: a deferred import is still an arrow.
+offload is `distributed.offload`, applied from outside the model, with a thin adapter in `training.offload`);
+`integrations` (P2R inside transformers' Trainer, built on `training`'s delink and carry); the command lines (`cli`,
+`commands`, the trainer's entry point `train`). The package's `__init__` is its facade and may name anything. Every
+import counts, at module level or inside a function: a deferred import is still an arrow.
 """
 
 import ast
@@ -31,6 +31,7 @@ LAYERS = {
     "hf_p2r.distributed.offload": 4,  # granular offload: below the trainer, above the model (which knows nothing of it)
     "hf_p2r.planning": 5,
     "hf_p2r.training": 6,
+    "hf_p2r.integrations": 7,  # P2R in transformers' Trainer and TRL (a callback and a Trainer subclass)
     "hf_p2r.train": 7,
     "hf_p2r.commands": 7,
     "hf_p2r.cli": 7,
