@@ -350,6 +350,24 @@ def test_several_host_threads_equal_training_without_offload(update):
     _assert_equal(got, expected)
 
 
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_device_sums_stepped_in_chunks_on_the_device_equal_training_without_offload(accumulation):
+    """`grad_accumulation="device"` with `optimizer_step="device_chunked"` (the table's last design): the sums handed
+    over as `.grad` are stepped a chunk at a time (chunks smaller than a weight), bit for bit as without offload."""
+    expected, _ = _train(tiny_model(), accumulation=accumulation)
+    got, offload = _train(
+        tiny_model(),
+        0.5,
+        accumulation=accumulation,
+        grad_accumulation="device",
+        optimizer_step="device_chunked",
+        chunk_bytes=1024,
+        offload_clip=True,
+    )
+    assert offload.optimizer_step == "device_chunked" and offload.grad_accumulation == "device"
+    _assert_equal(got, expected)
+
+
 # ------------------------------------------------------------------------------------- options and their estimates
 
 
