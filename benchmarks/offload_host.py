@@ -97,13 +97,24 @@ def measure_update(shapes, blocks: int, repeats: int, deepspeed: bool) -> dict:
         print(f"update {name}: {parameters / seconds / 1e6:.0f} M parameters/s", flush=True)
 
     params, grads = new_block(shapes, generator)
-    for name, options in (("torch fused", {"fused": True}), ("torch foreach", {"foreach": True})):
-        optimizer = adamw(params, grads, **options)
-        record(name, timed(optimizer.step, repeats), numel)
-        del optimizer
-    optimizer = adamw(params, grads, foreach=False)
-    record("torch for-loop", timed(optimizer.step, max(1, repeats // 2)), numel)
-    del optimizer
+    # At torch's intra-op thread count, then at 1 where it is more: on a shared machine whose cores are busy, threads
+    # that wait for each other inside a kernel can make it slower than one thread (recorded, not hidden).
+    intra_op = torch.get_num_threads()
+    for threads in sorted({intra_op, 1}, reverse=True):
+        suffix = "" if threads == intra_op else f", {threads} intra-op thread"
+        torch.set_num_threads(threads)
+        try:
+            for name, options in (("torch fused", {"fused": True}), ("torch foreach", {"foreach": True})):
+                optimizer = adamw(params, grads, **options)
+                record(name + suffix, timed(optimizer.step, repeats), numel, intra_op_threads=threads)
+                del optimizer
+            optimizer = adamw(params, grads, foreach=False)
+            record(
+                "torch for-loop" + suffix, timed(optimizer.step, max(1, repeats // 2)), numel, intra_op_threads=threads
+            )
+            del optimizer
+        finally:
+            torch.set_num_threads(intra_op)
     # Several blocks, stepped by 1, 2, ... threads at once (each block its own fused AdamW, as GranularOffload's).
     optimizers = [adamw(*new_block(shapes, generator), fused=True) for _ in range(blocks)]
     for threads in sorted({1, 2, min(4, os.cpu_count() or 1)}):
@@ -361,7 +372,16 @@ def render_markdown(r: dict) -> str:
         extra = f" (first use: {row['first_use_seconds']:.0f} s to build its op)" if "first_use_seconds" in row else ""
         lines.append(f"| {name}{extra} | {row['parameters_per_s'] / 1e6:,.0f} | {row['GBps']:.2f} |")
     fastest = max((row for row in r["update"].items() if "parameters_per_s" in row[1]), key=lambda x: x[1]["GBps"])
-    lines += ["", f"Fastest here: **{fastest[0]}**.", "", "## Gradient accumulation and copies", ""]
+    lines += [
+        "",
+        f"Fastest here: **{fastest[0]}**. Rows without a thread count ran at torch's intra-op thread count "
+        f"({m.get('torch_threads', '?')}); on a machine whose cores other processes keep busy (the load average "
+        "above), threads that wait for each other inside one kernel can run slower than one, so compare rows of the "
+        "same run only, and read the fastest as what this host does when it gets its cores.",
+        "",
+        "## Gradient accumulation and copies",
+        "",
+    ]
     lines += ["| phase | GB/s | pinned |", "|---|---:|---|"]
     for name, row in r["phases"].items():
         lines.append(f"| {name} | {row['GBps']:.2f} | {'yes' if row['pinned'] else 'no (no CUDA here)'} |")
