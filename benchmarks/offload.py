@@ -627,7 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path("runs/offload_profile_smoke" if args.smoke else "benchmarks/gpu/offload_profile")
         preset = PRESETS["cpu_run" if cpu_run else args.device]
         chosen = offload_profile.PROFILE_DESIGNS if args.designs is None else designs
-        offload_profile.run(sys.modules[__name__], preset, args.device, out, chosen, steps=1 if args.smoke else 2)
+        command = " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
+        steps = 1 if args.smoke else 2
+        offload_profile.run(sys.modules[__name__], preset, args.device, out, chosen, steps=steps, command=command)
         print((out.with_suffix(".md")).read_text())
         return 0
     out = args.out or Path(

@@ -18,6 +18,7 @@ enough to commit (the full trace has every kernel). `make gpu-report`'s `offload
 """
 
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -174,13 +175,23 @@ def profile_design(model, optimizer, offload, batch, step, steps: int, device: s
     return summarize(trace), small_trace(trace)
 
 
-def run(bench, preset: dict, device: str, out: Path, designs=PROFILE_DESIGNS, ratio: float = 0.5, steps: int = 2):
+def run(
+    bench,
+    preset: dict,
+    device: str,
+    out: Path,
+    designs=PROFILE_DESIGNS,
+    ratio: float = 0.5,
+    steps: int = 2,
+    command: str = "make gpu-report (its offload_profile part)",
+):
     """Profile each of `designs` (benchmarks/offload.py's) at `ratio`; write `<out>.md`, `<out>.json`,
-    `<out>_trace.json`."""
+    `<out>_trace.json`, with `command`, the machine, the date and the load average before and after."""
     dims, accumulation = preset["dims"], preset["accumulation"]
     batch = torch.randint(0, dims["vocab_size"], (preset["batch"], preset["seq"]), generator=torch.Generator())
     batch = batch.to(device)
-    result = {"date": utc_now(), "machine": machine(), "ratio": ratio, "steps": steps, "designs": {}}
+    result = {"date": utc_now(), "machine": machine(), "command": command, "ratio": ratio, "steps": steps}
+    result.update(load_average_before=os.getloadavg(), designs={})
     result.update(batch=preset["batch"], seq=preset["seq"], accumulation=accumulation, model=dims)
     traces = {}
     for design in designs:
@@ -201,10 +212,17 @@ def run(bench, preset: dict, device: str, out: Path, designs=PROFILE_DESIGNS, ra
         offload.remove()
         del model, optimizer, offload
         bench.free_memory(device)
+    result["load_average_after"] = os.getloadavg()
     write_json(out.with_suffix(".json"), result)
     write_json(Path(f"{out}_trace.json"), {"designs": traces}, indent=None)
     write_text(out.with_suffix(".md"), render_markdown(result))
     return result
+
+
+def _load(r: dict) -> str:
+    if "load_average_before" not in r:
+        return "not recorded"
+    return " / ".join(", ".join(f"{x:.2f}" for x in r[key]) for key in ("load_average_before", "load_average_after"))
 
 
 def render_markdown(r: dict) -> str:
@@ -213,8 +231,9 @@ def render_markdown(r: dict) -> str:
     lines = [
         f"# Granular offload: where the step goes (ratio {r['ratio']})",
         "",
-        f"Produced by `make gpu-report` (its `offload_profile` part) on {r['date']}: {m.get('gpu', m['cpu'])}; "
-        f"{m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}. Model: {r['model']['num_hidden_layers']} layers, "
+        f"Produced by `{r.get('command', 'make gpu-report')}` on {r['date']}: {m.get('gpu') or m['cpu']}; "
+        f"{m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}; load average (1, 5, 15 min) before / after: "
+        f"{_load(r)}. Model: {r['model']['num_hidden_layers']} layers, "
         f"hidden {r['model']['hidden_size']}; {r['accumulation']} micro-batches of {r['batch']} x {r['seq']} tokens "
         f"per step; {r['steps']} profiled steps after warm-up, milliseconds per step.",
         "",
