@@ -51,6 +51,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from ...compat import initialize_pipeline_stage, pipeline_stage_stashed_graphs
+from ..delay import DELAY_CORRECTIONS, feed_back_error_
 from .schedules import get_schedule
 
 
@@ -214,13 +215,8 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
 
     def _feed_back_error(self, updated: dict[str, nn.Parameter], before: dict[str, nn.Parameter]) -> None:
         """Add e(t-1) = d(t) - d(t-1) to the update just applied, d(t) = updated - before (see the module docstring)."""
-        with torch.no_grad():
-            for name, param in updated.items():
-                update = param - before[name]
-                previous = self.previous_update.get(name)
-                if previous is not None:
-                    param.add_(update - previous)
-                self.previous_update[name] = update
+        for name, param in updated.items():
+            self.previous_update[name] = feed_back_error_(param, before[name], self.previous_update.get(name))
 
     def _point_optimizer_at(self, index: int) -> None:
         """The optimizer steps set `index`: its parameter slots and per-parameter state move there."""
@@ -299,9 +295,6 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
                 for name, param in self.versions[newest].items()
                 if name_of(name) in saved
             }
-
-
-DELAY_CORRECTIONS = ("none", "error_feedback")
 
 
 def _clone(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
