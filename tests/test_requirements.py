@@ -53,3 +53,16 @@ def test_make_installs_the_tested_set():
     makefile = (ROOT / "Makefile").read_text()
     assert "LOCK   ?= requirements/tested.txt" in makefile
     assert '-m pip install --quiet -c $(LOCK) -e ".[dev]"' in makefile
+
+
+def test_the_tested_set_pins_every_dev_tool_within_its_range():
+    """`make test` runs on pytest-xdist and pytest-timeout (tests/tiers.py): the lock pins each dev tool, so a fresh
+    clone gets the ones CI ran."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dev = [Requirement(line) for line in project["optional-dependencies"]["dev"]]
+    assert {"pytest-xdist", "pytest-timeout"} <= {canonicalize_name(r.name) for r in dev}
+    tested = pins("requirements/tested.txt")
+    for requirement in dev:
+        name = canonicalize_name(requirement.name)
+        assert name in tested, f"requirements/tested.txt does not pin {name}"
+        assert requirement.specifier.contains(tested[name], prereleases=True), f"{name}=={tested[name]}"
