@@ -156,3 +156,16 @@ def test_an_unmarked_test_that_starts_a_process_fails(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "test_inner.py::test_hidden started a process (subprocess true) but is not marked `processes`" in done.stdout
     assert "1 failed, 2 passed" in done.stdout
+
+
+def test_a_hypothesis_test_is_read_through_its_wrapper():
+    namespace = dict(globals())
+    exec(
+        "from hypothesis import given, strategies as st\n"
+        "import subprocess\n"
+        "@given(st.integers())\n"
+        "def body(number):\n"
+        "    subprocess.run(['true', str(number)])\n",
+        namespace,
+    )
+    assert tiers.starter_of(types.SimpleNamespace(function=namespace["body"], fixturenames=[])) == "subprocess.run"

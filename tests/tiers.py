@@ -150,7 +150,8 @@ _FOUND: dict = {}  # function -> how it starts processes (a parametrized test's 
 
 def _starter_of_function(function) -> str | None:
     if function not in _FOUND:
-        _FOUND[function] = _starter(function, set())
+        inner = getattr(getattr(function, "hypothesis", None), "inner_test", None)  # hypothesis's @given wraps it
+        _FOUND[function] = _starter(function, set()) or (_starter(inner, set()) if inner else None)
     return _FOUND[function]
 
 
