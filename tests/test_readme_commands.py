@@ -1,12 +1,15 @@
-"""Every shell command the README shows runs as written: on a fresh output folder, in README order, after
+"""Every shell command the README and the pages of docs/ show runs as written: on a fresh output folder, page by page
+(the README, the index, then the pages in the index's order) and in each page's order, after
 `source .venv/bin/activate` (the README's own instruction), shortened only by documented overrides.
 
-The commands are the lines of the README's ```bash blocks and the inline code spans that start with a command
-(`hf-p2r ...`, `make ...`, `python ...`). Each is either run, or excused below with the reason this machine cannot run
-it (a GPU, the Hub, an install). A command that is neither fails `test_every_readme_command_is_run_or_excused`, so a new
-README command cannot go untested by accident, and an excuse that matches no command fails too.
+The commands are the lines of the pages' ```bash blocks and the inline code spans that start with a command
+(`hf-p2r ...`, `make ...`, `python ...`), each run once however many pages show it. Each is either run, or excused
+below with the reason this machine cannot run it (a GPU, the Hub, an install, an interactive prompt) or another test
+runs it. A command that is neither fails `test_every_readme_command_is_run_or_excused`, so a new command cannot go
+untested by accident, and an excuse that matches no command fails too. The Python blocks that read what the commands
+wrote (test_readme.py's PYTHON_BLOCKS marks them "after the commands") run last, each in a fresh process.
 
-Training commands are shortened with trainer fields the README documents ("any field can be overridden on the command
+Training commands are shortened with trainer fields the pages document ("any field can be overridden on the command
 line", appended last so they win): a few steps on a small slice of the corpus. `make demo` takes them in `ARGS`, as
 the README shows. A command passes when it exits 0 and prints no traceback.
 """
@@ -20,15 +23,16 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+from .docs_pages import REPO, code_blocks, pages, text
+from .test_readme import PYTHON_BLOCKS
+
 COMMAND_WORDS = ("hf-p2r", "accelerate", "torchrun", "python", "python3", "make", "pip", "source")
 # The shortening: a few steps (growth steps follow pseudo_steps), a small corpus, no evaluation on the way.
 SMOKE = (
     "--pseudo_steps 6 --real_steps 3 --warmup_steps 1 --eval_steps 0 --eval_blocks 4 --logging_steps 3 "
     "--save_steps 0 --corpus_max_bytes 40000"
 )
-# (pattern, why this test does not run the command here); each pattern must match at least one README command.
+# (pattern, why this test does not run the command here); each pattern must match at least one command of the pages.
 EXCUSED = [
     (
         r"scripts/train\.py.*configs/gpu_1b\.yaml",
@@ -52,27 +56,37 @@ EXCUSED = [
         "--quick mode",
     ),
     (r"^make (test|compat|lock)\b", "the test suite and the dependency pins: CI runs them itself"),
+    (
+        r"^python scripts/gen_config_docs\.py$",
+        "rewrites docs/configuration.md: tests/test_config_docs.py checks the committed page is what it writes",
+    ),
     (r"^accelerate config$", "asks questions interactively"),
     (r"^hf-p2r push (?!.*--dry-run)", "uploads to the Hugging Face Hub (the dry run above runs)"),
     (
-        r"^(hf-p2r( convert| plan| export)?|accelerate( launch)?|torchrun|make|python( scripts/train\.py)?)$",
+        r"^(hf-p2r( convert| plan| export| train)?|accelerate( launch)?|torchrun|make|python( scripts/train\.py)?)$",
         "a name in the prose, not a command",
     ),
 ]
 
 
 def readme_commands() -> list[str]:
-    """The README's shell commands in order, each once: ```bash lines (continuations joined, comments dropped) and
+    """The pages' shell commands in order, each once: ```bash lines (continuations joined, comments dropped) and
     inline code spans that start with a command word."""
-    text = README.read_text(encoding="utf-8")
     found = []
-    for block, inline in re.findall(r"```bash\n(.*?)```|`([^`\n]+)`", text, re.S):
-        lines = block.replace("\\\n", " ").splitlines() if block else [inline]
-        for line in lines:
-            line = " ".join(line.split("#", 1)[0].split()) if block else " ".join(line.split())
-            if line and line.split()[0] in COMMAND_WORDS and line not in found:
-                found.append(line)
+    for page in pages():
+        for block, inline in re.findall(r"```bash\n(.*?)```|`([^`\n]+)`", text(page), re.S):
+            lines = block.replace("\\\n", " ").splitlines() if block else [inline]
+            for line in lines:
+                line = " ".join(line.split("#", 1)[0].split()) if block else " ".join(line.split())
+                if line and line.split()[0] in COMMAND_WORDS and line not in found:
+                    found.append(line)
     return found
+
+
+def python_after_the_commands() -> list[str]:
+    """The Python blocks that read what the commands wrote (runs/demo/...)."""
+    keys = [key for key, how in PYTHON_BLOCKS.items() if how == "after the commands"]
+    return [block for page in pages() for block in code_blocks(page, "python") if any(key in block for key in keys)]
 
 
 def excuse(command: str) -> str | None:
@@ -95,11 +109,12 @@ def shortened(command: str) -> str:
 
 def test_every_readme_command_is_run_or_excused():
     commands = readme_commands()
+    assert len(pages()) >= 10, "the README, the index and the pages of docs/"
     run = [command for command in commands if excuse(command) is None]
     for command in run:
         assert command.split()[0] in COMMAND_WORDS and "[" not in command, f"not runnable as written: {command}"
     unused = [pattern for pattern, _ in EXCUSED if not any(re.search(pattern, c) for c in commands)]
-    assert not unused, f"excuses that match no README command: {unused}"
+    assert not unused, f"excuses that match no command of the pages: {unused}"
     # What the run below covers: the demo, a conversion, the dry-run push, the planner and every pipeline command.
     assert "make demo" in run and any(c.startswith("hf-p2r convert") for c in run)
     assert any("--dry-run" in c for c in run) and any(c.startswith("hf-p2r plan") for c in run)
@@ -116,11 +131,14 @@ def _workspace(tmp_path: Path) -> Path:
         "pyproject.toml",
         "requirements",
         "README.md",
+        "docs",
         "hf_p2r",
         "benchmarks",
         "tests",
+        "examples",
     ):
-        (tmp_path / name).symlink_to(REPO / name)
+        if (REPO / name).exists():
+            (tmp_path / name).symlink_to(REPO / name)
     (tmp_path / ".venv").symlink_to(Path(sys.executable).parent.parent)
     return tmp_path
 
@@ -142,7 +160,17 @@ def test_every_readme_command_runs(tmp_path):
         output = done.stdout + done.stderr
         if done.returncode != 0 or "Traceback" in output:
             failures.append(f"{command}\n  exit {done.returncode}: {output[-1500:]}")
+    blocks = python_after_the_commands()
+    for number, block in enumerate(blocks):
+        (workspace / f"block_{number}.py").write_text(block, encoding="utf-8")
+        script = f"source .venv/bin/activate && python block_{number}.py"
+        done = subprocess.run(
+            ["bash", "-c", script], cwd=workspace, env=env, capture_output=True, text=True, timeout=600
+        )
+        if done.returncode != 0 or "Traceback" in done.stdout + done.stderr:
+            failures.append(f"{block}\n  exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
     assert not failures, "\n".join(failures)
+    assert blocks, "the README's load-and-generate block runs here"
     assert (workspace / "runs/demo/real/model.safetensors").is_file()
 
 

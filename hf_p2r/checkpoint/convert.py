@@ -28,19 +28,23 @@ import os
 import re
 import shutil
 import types
+from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, printable, redact
 from ..models.p2r.inventory_p2r import DEPTH_DEFAULT, LAYOUT_DEFAULTS, MOE_DEFAULTS, SHAPE_DEFAULTS, inventory
 from ..models.p2r.sharing_p2r import (
     LAYER_KEY,
+    RESIDUAL_OUTPUT,
+    DelinkPlan,
     delink_names,
     delink_sources,
+    plan_delink,
     reachable_block_counts,
     validate_layout,
     validate_moe,
 )
-from .headers import FLOAT_CODES, TensorInfo, parse_size, printable, read_weights
+from .headers import FLOAT_CODES, NAME_LIMIT, TensorInfo, parse_size, read_weights
 from .io import CONFIG_NAME, atomic_directory, files_within, read_config_dict, resolve_destination, why_skipped
 from .ranges import copying
 from .targets import get_target
@@ -60,6 +64,11 @@ CARRIED_FILES = (
 )
 # Folders that travel with it: transformers' named chat templates (additional_chat_templates/<name>.jinja).
 CARRIED_FOLDERS = ("additional_chat_templates",)
+# The rest of a model folder hf-p2r writes (`check_output_folder`: what --overwrite may replace): config, card,
+# weights (one file, or shards and their index), model code.
+MODEL_FOLDER_FILES = (CONFIG_NAME, "README.md", "model*.safetensors", "model.safetensors.index.json", "*.py")
+# What shows a folder holds a training run (`hf_p2r.training`: output_dir, a checkpoint folder): never replaced.
+TRAINING_RUN_FILES = ("checkpoints", "trainer_state.json", ".metadata", "metrics.jsonl", "train_config.yaml")
 # dtypes an output can be cast to: those transformers loads without a quantization config.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 # The most tensors an output may hold: far above any model's (DeepSeek-V3: ~92,000), far below what would exhaust
@@ -72,6 +81,9 @@ def convert_pseudo_to_real(
     dst: str | os.PathLike,
     *,
     num_unique_layers: int | None = None,
+    num_hidden_layers: int | None = None,
+    growth: str = "stack",
+    function_preserving: bool = False,
     max_shard_size: int | str = "5GB",
     dtype=None,
     target: str = "p2r",
@@ -99,6 +111,13 @@ def convert_pseudo_to_real(
     source, re-sharded or cast, and a warning says so. Other counts must keep the function (`reachable_block_counts`):
     the message lists those that do.
 
+    `num_hidden_layers=L'` grows a checkpoint of depth d (a shallow one, or any) to L' layers, a delink along the
+    depths (`P2RPreTrainedModel.delink`, `sharing_p2r.plan_delink`): new layer i copies layer i mod d (`growth="stack"`)
+    or floor(i d / L') (`"interleave"`), byte for byte, into one block per layer unless `num_unique_layers` says fewer.
+    `function_preserving=True` writes zeros for the residual outputs (o_proj, down_proj) of the later copies of each
+    layer, so the output computes the source's function; a Depth-µP source (`depth_mup`) is refused there (its kept
+    outputs would need rescaling: grow it with `from_pretrained(..., function_preserving=True)` instead).
+
     `src` is only read, and only files within it (a Hub cache snapshot's links into its blobs included): a carried file
     that is a link out of `src`, a FIFO or a device is skipped with a warning naming it; weights or a config.json that
     lie outside `src` refuse the conversion. Sizes in config.json are bounded and checked against the safetensors
@@ -115,20 +134,37 @@ def convert_pseudo_to_real(
     >>> convert_pseudo_to_real("pseudo_1x24", "real_24", dtype="bfloat16")
     >>> convert_pseudo_to_real("pseudo_1x24", "pseudo_4x24", num_unique_layers=4)   # partial: 1 -> 4 blocks
     >>> convert_pseudo_to_real("real_24", "llama_24", target="llama")              # a real P2R folder -> Llama
+    >>> convert_pseudo_to_real("shallow_2", "grown_8", num_hidden_layers=8, function_preserving=True)   # growth
     ```
     """
     max_shard_size, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # before reading anything
     get_target(target)
     src = Path(src)
     config = read_p2r_config_dict(src)
-    blocks = conversion_blocks(
-        config, src, src / CONFIG_NAME, num_unique_layers=num_unique_layers, target=target, dtype=dtype
-    )
+    plan = None
+    if num_hidden_layers is not None and num_hidden_layers != config["num_hidden_layers"]:
+        plan = conversion_growth(
+            config,
+            src,
+            num_unique_layers=num_unique_layers,
+            num_hidden_layers=num_hidden_layers,
+            growth=growth,
+            function_preserving=function_preserving,
+            target=target,
+        )
+        blocks = plan.num_unique_layers
+    elif function_preserving:
+        raise InputError(f"function_preserving: nothing grows (num_hidden_layers is {src}'s own)")
+    else:
+        blocks = conversion_blocks(
+            config, src, src / CONFIG_NAME, num_unique_layers=num_unique_layers, target=target, dtype=dtype
+        )
     return rewrite_checkpoint(
         src,
         dst,
         config,
         num_blocks=blocks,
+        plan=plan,
         target=target,
         max_shard_size=max_shard_size,
         dtype=dtype,
@@ -151,6 +187,12 @@ def conversion_blocks(
     ):
         raise InputError(f"num_unique_layers must be an integer, got {num_unique_layers!r}")
     depth, stored = config["num_hidden_layers"], config["num_unique_layers"]
+    if config.get("real_num_hidden_layers") and not config["share_layers"] and not spec.real_only and dtype is None:
+        raise InputError(
+            f"{config_path}: {src} is a shallow checkpoint with a block per layer ({depth} of the real model's "
+            f"{config['real_num_hidden_layers']}): there is nothing to delink at its depth; grow it with "
+            f"num_hidden_layers (--num-hidden-layers {config['real_num_hidden_layers']})"
+        )
     if not config["share_layers"] and not spec.real_only and dtype is None:
         raise InputError(
             f"{config_path}: share_layers is false: {src} is already a real checkpoint, there is nothing to "
@@ -175,6 +217,45 @@ def conversion_blocks(
             )
     spec.check(config, config_path)
     return blocks
+
+
+def conversion_growth(
+    config: dict,
+    src: Path,
+    *,
+    num_unique_layers: int | None,
+    num_hidden_layers: int,
+    growth: str,
+    function_preserving: bool,
+    target: str,
+) -> DelinkPlan:
+    """The `DelinkPlan` of growing the checkpoint `src` (config dict `config`, from `read_p2r_config_dict`) to
+    `num_hidden_layers` layers: `InputError` naming them for a growth the converter refuses, before anything is read
+    or written."""
+    spec, config_path = get_target(target), src / CONFIG_NAME
+    try:
+        plan = plan_delink(
+            config,
+            num_unique_layers,
+            num_hidden_layers=num_hidden_layers,
+            growth=growth,
+            function_preserving=function_preserving,
+        )
+    except ValueError as error:
+        raise InputError(f"{src}: {_cut(str(error))}") from None
+    if plan.output_scale != 1.0:
+        raise InputError(
+            f"{config_path}: depth_mup is true, and function-preserving growth rescales the kept layers' outputs "
+            "(a cast the streamed converter does not make): load it with from_pretrained(..., num_hidden_layers="
+            f"{num_hidden_layers}, growth={growth!r}, function_preserving=True) and save the result"
+        )
+    if spec.real_only and plan.num_unique_layers != num_hidden_layers:
+        raise InputError(
+            f"target={target!r} needs the real model (one block per layer): num_unique_layers={num_unique_layers} is "
+            f"not num_hidden_layers ({num_hidden_layers})"
+        )
+    spec.check({**config, **plan.fields}, config_path)
+    return plan
 
 
 def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
@@ -211,6 +292,7 @@ def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
         "share_layers": layout.share_layers,
         "num_unique_layers": layout.num_unique_layers,
         "sharing_pattern": layout.sharing_pattern,
+        **({"real_num_hidden_layers": layout.real_num_hidden_layers} if "real_num_hidden_layers" in config else {}),
     }
 
 
@@ -254,6 +336,7 @@ def rewrite_checkpoint(
     config: dict,
     *,
     num_blocks: int,
+    plan: DelinkPlan | None = None,
     target: str,
     max_shard_size: int,
     dtype: str | None,
@@ -263,9 +346,9 @@ def rewrite_checkpoint(
 ) -> Path:
     """Stream the checkpoint in `src` (whose config.json is `config`, from `read_p2r_config_dict`) into `dst` with
     `num_blocks` blocks (the shared engine of `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype`
-    already parsed; `target` checked by its `Target.check`)."""
+    already parsed; `target` checked by its `Target.check`), grown as `plan` says (`conversion_growth`) if given."""
     dst = Path(dst)
-    _check_not_nested(src, dst)
+    check_output_folder(dst, [src], overwrite=overwrite)
     stored_blocks = config["num_unique_layers"] if config["share_layers"] else config["num_hidden_layers"]
     if (count := tensor_count(config, num_blocks)) > MAX_TENSORS:  # before any list grows with it
         raise InputError(
@@ -279,8 +362,11 @@ def rewrite_checkpoint(
             f"{src}: {src / CONFIG_NAME} describes a model of {count} tensors but the weights hold {len(weights)}"
         )
     expected = parameter_shapes(config, stored_blocks)
+    out_config = config if plan is None else {**config, **plan.fields}  # the model written
     # new name -> source name: the delink map of the model, so conversion and delink() agree by construction
-    if num_blocks == stored_blocks:
+    if plan is not None:
+        new_to_old = delink_names(expected, list(plan.sources))
+    elif num_blocks == stored_blocks:
         new_to_old = {name: name for name in expected}
     else:
         try:
@@ -288,11 +374,17 @@ def rewrite_checkpoint(
         except ValueError as error:
             raise InputError(f"{src}: {error}") from None
         new_to_old = delink_names(expected, sources)
-    order = parameter_shapes(config, num_blocks)  # the order transformers itself saves in
+    order = parameter_shapes(out_config, num_blocks)  # the order transformers itself saves in
+    fresh = () if plan is None else plan.fresh
+    zeroed = {
+        name
+        for name in order
+        if (m := LAYER_KEY.match(name)) and int(m["block"]) in fresh and RESIDUAL_OUTPUT.match(m["rest"])
+    }
 
     source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
-    if num_blocks == stored_blocks and not get_target(target).real_only:
+    if num_blocks == stored_blocks and plan is None and not get_target(target).real_only:
         change = "a copy" if out_dtype == source_dtype else f"cast from {source_dtype} to {out_dtype}"
         logger.warning(f"nothing to delink: {src} already has {stored_blocks} blocks; {dst} is {change}")
     tensors = {new: weights[new_to_old[new]] for new in order}
@@ -300,31 +392,39 @@ def rewrite_checkpoint(
         "source": src.resolve().name,
         "source_kind": "pseudo" if config["share_layers"] else "real",
         "source_num_unique_layers": stored_blocks,
-        "num_hidden_layers": config["num_hidden_layers"],
+        "num_hidden_layers": out_config["num_hidden_layers"],
         "num_unique_layers": num_blocks,
         "sharing_pattern": config["sharing_pattern"],
+        **(
+            {}
+            if plan is None
+            else {"source_num_hidden_layers": config["num_hidden_layers"], "growth": growth_note(plan, zeroed)}
+        ),
         "dtype": f"{out_dtype} (unchanged)" if out_dtype == source_dtype else f"{out_dtype} (cast from {source_dtype})",
         "target": target,
         "converted_with": f"hf-p2r {_version('hf-p2r')}",
     }
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        if out_dtype == source_dtype:  # bytes as they are: copied by the kernel while the rest is written
+        if (
+            out_dtype == source_dtype and not zeroed
+        ):  # bytes as they are: copied by the kernel while the rest is written
             with copying(tmp, tensors, max_shard_size=max_shard_size, progress=progress):
-                _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
+                _write_the_rest(src, tmp, out_config, num_blocks, target, out_dtype, dst.name, provenance)
         else:
-            _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress)
-            _write_the_rest(src, tmp, config, num_blocks, target, out_dtype, dst.name, provenance)
+            _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress, zeroed)
+            _write_the_rest(src, tmp, out_config, num_blocks, target, out_dtype, dst.name, provenance)
         if verify:
-            files = _verify_against_source(tmp, src, new_to_old, views, out_dtype)
+            files = _verify_against_source(tmp, src, new_to_old, views, out_dtype, zeroed)
             cast = "" if out_dtype == source_dtype else f" cast to {out_dtype}"
             layers = (
                 f"each of the {num_blocks} blocks is the block its depths ran in {src} ({stored_blocks} blocks)"
                 if num_blocks != stored_blocks
                 else f"the same {stored_blocks} blocks as {src}"
             )
+            zeros = f" ({len(zeroed)} new residual outputs all zeros)" if zeroed else ""
             logger.info(
                 f"verified {len(new_to_old)} tensors in {files} file{'s' * (files > 1)} before the rename: names, "
-                f"shapes and dtypes as planned, every byte equal to its source tensor's{cast}; {layers}"
+                f"shapes and dtypes as planned, every byte equal to its source tensor's{cast}{zeros}; {layers}"
             )
     return dst
 
@@ -335,6 +435,12 @@ def tensor_count(config: dict, num_blocks: int) -> int:
     return inventory(config, num_blocks).disk_count
 
 
+def growth_note(plan: DelinkPlan, zeroed: set) -> str:
+    """How a grown checkpoint's new layers started, for its model card."""
+    zeros = f"; {len(zeroed)} residual outputs of the later copies zeroed (function-preserving)" if zeroed else ""
+    return f"each new block copies block {list(plan.sources)} of the source{zeros}"
+
+
 def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, provenance) -> None:
     """Everything but the weights: config.json, the files that travel with a checkpoint, the model card."""
     from .card import render_model_card  # huggingface_hub's model cards (0.3 s of imports: while the kernel copies)
@@ -342,7 +448,8 @@ def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, prove
     out_config = output_config(config, num_blocks, target=target, dtype=dtype)
     (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
     _carry_files(src, tmp, remote_code=get_target(target).carries_code and "auto_map" in out_config)
-    render_model_card(tmp, model_id=model_id, provenance=provenance).save(tmp / "README.md")
+    card = redact(str(render_model_card(tmp, model_id=model_id, provenance=provenance)))  # (no token in any output)
+    (tmp / "README.md").write_text(card, encoding="utf-8", newline="")  # (what ModelCard.save writes)
 
 
 def output_config(config: dict, num_blocks: int, *, target: str, dtype: str) -> dict:
@@ -367,36 +474,48 @@ def _version(package: str) -> str | None:
 
 
 def _write_cast(
-    tmp: Path, src: Path, new_to_old: dict, views: dict, order: dict, dtype: str, max_shard_size: int, progress: bool
+    tmp: Path,
+    src: Path,
+    new_to_old: dict,
+    views: dict,
+    order: dict,
+    dtype: str,
+    max_shard_size: int,
+    progress: bool,
+    zeroed: set = frozenset(),
 ):
-    """The weights cast to `dtype`: torch's path (the source memory-mapped, each tensor cast into a file-backed
-    scratch mapping on its way to safetensors)."""
+    """The weights cast to `dtype`, the `zeroed` ones zeros: torch's path (the source memory-mapped, each tensor cast
+    into a file-backed scratch mapping on its way to safetensors)."""
     import torch
 
     from .reader import CheckpointReader
     from .writer import write_checkpoint
 
     with CheckpointReader(src) as reader:
-        tensors = {new: _source_tensor(reader, new_to_old[new], views) for new in order}
+        tensors = {new: _source_tensor(reader, new_to_old[new], views, new in zeroed) for new in order}
         write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=getattr(torch, dtype), progress=progress)
 
 
-def _verify_against_source(tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str) -> int:
+def _verify_against_source(
+    tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str, zeroed: set = frozenset()
+) -> int:
     import torch
 
     from .reader import CheckpointReader
 
     with CheckpointReader(src) as reader:
-        expected = {new: (_source_tensor(reader, old, views), getattr(torch, dtype)) for new, old in new_to_old.items()}
+        expected = {
+            new: (_source_tensor(reader, old, views, new in zeroed), getattr(torch, dtype))
+            for new, old in new_to_old.items()
+        }
         return verify_checkpoint(tmp, expected)
 
 
-def _source_tensor(reader, name: str, views: dict):
-    """The source tensor of `name`: stored under that name, or a view of a stored 3-D expert (`split_experts`)."""
-    if name not in views:
-        return reader.get(name)
-    source, index = views[name]
-    return reader.get(source)[index]
+def _source_tensor(reader, name: str, views: dict, zero: bool = False):
+    """The source tensor of `name`: stored under that name, or a view of a stored 3-D expert (`split_experts`); with
+    `zero`, zeros of its shape and dtype (one element, expanded: no memory)."""
+    tensor = reader.get(name) if name not in views else reader.get(views[name][0])[views[name][1]]
+    return tensor.new_zeros(()).expand(tensor.shape) if zero else tensor
 
 
 # A sparse layer's tensors as the model holds them in memory (3-D experts), which from_pretrained also loads.
@@ -471,7 +590,8 @@ def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> int:
             flat, flat_source = tensor.reshape(-1), source.reshape(-1)
             step = 1 << 22
             for start in range(0, flat.numel(), step):
-                chunk, source_chunk = flat[start : start + step], flat_source[start : start + step].to(dtype)
+                chunk = flat[start : start + step]
+                source_chunk = flat_source[start : start + step].to(dtype).contiguous()  # (zeros are expanded)
                 # bytes, not values: NaNs compare equal to themselves, -0.0 differs from 0.0
                 if not torch.equal(chunk.view(torch.uint8), source_chunk.view(torch.uint8)):
                     raise ValueError(f"{out.file_of(name)}: verify failed: {name} differs from its source")
@@ -503,7 +623,7 @@ def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expe
     if extra := sorted(weights.keys() - expected.keys()):
         raise ValueError(
             f"{weights[extra[0]].file}: holds tensors that the model of {config_path} does not have: "
-            + ", ".join(map(printable, extra[:3]))
+            + ", ".join(printable(name, NAME_LIMIT) for name in extra[:3])
         )
     by_dtype: dict[str, list[str]] = {}
     for name, shape in expected.items():
@@ -549,10 +669,54 @@ def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
         logger.warning(f"skipped {printable(relative)}: {why_skipped(src, src / relative)}")
 
 
-def _check_not_nested(src: Path, dst: Path) -> None:
-    source, destination = Path(os.path.realpath(src)), resolve_destination(dst).resolve()
-    if destination == source or destination.is_relative_to(source) or source.is_relative_to(destination):
-        raise InputError(f"{dst}: the output must not be the source {src}, inside it, or contain it")
+def check_output_folder(dst: str | os.PathLike, sources: Iterable[str | os.PathLike], *, overwrite: bool) -> Path:
+    """Where output folder `dst` is written (`resolve_destination`), after checking that writing it there loses
+    nothing; for every command that writes a folder from folders it reads (`convert`, `export`). Refused:
+
+    - `dst` equal to one of `sources` (the folders read: a checkpoint, its run), inside one or containing one
+      (`InputError`): the output would replace its own input;
+    - a non-empty `dst` without `overwrite` (`FileExistsError`);
+    - with `overwrite`, a `dst` that is not an earlier output (`InputError`): a training run (its `checkpoints/`,
+      `trainer_state.json`, DCP shards, `metrics.jsonl`), or a folder holding anything a model folder of hf-p2r does
+      not (`MODEL_FOLDER_FILES`, `CARRIED_FILES`, `CARRIED_FOLDERS`: your own files are never replaced).
+    """
+    destination = resolve_destination(dst).resolve()
+    for source in sources:
+        source = Path(os.path.realpath(source))
+        if destination == source or destination.is_relative_to(source) or source.is_relative_to(destination):
+            raise InputError(
+                f"{printable(dst)}: the output must not be the source {printable(source)}, inside it, or contain it"
+            )
+    if not destination.is_dir() or not any(destination.iterdir()):
+        return destination
+    if not overwrite:
+        raise FileExistsError(
+            f"{printable(destination)}: folder is not empty (overwrite=True, or --overwrite, replaces it)"
+        )
+    entries = sorted(destination.iterdir())
+    if run := [entry.name for entry in entries if entry.name in TRAINING_RUN_FILES]:
+        raise InputError(
+            f"{printable(dst)}: holds a training run ({', '.join(run)}); --overwrite replaces only an earlier output "
+            "of this command, never a run: choose another output folder"
+        )
+    if foreign := [entry.name for entry in entries if not _model_folder_entry(entry)]:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise InputError(
+            f"{printable(dst)}: holds {', '.join(printable(name, 80) for name in foreign[:3])}{more}, which no model "
+            "folder of hf-p2r holds; --overwrite replaces only an earlier output of this command (a model folder): "
+            "choose another output folder, or empty this one"
+        )
+    return destination
+
+
+def _model_folder_entry(entry: Path) -> bool:
+    """Whether `entry` (of a folder) is what a model folder of hf-p2r holds: its files, or a carried folder."""
+    if entry.is_symlink():
+        return False
+    if entry.is_dir():
+        return entry.name in CARRIED_FOLDERS
+    patterns = MODEL_FOLDER_FILES + CARRIED_FILES
+    return entry.is_file() and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in patterns)
 
 
 def parse_dtype(dtype) -> str | None:

@@ -52,6 +52,10 @@ def mixtral_fields(config: dict) -> dict:
     """The `MixtralConfig` fields of a real MoE P2R model from its config dict (config.json, or
     `P2RMoeConfig.to_dict()`); fields left out take P2R's defaults. No torch. Raises `ValueError` naming the field that
     has no Mixtral equivalent (whatever the sharing: the caller checks that the model is real)."""
+    if config.get("depth_mup", False):
+        raise ValueError(
+            "depth_mup=True (residual branches scaled by 1/sqrt(num_hidden_layers)) has no Mixtral equivalent"
+        )
     groups = config.get("num_expert_groups", 1)
     if groups > 1:
         raise ValueError(

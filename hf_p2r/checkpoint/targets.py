@@ -23,7 +23,16 @@ from ..errors import InputError
 from .mixtral import mixtral_fields
 
 # Fields of a P2R config.json that Llama does not have (or must not inherit).
-NOT_LLAMA = ("share_layers", "num_unique_layers", "sharing_pattern", "auto_map", "model_type", "transformers_version")
+NOT_LLAMA = (
+    "share_layers",
+    "num_unique_layers",
+    "sharing_pattern",
+    "real_num_hidden_layers",  # a shallow model exports as the Llama model of its own depth
+    "depth_mup",  # refused when true
+    "auto_map",
+    "model_type",
+    "transformers_version",
+)
 # What a source model type is, in the words of a refusal: (this model, the models it stands for).
 _KINDS = {"p2r": ("a dense model, no experts", "dense models"), "p2r_moe": ("experts", "MoE models")}
 
@@ -31,6 +40,10 @@ _KINDS = {"p2r": ("a dense model, no experts", "dense models"), "p2r_moe": ("exp
 def llama_fields(config: dict) -> dict:
     """The `LlamaConfig` fields of a real dense P2R model from its config dict: P2R's own fields dropped (a real P2R
     model is a Llama model: same tensors, same names)."""
+    if config.get("depth_mup", False):
+        raise ValueError(
+            "depth_mup=True (residual branches scaled by 1/sqrt(num_hidden_layers)) has no Llama equivalent"
+        )
     return {
         **{key: value for key, value in config.items() if key not in NOT_LLAMA},
         "architectures": ["LlamaForCausalLM"],

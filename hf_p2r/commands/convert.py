@@ -1,5 +1,5 @@
-"""`hf-p2r convert SRC DST`: stream a pseudo checkpoint into a real (or less shared) one, or export a real one to
-vanilla Llama / Mixtral; see `hf_p2r.convert_pseudo_to_real`."""
+"""`hf-p2r convert SRC DST`: stream a pseudo checkpoint into a real (or less shared, or deeper) one, or export a real
+one to vanilla Llama / Mixtral; see `hf_p2r.convert_pseudo_to_real`."""
 
 import argparse
 import contextlib
@@ -11,12 +11,14 @@ HELP = "convert a pseudo checkpoint into a real one, or a real one into Llama/Mi
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..models.p2r.sharing_p2r import GROWTH_PATTERNS  # plain Python: --help answers at once
 
     parser = subparsers.add_parser(
         "convert",
         help=HELP,
         description="Delink a pseudo checkpoint (dense or mixture-of-experts) on disk: every layer gets its own copy "
-        "of its block's weights (experts and router included); or export a real P2R checkpoint to vanilla Llama "
+        "of its block's weights (experts and router included); grow a checkpoint in depth (--num-hidden-layers: each "
+        "new layer a copy of one of SRC's); or export a real P2R checkpoint to vanilla Llama "
         "(--target llama) or Mixtral (--target mixtral). "
         "Each output shard is a safetensors header followed by byte ranges of the source, copied by the kernel "
         "(copy_file_range, or reflinks on XFS and btrfs), so the model is never in memory and torch is loaded only "
@@ -39,6 +41,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser,
         blocks_help="partial delink to K blocks (default: the real model, one block per layer); K must keep every "
         "depth's block (the error lists the values that do); SRC's own count only copies (with --dtype: casts)",
+    )
+    parser.add_argument(
+        "--num-hidden-layers",
+        type=int,
+        metavar="L",
+        help="grow SRC's depth d to L layers (a delink along the depths; one block per layer unless "
+        "--num-unique-layers): new layer i copies layer i mod d (--growth stack) or floor(i*d/L) (interleave)",
+    )
+    parser.add_argument(
+        "--growth",
+        choices=GROWTH_PATTERNS,
+        default="stack",
+        help="how --num-hidden-layers maps new layers to SRC's (default stack: G_stack's copies of the whole model)",
+    )
+    parser.add_argument(
+        "--function-preserving",
+        action="store_true",
+        help="with --num-hidden-layers: the later copies of each layer start with zero output projections (o_proj, "
+        "down_proj), so the grown model computes SRC's function",
     )
     parser.add_argument(
         "--verify",
@@ -81,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
             args.src,
             args.dst,
             num_unique_layers=args.num_unique_layers,
+            num_hidden_layers=args.num_hidden_layers,
+            growth=args.growth,
+            function_preserving=args.function_preserving,
             max_shard_size=args.max_shard_size,
             dtype=args.dtype,
             target=args.target,

@@ -1,5 +1,5 @@
 """The optimizer-state carry across a delink: the one rule every engine applies (a whole model under Accelerate, FSDP2
-shards, a pipeline's stages).
+shards, a pipeline's stages), depth growth included (a grown layer is a copy of the layer it copies: its block's).
 
 How the optimizer state of a block's copies starts (`optimizer_carry`):
 
@@ -21,6 +21,13 @@ scale, so the update's size does not depend on the rule. AdamW's part of a `Muon
 follows Adam's rules.
 
 Parameters outside the transformer blocks (embeddings, final norm, head) keep their state in every mode.
+
+Depth growth (d -> L' depths, `DelinkPlan`): n and n' count the depths of the model before and after, so stacking an
+unshared d-layer model to L' gives r = 1 for every copy, and a 1-block model run at d depths grown to L' real layers
+r = 1/d. Function-preserving growth's zeroed output projections are copies too and follow the same rule (`reset` is
+the usual pair: the copies' first update then comes from their own gradients). `scale` counts depths only: under
+Depth-µP the growth also changes the branch multiplier, and with it the scale of the gradients to come (by about
+sqrt(d / L')), which the carried moments do not follow.
 
 ```python
 before = ParameterSnapshot.of(model)  # a P2R model, or a pipeline's stages (`hf_p2r.distributed.pipeline.Pipeline`)

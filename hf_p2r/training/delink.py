@@ -1,8 +1,14 @@
-"""Delinking during training: the model gets more blocks, and the optimizer follows (`carry.py`, the one carry).
+"""Delinking during training: the model gets more blocks (or more depths: growth is a delink along the depths), and
+the optimizer follows (`carry.py`, the one carry).
 
 `delink_with_optimizer` is plain PyTorch (testable alone); `delink_in_training` wraps it for a model and optimizer
 prepared by Accelerate (one device, DDP, FSDP2, DeepSpeed) and for granular offload; `delink_pipeline` does it for a
 pipeline's stages (`hf_p2r.distributed.pipeline.delink_stages` changes their structure).
+
+Each takes the delink as `num_unique_layers` (an int, or None for the real model) or as a `DelinkPlan`
+(`model.delink_plan(k, num_hidden_layers=..., growth=..., function_preserving=...)`), which also grows the depth. Depth
+growth runs where the model is whole on each process (one device, DDP, granular offload); FSDP2, DeepSpeed and
+pipelines refuse it in one line (`check_growth_supported`).
 """
 
 from collections.abc import Callable
@@ -17,6 +23,7 @@ from ..distributed import delink_fully_sharded, gather_shared_once
 from ..distributed.fsdp import delink_deepspeed
 from ..distributed.pipeline import Pipeline, delink_stages
 from ..models.p2r import P2RForCausalLM
+from ..models.p2r.sharing_p2r import DelinkPlan
 from .carry import ParameterSnapshot, carry_optimizer_state
 from .config import TrainArguments
 from .offload import GranularOffload, apply_offload
@@ -24,10 +31,14 @@ from .optim import build_optimizer
 
 
 def delink_with_optimizer(
-    model: P2RForCausalLM, optimizer: torch.optim.Optimizer, num_unique_layers: int | None, args: TrainArguments
+    model: P2RForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    num_unique_layers: int | DelinkPlan | None,
+    args: TrainArguments,
 ) -> torch.optim.Optimizer:
-    """Delink `model` in place to `num_unique_layers` blocks (None: the real model) and return a new optimizer over
-    its parameters whose state is carried from `optimizer` according to `args.optimizer_carry`."""
+    """Delink `model` in place to `num_unique_layers` blocks (None: the real model; a `DelinkPlan`: that delink, depth
+    growth included) and return a new optimizer over its parameters whose state is carried from `optimizer` according
+    to `args.optimizer_carry` (a grown layer's parameters carry the state of the layer they copy, like any copy)."""
     before, mapping = ParameterSnapshot.of(model), model.delink_parameter_map(num_unique_layers)
     model.delink(num_unique_layers)
     new_optimizer = build_optimizer(model, args)
@@ -57,9 +68,14 @@ def delink_in_training(
     args: TrainArguments,
     offload: GranularOffload | None = None,
     activation_bytes: int = 0,
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, GranularOffload | None]:
     """Delink the prepared `model` and rebuild the prepared `optimizer`; returns the newly prepared pair and the
     granular offload applied to the new model (None without `args.offload`).
+
+    The new optimizer is `build_optimizer(model, args, offload)`, or `optimizer_factory(model)` when given
+    (transformers' Trainer builds its own: `hf_p2r.integrations`); its state is carried from `optimizer` by
+    `args.optimizer_carry`.
 
     Call it between optimizer steps (gradients zeroed). Accelerate keeps the prepared objects (what `save_state`
     saves: `hf_p2r.compat.prepared_models`); its public `free_memory()` drops them (and resets `accelerator.step`, the
@@ -77,7 +93,15 @@ def delink_in_training(
       while the model fits: the pseudo model trains on the GPU, the real one offloads just enough).
     """
     check_delink_supported(accelerator, args)
+
+    def new_optimizer_for(model: nn.Module, offload: GranularOffload | None = None) -> torch.optim.Optimizer:
+        return optimizer_factory(model) if optimizer_factory is not None else build_optimizer(model, args, offload)
+
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
+    if accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED:
+        num_unique_layers = check_growth_supported(
+            accelerator.unwrap_model(model).config, num_unique_layers, accelerator.distributed_type.value
+        )
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -85,7 +109,7 @@ def delink_in_training(
         new_model, mapping = delink_fully_sharded(
             model, num_unique_layers, shard=lambda m: gather_shared_once(fsdp2_prepare_model(accelerator, m))
         )
-        new_optimizer = build_optimizer(new_model, args)
+        new_optimizer = new_optimizer_for(new_model)
         after = ParameterSnapshot.of(new_model)
         carry_optimizer_state(raw_optimizer, new_optimizer, before, after, mapping, args.optimizer_carry)
         accelerator.free_memory()
@@ -93,7 +117,7 @@ def delink_in_training(
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         plain = delink_deepspeed(model, num_unique_layers)  # a collective: every rank calls it
         accelerator.free_memory()
-        return *accelerator.prepare(plain, build_optimizer(plain, args)), None
+        return *accelerator.prepare(plain, new_optimizer_for(plain)), None
 
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     # Unwrapping took off the mixed-precision (autocast) forward, but on one device the model itself still carries
@@ -107,11 +131,26 @@ def delink_in_training(
     before, mapping = ParameterSnapshot.of(unwrapped), unwrapped.delink_parameter_map(num_unique_layers)
     unwrapped.delink(num_unique_layers)
     offload = apply_offload(unwrapped, args, accelerator, activation_bytes)
-    new_optimizer = build_optimizer(unwrapped, args, offload)
+    new_optimizer = new_optimizer_for(unwrapped, offload)
     after = ParameterSnapshot.of(unwrapped)
     carry_optimizer_state(raw_optimizer, new_optimizer, before, after, mapping, args.optimizer_carry)
     placement = [False, False] if offload is not None else None
     return *accelerator.prepare(unwrapped, new_optimizer, device_placement=placement), offload
+
+
+def check_growth_supported(config, num_unique_layers: int | DelinkPlan | None, engine: str) -> int | None:
+    """`num_unique_layers` as the block count (None: the real model) for an engine that delinks at constant depth
+    (FSDP2, DeepSpeed, pipelines); `ValueError` in one line if it is a `DelinkPlan` that grows the depth."""
+    if not isinstance(num_unique_layers, DelinkPlan):
+        return num_unique_layers
+    plan = num_unique_layers
+    if plan.num_hidden_layers != config.num_hidden_layers or plan.fresh or plan.output_scale != 1.0:
+        raise ValueError(
+            f"depth growth ({config.num_hidden_layers} -> {plan.num_hidden_layers} layers) is not supported under "
+            f"{engine}; grow on one device, DDP or with granular offload, or convert the checkpoint (hf-p2r convert "
+            "--num-hidden-layers) and train the grown model"
+        )
+    return None if plan.num_unique_layers == config.num_hidden_layers else plan.num_unique_layers
 
 
 def delink_pipeline(
@@ -119,13 +158,14 @@ def delink_pipeline(
     optimizer: torch.optim.Optimizer,
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     carry: str,
-    num_unique_layers: int | None = None,
+    num_unique_layers: int | DelinkPlan | None = None,
 ) -> torch.optim.Optimizer:
     """Delink this process's stages (`delink_stages`, to `num_unique_layers` blocks; None: the real model) and return
     a new optimizer over their parameters (also `pipeline.optimizer`), its state carried from `optimizer` as for a
     whole model (`carry_optimizer_state`: scale's ratio n'/n counts every depth of the whole model that runs the new
     block and ran the old one). Call it on every process of every pipeline at the same step, between optimizer
     steps. (A schedule that keeps a second weight version, 2BW, is drained first and delinks it alike.)"""
+    num_unique_layers = check_growth_supported(pipeline.config, num_unique_layers, "pipeline parallelism")
     pipeline.drain()  # the optimizer's last update lands in the weights the snapshot holds
     before = ParameterSnapshot.of(pipeline)
     mapping = delink_stages(pipeline, num_unique_layers)
@@ -135,4 +175,10 @@ def delink_pipeline(
     return new_optimizer
 
 
-__all__ = ["check_delink_supported", "delink_in_training", "delink_pipeline", "delink_with_optimizer"]
+__all__ = [
+    "check_delink_supported",
+    "check_growth_supported",
+    "delink_in_training",
+    "delink_pipeline",
+    "delink_with_optimizer",
+]

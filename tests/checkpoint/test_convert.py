@@ -313,9 +313,13 @@ def test_destination_rules(tmp_path):
     (tmp_path / "out" / "mine.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="out: folder is not empty"):
         convert_pseudo_to_real(src, tmp_path / "out")
+    # --overwrite replaces an earlier output, never a folder of someone's own files (issue 36)
+    with pytest.raises(ValueError, match=r"out: holds mine\.txt, which no model folder of hf-p2r holds"):
+        convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
-    convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)
-    assert not (tmp_path / "out" / "mine.txt").exists()
+    (tmp_path / "out" / "mine.txt").unlink()
+    convert_pseudo_to_real(src, tmp_path / "out")
+    convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)  # an earlier output: replaced
     _assert_same_weights(P2RForCausalLM.from_pretrained(tmp_path / "out"), model.delink())
     for dst in (src, src / "inside", tmp_path):
         with pytest.raises(ValueError, match="must not be the source"):
@@ -616,7 +620,7 @@ def test_script_wraps_the_cli(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
 
 
-# --- the README's section runs as written --------------------------------------------------------------------------
+# --- the docs' section runs as written ----------------------------------------------------------------------------
 
 
 def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, capsys):
@@ -630,7 +634,7 @@ def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, cap
     from hf_p2r.training.train import build_model
 
     repo = Path(__file__).resolve().parents[2]
-    section = (repo / "README.md").read_text().split("## Converting, exporting and publishing checkpoints")[1]
+    section = (repo / "docs" / "checkpoints.md").read_text().split("## Pseudo → real on disk, streamed")[1]
     section = section.split("\n## ")[0]
     config = parse_config(["--config", str(repo / "configs" / "demo.yaml")])
     pseudo = Path(config.train.output_dir) / "pseudo"

@@ -2,8 +2,10 @@ import warnings
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from hf_p2r import P2RForCausalLM
+from hf_p2r.checkpoint.llama import llama_config
 from hf_p2r.models.p2r import modeling_p2r
 
 from ..conftest import requires_cuda, tiny_config, tiny_model
@@ -255,3 +257,15 @@ def test_paged_attention_is_refused_for_pseudo_models(impl, input_ids):
     paged_cache = PagedAttentionCache.__new__(PagedAttentionCache)
     with pytest.raises(ValueError, match="delink"):
         model(input_ids, cache=paged_cache)
+
+
+def test_a_real_p2r_model_and_llama_with_the_same_weights_give_equal_logits(input_ids):
+    """P2R's attention and decoder layer are Llama's subclasses: a real P2R model is Llama, logits and generation bit
+    for bit (the config as the Llama export writes it)."""
+    model = tiny_model(attention_bias=True, mlp_bias=True)
+    llama = LlamaForCausalLM(llama_config(model.config)).eval()
+    llama.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids).logits, llama(input_ids).logits)
+        generated = model.generate(input_ids[:, :5], max_new_tokens=6, do_sample=False)
+        assert torch.equal(generated, llama.generate(input_ids[:, :5], max_new_tokens=6, do_sample=False))

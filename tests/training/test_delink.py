@@ -5,6 +5,7 @@ import torch
 from accelerate import Accelerator
 
 from hf_p2r.training import TrainArguments, delink_in_training, delink_with_optimizer
+from hf_p2r.training.delink import check_growth_supported
 from hf_p2r.training.optim import build_optimizer
 
 from ..conftest import tiny_model
@@ -146,3 +147,90 @@ def test_delink_in_training_leaves_accelerate_with_only_the_new_pair():
     assert accelerator._models == [model] and accelerator._optimizers == [optimizer]
     assert len(model.model.layers) == 8
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+
+
+# Depth growth is a delink along the depths: the same carries.
+
+
+def _trained_shallow(optimizer="adamw", steps=2, **model_overrides):
+    """A shallow model (real depth 4) after a few steps, and a snapshot of the optimizer state by parameter name."""
+    args = TrainArguments(optimizer=optimizer, learning_rate=1e-2)
+    model = tiny_model(real_num_hidden_layers=4, **model_overrides).train()
+    optimizer = build_optimizer(model, args)
+    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    snapshot = {
+        name: {key: value.clone() for key, value in optimizer.state[param].items()}
+        for name, param in model.named_parameters()
+    }
+    return model, optimizer, snapshot, args
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("carry", ["reset", "copy", "scale"])
+@pytest.mark.parametrize(("layout", "ratio"), [({}, 1.0), (dict(share_layers=True, num_unique_layers=1), 0.5)])
+def test_growth_carries_state_per_mode(optimizer, carry, layout, ratio):
+    """2 -> 4 layers, stacked: layer j copies layer j % 2. Unshared, each copy runs at 1 depth as its source did
+    (scale's r = 1); one shared block run at 2 depths, grown to 4 real layers, r = 1 / 2."""
+    model, old_optimizer, before, args = _trained_shallow(optimizer, num_hidden_layers=2, **layout)
+    plan = model.delink_plan(growth="stack")
+    args.optimizer_carry = carry
+    new_optimizer = delink_with_optimizer(model, old_optimizer, plan, args)
+    assert (model.config.num_hidden_layers, len(model.model.layers)) == (4, 4)
+    sources = {j: j % 2 if not layout else 0 for j in range(4)}
+    for name, param in model.named_parameters():
+        old, state = before[_source(name, sources)], new_optimizer.state.get(param, {})
+        if name in NON_LAYER or carry == "copy":
+            expected = old
+        elif carry == "reset":
+            expected = {}
+        else:
+            factors = {"exp_avg": ratio, "momentum_buffer": ratio, "exp_avg_sq": ratio**2}
+            expected = {key: value * factors[key] if key in factors else value for key, value in old.items()}
+        assert state.keys() == expected.keys(), name
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), (name, key)
+
+
+@pytest.mark.parametrize("growth", ["stack", "interleave"])
+def test_function_preserving_growth_in_training_keeps_the_loss_then_trains_every_layer(growth):
+    model, optimizer, _, args = _trained_shallow(num_hidden_layers=2, attention_bias=True)
+    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss
+    plan = model.delink_plan(growth=growth, function_preserving=True)
+    optimizer = delink_with_optimizer(model, optimizer, plan, args)
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels=ids).loss, loss)
+    zeroed = [layer.self_attn.o_proj.weight for depth, layer in enumerate(model.model.layers) if depth in plan.fresh]
+    assert zeroed and not any(weight.any() for weight in zeroed)
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert all(weight.any() for weight in zeroed), "the zeroed output projections learn from the first step"
+
+
+def test_delink_in_training_grows_a_model_prepared_by_accelerate():
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, before, args = _trained_shallow(num_hidden_layers=2)
+    args.optimizer_carry = "copy"
+    model, optimizer = accelerator.prepare(model, optimizer)
+    plan = accelerator.unwrap_model(model).delink_plan(growth="interleave")
+    model, optimizer, _ = delink_in_training(accelerator, model, optimizer, plan, args)
+    grown = accelerator.unwrap_model(model)
+    assert grown.config.num_hidden_layers == 4 and accelerator._models == [model]
+    weight = grown.model.layers[1].mlp.up_proj.weight  # interleave: layer 1 copies layer 0
+    assert torch.equal(
+        optimizer.optimizer.state[weight]["exp_avg"], before["model.layers.0.mlp.up_proj.weight"]["exp_avg"]
+    )
+
+
+def test_engines_that_delink_at_constant_depth_refuse_growth_in_one_line():
+    model = tiny_model(num_hidden_layers=4, real_num_hidden_layers=8, share_layers=True, num_unique_layers=1)
+    assert check_growth_supported(model.config, 2, "fsdp") == 2  # a block count passes
+    assert check_growth_supported(model.config, model.delink_plan(2), "fsdp") == 2  # so does a plan at this depth
+    assert check_growth_supported(model.config, model.delink_plan(4), "fsdp") is None  # a block per depth
+    with pytest.raises(ValueError, match=r"^depth growth \(4 -> 8 layers\) is not supported under fsdp; "):
+        check_growth_supported(model.config, model.delink_plan(), "fsdp")

@@ -1,8 +1,9 @@
-"""The P2R model. `block_of_depth` and `delink_sources` are plain Python; the classes load transformers and torch on
-first use (PEP 562), so that `hf_p2r.models.p2r.sharing_p2r` and `inventory_p2r` stay importable without them."""
+"""The P2R model. `block_of_depth`, `delink_sources`, `source_depths` and `plan_delink` (delinks and depth growth) are
+plain Python; the classes load transformers and torch on first use (PEP 562), so that `hf_p2r.models.p2r.sharing_p2r`
+and `inventory_p2r` stay importable without them."""
 
 from ...lazy import lazy_exports
-from .sharing_p2r import block_of_depth, delink_sources
+from .sharing_p2r import GROWTH_PATTERNS, DelinkPlan, block_of_depth, delink_sources, plan_delink, source_depths
 
 __getattr__, __dir__, _classes = lazy_exports(
     __name__,
@@ -13,4 +14,12 @@ __getattr__, __dir__, _classes = lazy_exports(
         ".modeling_p2r_moe": ("P2RMoeForCausalLM", "P2RMoeModel", "P2RMoePreTrainedModel"),
     },
 )
-__all__ = [*_classes, "block_of_depth", "delink_sources"]
+__all__ = [
+    *_classes,
+    "GROWTH_PATTERNS",
+    "DelinkPlan",
+    "block_of_depth",
+    "delink_sources",
+    "plan_delink",
+    "source_depths",
+]

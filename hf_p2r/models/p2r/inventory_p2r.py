@@ -37,6 +37,13 @@ FLOPs per token (plus `inv.embeddings.flops` on the first stage, `inv.head.flops
 `inv.blocks[b].numel` parameters for each distinct block b its depths run (plus `inv.embeddings.numel` first and
 `inv.head.numel` last; a tied head keeps its own copy of the embeddings on the last stage, as Megatron does).
 
+The depth is the one the model runs (`num_hidden_layers`): a shallow stage of depth growth (d < L) costs its d depths,
+`inventory(stage_config).flops(seq_len)` per token, and a run's FLOPs are the sum over its steps of tokens x the
+`flops(seq_len)` of the model that ran them (the one formula for the trainer, the planner and the GPU report's MFU;
+tests/models/test_growth.py checks it against torch's `FlopCounterMode` on forward + backward). The inventory of a
+stage the config is not yet at (the planner's next stage) is that of the config a delink or growth would give:
+`inventory({**config_dict, **plan_delink(config, k, num_hidden_layers=d).fields})`.
+
 tests/models/test_inventory_p2r.py holds the names, shapes and order equal to the model built on the meta device
 (dense and MoE, pseudo and real, tied and untied, with biases) and the on-disk names to what `save_pretrained` writes.
 """
@@ -60,7 +67,13 @@ SHAPE_DEFAULTS = {
     "mlp_bias": False,
     "tie_word_embeddings": False,
 }
-LAYOUT_DEFAULTS = {"share_layers": False, "num_unique_layers": None, "sharing_pattern": "cycle"}
+LAYOUT_DEFAULTS = {
+    "share_layers": False,
+    "num_unique_layers": None,
+    "sharing_pattern": "cycle",
+    "real_num_hidden_layers": None,  # num_hidden_layers: the model runs its real depth
+    "depth_mup": False,
+}
 DEPTH_DEFAULT = 32  # `P2RConfig`'s num_hidden_layers (Llama's)
 # The MoE fields of a `p2r_moe` config.json, with `P2RMoeConfig`'s defaults (None: `intermediate_size`, and no dense
 # depths).

@@ -1,7 +1,10 @@
-"""P2R: a Llama decoder whose layers may share parameters (a *pseudo* model), and `delink()` to the *real* model.
+"""P2R: a Llama decoder whose layers may share parameters (a *pseudo* model), and `delink()` to the *real* model
+(growing a shallow model in depth on the way, if it is one).
 
 Weight names are Llama's, so a real (delinked) P2R checkpoint is a Llama checkpoint. Everything that is not about
-sharing (norm, rotary embedding, MLP, attention kernels, masks, caches, generation) comes from transformers.
+sharing comes from transformers: the attention, MLP and decoder layer are Llama's classes (P2R's subclasses change
+only the KV-cache slot, which is the depth of the call, and the Depth-µP branch multiplier), as are the norm, rotary
+embedding, attention kernels, masks, caches and generation.
 This file imports nothing from `hf_p2r`, so `save_pretrained(..., remote_code=True)` folders load anywhere with
 `trust_remote_code=True`.
 """
@@ -21,12 +24,13 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.integrations import use_kernelized_func
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -39,8 +43,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, delink_sources, validate_layout
-from .sharing_p2r import LAYER_KEY, delink_names
+from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, validate_layout
+from .sharing_p2r import LAYER_KEY, RESIDUAL_OUTPUT, DelinkPlan, delink_names, plan_delink
 
 logger = logging.get_logger(__name__)
 
@@ -78,36 +82,18 @@ _PAGED_PSEUDO_ERROR = (
 )
 
 
-@use_kernelized_func(apply_rotary_pos_emb)
-class P2RAttention(nn.Module):
-    """Llama's attention, except that the KV-cache slot is the depth of the call, not the module's own index.
+def scale_branch(output: torch.Tensor, config: P2RConfig) -> torch.Tensor:
+    """A residual branch's output times `config.residual_multiplier` (Depth-µP's 1/sqrt(depth)); as it is otherwise."""
+    return output * config.residual_multiplier if config.depth_mup else output
+
+
+class P2RAttention(LlamaAttention):
+    """Llama's attention, except that the KV-cache slot is the depth of the call (`layer_idx`), not the module's own
+    index, and the output is scaled by the Depth-µP multiplier (`depth_mup`).
 
     A shared block runs at several depths; with a fixed `self.layer_idx` every depth would write the same cache slot
     and cached generation would differ from uncached generation.
     """
-
-    def __init__(self, config: P2RConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-
-        self.q_proj = nn.Linear(
-            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.k_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
-        )
 
     @accepts_past_key_values
     def forward(
@@ -149,57 +135,37 @@ class P2RAttention(nn.Module):
         )
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
+        attn_output = scale_branch(self.o_proj(attn_output), self.config)
         return attn_output, attn_weights
 
 
-class P2RDecoderLayer(GradientCheckpointingLayer):
+class P2RMLP(LlamaMLP):
+    """Llama's MLP, its output scaled by the Depth-µP multiplier (`depth_mup`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scale_branch(super().forward(x), self.config)
+
+
+class P2RDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer (its forward: the `layer_idx` the model passes reaches `P2RAttention` through its
+    keyword arguments) with P2R's attention and MLP.
+
+    `LlamaDecoderLayer.__init__` is not called: it would build, and draw random numbers for, Llama's own attention and
+    MLP only to replace them. The modules are built in its order, so a seeded model's weights are unchanged.
+    """
+
     def __init__(self, config: P2RConfig, layer_idx: int):
-        super().__init__()
+        GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
 
         self.self_attn = P2RAttention(config=config, layer_idx=layer_idx)
 
-        self.mlp = LlamaMLP(config)
+        self.mlp = P2RMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # Outputs added to the residual stream: `_init_weights` scales their init by depth.
         self.self_attn.o_proj.is_residual_projection = True
         self.mlp.down_proj.is_residual_projection = True
-
-    @accepts_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        layer_idx: int | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            layer_idx=layer_idx,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
 
 
 class P2RPreTrainedModel(PreTrainedModel):
@@ -224,25 +190,38 @@ class P2RPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         # Residual-branch outputs get std / sqrt(2 L) (GPT-2, Megatron): a pseudo model adds its shared block's output
         # to the residual stream L times, so the unscaled init grows the stream with depth however few blocks there are.
+        # Under Depth-µP the branch multiplier scales them instead, and their init is the other weights'.
         # (Checked on the Linear itself: for custom code, transformers skips modules that hold no parameters directly.)
         if isinstance(module, nn.Linear) and getattr(module, "is_residual_projection", False):
-            std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
-            init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=self.residual_projection_std)
+
+    @property
+    def residual_projection_std(self) -> float:
+        """The init std of the residual branches' output projections: `initializer_range / sqrt(2 d)`, or
+        `initializer_range` under `depth_mup`."""
+        config = self.config
+        return config.initializer_range / (1.0 if config.depth_mup else math.sqrt(2 * config.num_hidden_layers))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         r"""
-        Like [`PreTrainedModel.from_pretrained`], and a pseudo checkpoint loads as a more delinked model when asked:
+        Like [`PreTrainedModel.from_pretrained`], and a pseudo (or shallow) checkpoint loads as a more delinked (or
+        deeper) model when asked:
 
         ```python
         >>> pseudo = P2RForCausalLM.from_pretrained("pseudo_dir")                        # k shared blocks
         >>> real = P2RForCausalLM.from_pretrained("pseudo_dir", share_layers=False)      # L blocks, same function
         >>> wider = P2RForCausalLM.from_pretrained("pseudo_dir", num_unique_layers=4)    # partial delink
+        >>> grown = P2RForCausalLM.from_pretrained("shallow_dir", num_hidden_layers=8,   # depth growth (a delink)
+        ...                                        growth="interleave", function_preserving=True)
         ```
 
-        The checkpoint is loaded as stored (only its k blocks are materialised) and then delinked in place. Weights load
-        from safetensors only. The sharing overrides are checked like `P2RConfig` arguments; asking for fewer blocks
-        (re-sharing) or another `num_hidden_layers` raises `ValueError`.
+        The checkpoint is loaded as stored (only its k blocks at its d depths are materialised) and then delinked in
+        place (`delink`, with `growth` and `function_preserving` as there). Weights load from safetensors only. The
+        overrides of the sharing fields and `num_hidden_layers` are checked like `P2RConfig` arguments and describe the
+        model wanted: a stored `num_unique_layers` is kept when the checkpoint shares and derived when it does not;
+        asking for fewer blocks (re-sharing), fewer layers, more layers without `growth`, or a transition that is not
+        a delink raises `ValueError`.
 
         Layer weights must match the config's blocks: a checkpoint that has blocks but lacks a layer weight, or has
         layer weights beyond the config's blocks, raises `ValueError` naming it and the keys (a randomly initialised or
@@ -256,10 +235,11 @@ class P2RPreTrainedModel(PreTrainedModel):
             raise ValueError("P2R models load weights from safetensors only (use_safetensors=False was given)")
         kwargs["use_safetensors"] = True
         output_loading_info = kwargs.pop("output_loading_info", False)
+        growth = {key: kwargs.pop(key) for key in ("growth", "function_preserving") if key in kwargs}
         requested = {key: kwargs.pop(key) for key in LAYOUT_FIELDS if key in kwargs}
         stored_dict = _stored_config_dict(cls.config_class, pretrained_model_name_or_path, kwargs)
         config = kwargs.get("config")
-        target = None
+        plan, real = None, None
         distributed = [key for key in _DISTRIBUTED_KWARGS if kwargs.get(key) is not None]
         if stored_dict is not None:
             # The Auto classes pass a config with the user's overrides already applied; a direct call passes kwargs.
@@ -267,27 +247,37 @@ class P2RPreTrainedModel(PreTrainedModel):
             passed_config = getattr(config, "model_type", None) == cls.config_class.model_type
             if passed_config:
                 requested = {key: getattr(config, key) for key in (*LAYOUT_FIELDS, "num_hidden_layers")}
+                if requested["real_num_hidden_layers"] == stored_dict.get("real_num_hidden_layers"):
+                    del requested["real_num_hidden_layers"]  # not asked for: it follows the depth asked for
             elif "num_hidden_layers" in kwargs:
-                requested["num_hidden_layers"] = kwargs["num_hidden_layers"]
-            stored, target = _target_blocks(cls.config_class, pretrained_model_name_or_path, stored_dict, requested)
-            if distributed and target != stored.num_blocks:
+                requested["num_hidden_layers"] = kwargs.pop("num_hidden_layers")
+            stored, plan, real = _load_plan(
+                cls.config_class, pretrained_model_name_or_path, stored_dict, requested, **growth
+            )
+            if distributed and plan is not None:
                 # delink() copies blocks, which cannot be done on blocks already sharded across processes.
                 raise ValueError(
                     f"{pretrained_model_name_or_path}: delinking while loading cannot be combined with "
                     f"{', '.join(distributed)}; convert the checkpoint first (hf-p2r convert), then load the result"
                 )
-            if passed_config and target != stored.num_blocks:
+            if passed_config and (plan is not None or real != stored.real_num_hidden_layers):
                 config = copy.deepcopy(config)
-                config.share_layers, config.num_unique_layers = stored.share_layers, stored.num_blocks
+                for key in (*LAYOUT_FIELDS, "num_hidden_layers", "mlp_only_layers"):
+                    if hasattr(stored, key):
+                        setattr(config, key, getattr(stored, key))
                 kwargs["config"] = config
-        elif requested:
+        elif requested or growth:
+            if growth:
+                raise ValueError(f"{', '.join(growth)}: growing while loading needs a P2R checkpoint with config.json")
             kwargs.update(requested)
         model, loading_info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
         _check_loaded_blocks(pretrained_model_name_or_path, model, loading_info)
-        if target is not None and target != model.config.num_blocks:
-            model.delink(target)
+        if plan is not None:
+            model.delink(plan)
+        if stored_dict is not None:
+            model.config.real_num_hidden_layers = real
         return (model, loading_info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, remote_code: bool = False, **kwargs):
@@ -307,48 +297,90 @@ class P2RPreTrainedModel(PreTrainedModel):
             del self._auto_class, self.config._auto_class
             self.config.__dict__.pop("auto_map", None)
 
-    def delink_parameter_map(self, num_unique_layers: int | None = None) -> dict[str, str]:
-        """{parameter name after `delink(num_unique_layers)` -> parameter name now}, for every parameter.
+    def delink_parameter_map(self, num_unique_layers: int | DelinkPlan | None = None, **growth) -> dict[str, str]:
+        """{parameter name after `delink(num_unique_layers, **growth)` -> parameter name now}, for every parameter.
 
         Computed without changing the model; an optimizer uses it to carry state across `delink`. Names are those of
         `named_parameters()` on this model.
         """
-        return delink_names((name for name, _ in self.named_parameters()), self._delink_sources(num_unique_layers))
+        plan = self.delink_plan(num_unique_layers, **growth)
+        return delink_names((name for name, _ in self.named_parameters()), list(plan.sources))
 
-    def delink(self, num_unique_layers: int | None = None):
-        """Give layers their own parameters, in place, without changing the function; returns the model.
+    def delink_plan(self, num_unique_layers: int | DelinkPlan | None = None, **growth) -> DelinkPlan:
+        """The `DelinkPlan` of `delink(num_unique_layers, **growth)` (`sharing_p2r.plan_delink` on this model's
+        config): the new blocks' sources, those that start with zero outputs, the config fields after. A plan is
+        returned as it is if it was made for this model as it is now (`ValueError` otherwise)."""
+        if not isinstance(num_unique_layers, DelinkPlan):
+            return plan_delink(self.config, num_unique_layers, **growth)
+        plan, config = num_unique_layers, self.config
+        if growth or plan.before != (config.num_hidden_layers, config.num_blocks):
+            raise ValueError(
+                f"a DelinkPlan for a model of {plan.before[0]} layers and {plan.before[1]} blocks, given alone, "
+                f"delinks that model; this one has {config.num_hidden_layers} layers and {config.num_blocks} blocks"
+            )
+        return plan
 
-        With `num_unique_layers=None` every depth gets its own block (the real model, `config.share_layers=False`).
-        With k' < L the model stays pseudo with k' blocks (partial delinking, e.g. 1 -> 4 -> 16); see
-        `delink_sources` for which transitions are valid. Each new block starts as a copy of the block its depths ran
-        before (the first copy of a block is the block itself), keeping dtype, device and `requires_grad`. Use
-        `delink_parameter_map` first to carry optimizer state.
+    def delink(
+        self,
+        num_unique_layers: int | DelinkPlan | None = None,
+        *,
+        num_hidden_layers: int | None = None,
+        growth: str = "stack",
+        function_preserving: bool = False,
+    ):
+        """Give layers their own parameters, in place, without changing the function; or grow the model in depth, a
+        delink along the depths. Returns the model.
+
+        With no argument: the real model (`config.real_depth` layers, each its own block, `share_layers=False`).
+        `num_unique_layers=k'` at the same depth: a partial delink (e.g. 1 -> 4 -> 16 blocks; `delink_sources` says
+        which transitions keep the function). `num_hidden_layers=L'` grows a model of depth d to L' >= d depths (one
+        block per depth unless `num_unique_layers` says fewer): new depth i runs a copy of old depth
+        `source_depths(d, L', growth)[i]`, `growth="stack"` (i mod d, G_stack) or `"interleave"` (floor(i d / L')).
+        Each new block starts as a bitwise copy of the old block its depths ran (the first copy of a block is the block
+        itself), keeping dtype, device and `requires_grad`; `config.num_hidden_layers`, `num_unique_layers`,
+        `share_layers` and `real_num_hidden_layers` (and a MoE model's `mlp_only_layers`) follow.
+
+        Growth adds layers, so it changes the function, unless `function_preserving=True`: then of the new depths that
+        copy one old depth the first keeps the weights and the later ones start with zero residual outputs (o_proj,
+        down_proj, a sparse layer's experts' down projections, biases included), so the grown model computes the
+        shallow one's function (bitwise; under `depth_mup` the kept blocks' outputs are also multiplied by
+        sqrt(L'/d) to undo the new branch multiplier, equal to rounding). See `sharing_p2r.plan_delink`.
+
+        A `DelinkPlan` (from `delink_plan`) may be passed instead of the arguments. Use `delink_parameter_map` first
+        (same arguments) to carry optimizer state.
         """
-        sources = self._delink_sources(num_unique_layers)
+        options = dict(num_hidden_layers=num_hidden_layers, growth=growth, function_preserving=function_preserving)
+        if isinstance(num_unique_layers, DelinkPlan):  # the plan says it all: only options given are checked
+            options = {key: value for key, value in options.items() if value != _DELINK_DEFAULTS[key]}
+        plan = self.delink_plan(num_unique_layers, **options)
         base, config = self.base_model, self.config
         taken: set[int] = set()
         blocks = []
-        for new_block, old_block in enumerate(sources):
+        for new_block, old_block in enumerate(plan.sources):
             block = base.layers[old_block]
-            if old_block in taken:
+            if old_block in taken or new_block in plan.fresh:
                 # The memo keeps `config` shared: a private copy would not see `set_attn_implementation` and the like.
                 block = copy.deepcopy(block, {id(config): config})
-            taken.add(old_block)
+            else:
+                taken.add(old_block)
             block.self_attn.layer_idx = new_block
             blocks.append(block)
+        with torch.no_grad():
+            for new_block, block in enumerate(blocks):
+                outputs = [p for name, p in block.named_parameters() if RESIDUAL_OUTPUT.match(name)]
+                if new_block in plan.fresh:
+                    for parameter in outputs:
+                        parameter.zero_()
+                elif plan.output_scale != 1.0:
+                    for parameter in outputs:
+                        parameter.mul_(plan.output_scale)
         base.layers = nn.ModuleList(blocks)
-        config.share_layers = len(blocks) < config.num_hidden_layers
-        config.num_unique_layers = len(blocks)
+        for key, value in plan.fields.items():
+            setattr(config, key, value)
         return self
 
-    def _delink_sources(self, num_unique_layers: int | None) -> list[int]:
-        config = self.config
-        if not config.share_layers:
-            raise ValueError("this model is already real (share_layers=False): there is nothing to delink")
-        target = config.num_hidden_layers if num_unique_layers is None else num_unique_layers
-        return delink_sources(config.num_hidden_layers, config.num_unique_layers, target, config.sharing_pattern)
 
-
+_DELINK_DEFAULTS = {"num_hidden_layers": None, "growth": "stack", "function_preserving": False}
 # Keyword arguments of `from_pretrained` that shard the model across processes as it loads.
 _DISTRIBUTED_KWARGS = ("distributed_config", "tp_plan", "tp_size", "device_mesh")
 # Keyword arguments of `from_pretrained` that say where to find files (forwarded when reading the stored config).
@@ -392,36 +424,42 @@ def _check_loaded_blocks(source, model: PreTrainedModel, loading_info: dict) -> 
     )
 
 
-def _target_blocks(config_class: type[P2RConfig], source, stored_dict: dict, requested: dict) -> tuple[P2RConfig, int]:
-    """The stored config and how many blocks the caller asks for.
+def _load_plan(
+    config_class: type[P2RConfig], source, stored_dict: dict, requested: dict, **growth
+) -> tuple[P2RConfig, DelinkPlan | None, int | None]:
+    """The stored config, the delink (and growth) that gives the model the caller asks for (None: the stored one),
+    and the `real_num_hidden_layers` of the model loaded.
 
-    The request is checked like `P2RConfig` arguments; only delinking (more blocks, same pattern, same depth) keeps the
-    function.
+    The request is checked like `P2RConfig` arguments; only a delink (more blocks with the same pattern, or more
+    depths copied from the stored ones) is a transition from the stored model.
     """
     stored = config_class.from_dict(stored_dict)
-    depth = requested.get("num_hidden_layers", stored.num_hidden_layers)
-    if depth != stored.num_hidden_layers:
-        raise ValueError(
-            f"{source}: num_hidden_layers={depth!r} differs from the checkpoint's {stored.num_hidden_layers}; a P2R "
-            "checkpoint loads at its own depth (a pseudo model would silently run its blocks at another depth)"
-        )
     try:
         wanted = config_class.from_dict(stored_dict, **requested)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
-    target, pattern = wanted.num_blocks, wanted.sharing_pattern
+    depth, target, pattern = wanted.num_hidden_layers, wanted.num_blocks, wanted.sharing_pattern
+    if depth != stored.num_hidden_layers and (depth < stored.num_hidden_layers or "growth" not in growth):
+        raise ValueError(
+            f"{source}: num_hidden_layers={depth} differs from the checkpoint's {stored.num_hidden_layers}; a P2R "
+            "checkpoint loads at its own depth (its blocks would silently run at another depth), or grows to more "
+            "layers when `growth` ('stack' or 'interleave') says how"
+        )
     if target < stored.num_blocks or (pattern != stored.sharing_pattern and target < depth):
         raise ValueError(
             f"{source}: the checkpoint stores {stored.num_blocks} blocks (sharing_pattern={stored.sharing_pattern!r}) "
             f"and cannot load as a model with {target} blocks (sharing_pattern={pattern!r}): only delinking to more "
             "blocks with the same pattern keeps the function"
         )
-    if stored.num_blocks < target < depth:
-        try:
-            delink_sources(depth, stored.num_blocks, target, stored.sharing_pattern)
-        except ValueError as error:
-            raise ValueError(f"{source}: {error}") from None
-    return stored, target
+    if (depth, target) == (stored.num_hidden_layers, stored.num_blocks):
+        if growth.get("function_preserving"):
+            raise ValueError(f"{source}: function_preserving: nothing grows (num_hidden_layers is the checkpoint's)")
+        return stored, None, wanted.real_num_hidden_layers
+    try:
+        plan = plan_delink(stored, target, num_hidden_layers=depth, **growth)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    return stored, plan, wanted.real_num_hidden_layers
 
 
 class P2RModel(P2RPreTrainedModel):

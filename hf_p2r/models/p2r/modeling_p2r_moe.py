@@ -12,7 +12,6 @@ layouts load. Like `modeling_p2r`, this file imports nothing from `hf_p2r` outsi
 """
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,7 @@ from .modeling_p2r import (
     P2RModel,
     P2RPreTrainedModel,
     accepts_past_key_values,
+    scale_branch,
 )
 
 # transformers writes Mixtral checkpoints with one tensor per expert and projection (its "original format") and loads
@@ -125,6 +125,7 @@ class P2RMoeExperts(Qwen3MoeExperts):
 class P2RMoeSparseMoeBlock(nn.Module):
     def __init__(self, config: P2RMoeConfig):
         super().__init__()
+        self.config = config  # for the Depth-µP branch multiplier
         self.gate = P2RMoeTopKRouter(config)
         self.experts = P2RMoeExperts(config)
         # Added to the residual stream: `_init_weights` scales its init by depth, as for the dense `down_proj`.
@@ -135,7 +136,7 @@ class P2RMoeSparseMoeBlock(nn.Module):
         hidden_states = hidden_states.view(-1, hidden_dim)
         _, routing_weights, selected_experts = self.gate(hidden_states)
         hidden_states = self.experts(hidden_states, selected_experts, routing_weights)
-        return hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return scale_branch(hidden_states.reshape(batch_size, sequence_length, hidden_dim), self.config)
 
 
 class P2RMoeDecoderLayer(P2RDecoderLayer):
@@ -162,19 +163,19 @@ class P2RMoePreTrainedModel(P2RPreTrainedModel):
         # (whose module has no experts) would answer False for these classes too, and the experts would run eagerly.
         return True
 
-    def delink(self, num_unique_layers: int | None = None):
+    def delink(self, num_unique_layers=None, **growth):
         """`P2RPreTrainedModel.delink`; refused (`ValueError`) on a model that transformers distributed with
         `distributed_config` (expert or tensor parallelism): its parallel blocks' forwards are bound to the original
         modules, so a copy would run the original's weights. Convert the checkpoint instead (`hf-p2r convert`) and load
         the real model with the same `distributed_config`."""
-        self._delink_sources(num_unique_layers)  # a real model, or an invalid k', says so first
+        plan = self.delink_plan(num_unique_layers, **growth)  # a real model, or an invalid k', says so first
         if any(getattr(module, "_is_hooked", False) for module in self.modules()):
             raise ValueError(
                 "delink() of a model distributed by transformers (distributed_config: expert or tensor parallelism) "
                 "would copy blocks whose forwards run the original's weights; convert the checkpoint (hf-p2r convert) "
                 "and load the real model with the same distributed_config"
             )
-        return super().delink(num_unique_layers)
+        return super().delink(plan)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -182,7 +183,7 @@ class P2RMoePreTrainedModel(P2RPreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, P2RMoeExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+            init.normal_(module.down_proj, mean=0.0, std=self.residual_projection_std)
         elif isinstance(module, P2RMoeTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
 
