@@ -11,11 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def declared() -> dict[str, Requirement]:
-    """The dependencies, and the `deepspeed` extra (`dev` installs it: CI runs DeepSpeed's tests on CPU)."""
+    """The dependencies and every optional extra (`dev` installs them all, test_dev_installs_every_extra: CI runs
+    DeepSpeed's tests on CPU, tests/integrations/test_trl.py under TRL)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extra = project["optional-dependencies"]["deepspeed"]
-    assert set(extra) <= set(project["optional-dependencies"]["dev"]), "dev must install the deepspeed extra"
-    requirements = [Requirement(line) for line in [*project["dependencies"], *extra]]
+    extras = [line for name, lines in project["optional-dependencies"].items() if name != "dev" for line in lines]
+    requirements = [Requirement(line) for line in [*project["dependencies"], *extras]]
     return {canonicalize_name(r.name): r for r in requirements}
 
 
@@ -28,6 +28,14 @@ def pins(path: str) -> dict[str, Version]:
             assert specifier.operator == "==", f"{path}: {line} is not a pin"
             pinned[canonicalize_name(requirement.name)] = Version(specifier.version)
     return pinned
+
+
+def test_dev_installs_every_extra():
+    """Declared = tested: an extra that `make test` did not install would be declared and never tested."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dev = set(extras["dev"])
+    for name, lines in extras.items():
+        assert set(lines) <= dev, f"pyproject.toml: the dev extra lacks the {name} extra's {sorted(set(lines) - dev)}"
 
 
 def test_floors_are_pyprojects_lower_bounds():
