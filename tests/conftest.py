@@ -15,7 +15,9 @@ import torch  # noqa: E402
 import hf_p2r  # noqa: E402,F401  (registers the Auto classes)
 from hf_p2r import P2RConfig, P2RForCausalLM  # noqa: E402
 
-from .tiers import pytest_configure  # noqa: E402,F401  (the tiers of `make test` / `make test-all`: tests/tiers.py)
+from .tiers import load_hypothesis_profile, pytest_configure  # noqa: E402,F401  (`make test` / `make test-all`)
+
+load_hypothesis_profile()  # before the test modules build their settings (tests/tiers.py)
 
 # DeepSpeed's C++ ops (the shm op of its CPU collectives) are built by torch.utils.cpp_extension into one folder per
 # Python version whatever the torch, and a process that finds a build under way waits for it and loads it: two venvs'

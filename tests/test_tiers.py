@@ -169,3 +169,26 @@ def test_a_hypothesis_test_is_read_through_its_wrapper():
         namespace,
     )
     assert tiers.starter_of(types.SimpleNamespace(function=namespace["body"], fixturenames=[])) == "subprocess.run"
+
+
+@pytest.mark.parametrize(
+    ("environ", "examples"), [({"CI": "true"}, 50), ({"CI": "1"}, 50), ({}, 100), ({"CI": ""}, 100)]
+)
+def test_ci_bounds_the_examples_of_a_property_test_without_its_own(environ, examples):
+    from hypothesis import given, settings, strategies
+
+    before = settings.default.max_examples
+    calls = []
+    try:
+        tiers.load_hypothesis_profile(environ)
+
+        @given(strategies.integers())
+        def body(number):
+            calls.append(number)
+
+        body()
+    finally:
+        settings.load_profile(tiers.hypothesis_profile())
+    assert settings.default.max_examples == before  # the session's profile is back
+    assert len(calls) == examples
+    assert settings.default.deadline is None

@@ -30,6 +30,7 @@ import types
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 PROCESSES = "processes"
 
@@ -204,6 +205,28 @@ def mark_tiers(items: list[pytest.Item], limits: bool) -> None:
                 else "processes"
             )
             item.add_marker(pytest.mark.timeout(LIMITS[tier] * factor))
+
+
+# Hypothesis's settings. Everywhere: no per-example deadline and no too-slow health check, which a busy machine trips
+# (a test's time limit is its tier's). Under CI (CI=true): at most 50 examples where a test sets no max_examples of its
+# own (hypothesis's default is 100; a test's own max_examples is its bound), and a failure prints the blob that replays
+# it. What a test's own settings() leave unset comes from the profile loaded when its module is imported.
+HYPOTHESIS_PROFILES = {
+    "p2r": dict(deadline=None, suppress_health_check=[HealthCheck.too_slow]),
+    "ci": dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=50, print_blob=True),
+}
+
+
+def hypothesis_profile(environ=os.environ) -> str:
+    return "ci" if environ.get("CI", "").strip().lower() in ("true", "1", "yes") else "p2r"
+
+
+def load_hypothesis_profile(environ=os.environ) -> str:
+    for name, values in HYPOTHESIS_PROFILES.items():
+        settings.register_profile(name, settings.get_profile("default"), **values)  # hypothesis's defaults beneath
+    name = hypothesis_profile(environ)
+    settings.load_profile(name)
+    return name
 
 
 class ProcessWatch:
