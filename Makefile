@@ -21,12 +21,14 @@ export P2R_TEST_TIME_FACTOR ?= 1
 FAST   = -m "not processes and not slow"
 REST   = -m "processes or slow"
 # The version-dependent tests, run by `make compat` on the declared floors and on the newest releases: the model
-# families, the trainer, the private reads (compat), the import order, FSDP2 and DeepSpeed. Left to `make test-all`
-# on the tested set only: the launcher's tests (test_launch.py: process and signal handling, no version-dependent
-# API); the train script's exit code in a subprocess (its messages come from parse_config, which
-# test_bad_values_raise_one_line_naming_the_field checks in-process for the same three bad values); the trainer's
-# signal handler (_StopOnSignal: Python's signal module only); and the end-to-end runs marked slow.
-COMPAT_TESTS ?= -m "not slow" tests/models tests/training tests/test_compat.py tests/test_import_order.py tests/distributed/test_fsdp2.py \
+# families, the trainer, the Trainer/TRL integration, the private reads (compat), the import order, FSDP2 and
+# DeepSpeed. Left to `make test-all` on the tested set only: the launcher's tests (test_launch.py: process and signal
+# handling, no version-dependent API); the train script's exit code in a subprocess (its messages come from
+# parse_config, which test_bad_values_raise_one_line_naming_the_field checks in-process for the same three bad
+# values); the trainer's signal handler (_StopOnSignal: Python's signal module only); and the end-to-end runs marked
+# slow, but for those marked `versions` too (the one run of an extra's library, TRL's SFTTrainer).
+COMPAT_TESTS ?= -m "not slow or versions" tests/models tests/training tests/integrations tests/test_compat.py tests/test_import_order.py \
+	tests/distributed/test_fsdp2.py \
 	tests/distributed/test_deepspeed.py tests/distributed/test_deepspeed_zero_init.py tests/distributed/test_deepspeed_dcp.py \
 	--ignore=tests/training/test_launch.py \
 	--deselect=tests/training/test_config.py::test_cli_prints_one_line_without_a_traceback_and_exits_2 \
