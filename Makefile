@@ -112,6 +112,7 @@ compat-newest: .venv-newest/.installed
 
 # A fresh resolution of pyproject's ranges, written to $(LOCK); run `make test` on it before committing.
 lock:
+	@echo "make: installing $(TORCH) and the newest releases pyproject allows into .venv-lock, to write $(LOCK)"
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install --quiet "$(TORCH)" -e ".[dev]"
 	{ sed -n '1,2p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -viE '^(torch|hf-p2r)=='; } > $(LOCK).new

@@ -74,3 +74,21 @@ def test_the_tested_set_pins_every_dev_tool_within_its_range():
         name = canonicalize_name(requirement.name)
         assert name in tested, f"requirements/tested.txt does not pin {name}"
         assert requirement.specifier.contains(tested[name], prereleases=True), f"{name}=={tested[name]}"
+
+
+def test_make_says_what_it_installs_before_installing():
+    """Each install in a recipe (a venv, a pip install) comes after a `make: ...` line that says what it installs,
+    printed since the install before it, so a fresh `make test` or `make demo` does not sit silent for minutes."""
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    checked = 0
+    for rule in makefile.split("\n\n"):
+        said = []
+        for line in (line.strip() for line in rule.splitlines() if line.startswith("\t")):
+            if line.startswith("@") and 'echo "make: ' in line:
+                said.append(line)
+            elif " -m venv " in line or " pip install " in line:
+                assert said, f"Makefile: nothing said before {line}"
+                if " pip install " in line and "--upgrade pip" not in line:  # a venv and its pip: said together
+                    said = []
+                checked += 1
+    assert checked >= 8
