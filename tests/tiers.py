@@ -46,7 +46,13 @@ _STARTERS = {
     "tests.distributed.spawn": {"run"},
     "deepspeed": None,  # any use
 }
-_TESTS = "tests"
+# The repository's own helpers, read through for process starts: the tests package's and the benchmarks' (a benchmark's
+# smoke test calls its main(), which measures each size in a fresh process).
+_LOCAL = ("tests", "benchmarks")
+
+
+def _local(module: str) -> bool:
+    return module.split(".")[0] in _LOCAL
 
 
 def _starting_names(module: str) -> set[str] | None | bool:
@@ -118,7 +124,7 @@ def _refers(value, names, seen: set) -> str | None:
             used = sorted(starting.intersection(names))
             return f"{value.__name__}.{used[0]}" if used else None
         if (
-            value.__name__.startswith(_TESTS + ".") and value.__name__ != __name__
+            _local(value.__name__) and value.__name__ != __name__
         ):  # a helper module: the functions of it this code names
             for name in names:
                 attribute = getattr(value, name, None)
@@ -136,9 +142,9 @@ def _refers(value, names, seen: set) -> str | None:
         return None
     if module == __name__:  # this plugin's own watch starts nothing
         return None
-    if isinstance(value, types.FunctionType) and module.startswith(_TESTS):
+    if isinstance(value, types.FunctionType) and _local(module):
         return _starter(value, seen)
-    if isinstance(value, type) and module.startswith(_TESTS):  # a helper class: its methods
+    if isinstance(value, type) and _local(module):  # a helper class: its methods
         for attribute in vars(value).values():
             found = _refers(getattr(attribute, "__func__", attribute), (), seen)
             if found:
@@ -166,7 +172,7 @@ def starter_of(item: pytest.Item) -> str | None:
     fixtureinfo = getattr(item, "_fixtureinfo", None)
     for name in getattr(item, "fixturenames", ()):
         for definition in fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ():
-            if getattr(definition.func, "__module__", "").startswith(_TESTS):
+            if _local(getattr(definition.func, "__module__", "")):
                 found = _starter_of_function(definition.func)
                 if found:
                     return f"{found} (fixture {name})"
@@ -348,15 +354,19 @@ class Tiers:
         if call.when == "setup" and report.passed:
             return  # judged with the body
         new, self.checked = self.watch.started[self.checked :], len(self.watch.started)
-        if not new or report.failed or item.get_closest_marker(PROCESSES) is not None:
+        if not new or item.get_closest_marker(PROCESSES) is not None:
             return
         started = ", ".join(sorted(set(new))[:3])
-        report.outcome = "failed"
-        report.longrepr = (
+        message = (
             f"{item.nodeid} started a process ({started}) but is not marked `processes`: `make test` runs only "
             "tests that stay in their own process. Mark it @pytest.mark.processes (`make test-all` runs it), or keep "
             "it in this process."
         )
+        if report.failed:  # failed for its own reason (a set-up's error included): say this too
+            report.sections.append(("tests/tiers.py", message))
+            return
+        report.outcome = "failed"
+        report.longrepr = message
 
 
 def pytest_configure(config):
