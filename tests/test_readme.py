@@ -31,6 +31,7 @@ PYTHON_BLOCKS = {
     "num_hidden_layers=12, share_layers=True, num_unique_layers=1)": "tests/test_readme.py::"
     "test_the_quickstart_saves_both_models",
     "num_experts=8, num_experts_per_tok=2, share_layers=True)": "here",
+    'growth="interleave", function_preserving=True)': "here",
     'AutoTokenizer.from_pretrained("runs/demo/real")': "after the commands",
     "convert_pseudo_to_real(": "tests/checkpoint/test_convert.py::test_readme_examples_run_on_what_make_demo_writes",
     "CheckpointReader(": "tests/checkpoint/test_convert.py::test_readme_examples_run_on_what_make_demo_writes",
