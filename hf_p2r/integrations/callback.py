@@ -155,6 +155,21 @@ def growth_events(growth) -> list[Grow]:
     return events
 
 
+def event_plan(event: Delink | Grow, config) -> DelinkPlan:
+    """The `DelinkPlan` of `event` for a model of `config` (a P2R config, or its dict): a delink at the model's depth
+    (None: every layer its own block), a growth to its depth with its mapping (`plan_delink`)."""
+    if isinstance(event, Grow):
+        return plan_delink(
+            config,
+            event.blocks,
+            num_hidden_layers=event.num_hidden_layers,
+            growth=event.growth,
+            function_preserving=event.function_preserving,
+        )
+    depth = config["num_hidden_layers"] if isinstance(config, Mapping) else config.num_hidden_layers
+    return plan_delink(config, depth if event.blocks is None else event.blocks, num_hidden_layers=depth)
+
+
 def _is_pair(value) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
 
@@ -268,16 +283,7 @@ class P2RCallback(TrainerCallback, ExportableState):
                 plans.append(None)  # the model given is already past it (a later stage's checkpoint)
                 continue
             try:
-                if isinstance(event, Grow):
-                    plan = plan_delink(
-                        fields,
-                        event.blocks,
-                        num_hidden_layers=event.num_hidden_layers,
-                        growth=event.growth,
-                        function_preserving=event.function_preserving,
-                    )
-                else:
-                    plan = plan_delink(fields, target[1])
+                plan = event_plan(event, fields)
             except ValueError as error:
                 raise ValueError(f"{name}: step {event.step}: {error}") from None
             plans.append(plan)
@@ -303,21 +309,6 @@ class P2RCallback(TrainerCallback, ExportableState):
                     f"{name}: step {event.step} is at or after the run's end (max_steps {max_steps}): the event "
                     "would never run"
                 )
-
-    def event_arguments(self, event: Delink | Grow, config) -> int | DelinkPlan | None:
-        """What `P2RTrainer.delink` takes for `event` on a model of `config`: the blocks of a delink (None: the real
-        model), the `DelinkPlan` of a growth."""
-        if isinstance(event, Grow):
-            return plan_delink(
-                config,
-                event.blocks,
-                num_hidden_layers=event.num_hidden_layers,
-                growth=event.growth,
-                function_preserving=event.function_preserving,
-            )
-        if event.blocks is not None:
-            return event.blocks
-        return None if config.num_hidden_layers == real_depth(config) else config.num_hidden_layers
 
     # --- events --------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -346,7 +337,7 @@ class P2RCallback(TrainerCallback, ExportableState):
             event = self.events[self.events_done]
             config = self.trainer.model.config
             before = (config.num_hidden_layers, config.num_blocks)
-            self.trainer.delink(self.event_arguments(event, config), self.carry)
+            self.trainer.delink(event_plan(event, config), self.carry)
             config = self.trainer.model.config
             self.events_done += 1
             self.num_hidden_layers, self.num_blocks = config.num_hidden_layers, config.num_blocks
@@ -393,6 +384,7 @@ __all__ = [
     "Delink",
     "Grow",
     "P2RCallback",
+    "event_plan",
     "growth_events",
     "schedule_events",
 ]

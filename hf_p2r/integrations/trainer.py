@@ -49,7 +49,7 @@ from ..models.p2r.sharing_p2r import DelinkPlan
 from ..training.config import TrainArguments
 from ..training.delink import check_delink_supported, check_growth_supported, delink_in_training
 from ..training.optim import rewarm_factor
-from .callback import NUM_BLOCKS, NUM_HIDDEN_LAYERS, Grow, P2RCallback
+from .callback import NUM_BLOCKS, NUM_HIDDEN_LAYERS, Grow, P2RCallback, event_plan
 
 CARD_NAME = "README.md"
 
@@ -182,7 +182,7 @@ class P2RTrainerMixin:
             return
         for event, plan in zip(callback.events[:done], callback.plans(model)):
             if plan is not None:
-                model.delink(callback.event_arguments(event, model.config))
+                model.delink(event_plan(event, model.config))
         callback.events_done = done
 
     # --- the delink ------------------------------------------------------------------------------------------------
