@@ -64,7 +64,8 @@ def test_a_carry_other_than_reset_is_refused_under_deepspeed(tmp_path):
 def test_depth_growth_is_refused_under_deepspeed_in_one_line(tmp_path):
     """DeepSpeed delinks at constant depth only (`check_growth_supported`): a schedule that grows a 2-layer model is
     refused when train() starts, naming the engine."""
-    fields = dict(num_hidden_layers=2, pseudo_steps=4, real_steps=0, partial_delink_blocks=[], **RESET)
+    fields = dict(num_hidden_layers=2, pseudo_steps=4, real_steps=0, partial_delink_blocks=[], partial_delink_steps=[])
+    fields |= RESET
     growth = {"callback": {"growth": [[2, 4]], "carry": "reset"}, "real_depth": 4}
     with pytest.raises(
         AssertionError, match=r"growth: step 2: depth growth \(2 -> 4 layers\) is not supported under DEEPSPEED"
