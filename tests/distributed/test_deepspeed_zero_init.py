@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from hf_p2r.checkpoint import save_model
 from hf_p2r.checkpoint.sharded_write import save_model_from_shards
 from hf_p2r.compat import zero3_full
-from hf_p2r.distributed.fsdp import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
+from hf_p2r.distributed.deepspeed import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
 from hf_p2r.distributed.materialize import materialize
 from hf_p2r.training import parse_config
 from hf_p2r.training.checkpointing import save_model as save_model_gathered
@@ -185,7 +185,7 @@ def delink_trains(rank: int, world_size: int) -> dict:
     for step, input_ids in enumerate(data):
         if step in DELINKS:
             peak = PeakOfPartition()
-            with mock.patch("hf_p2r.distributed.fsdp.partition_zero3", peak):
+            with mock.patch("hf_p2r.distributed.deepspeed.partition_zero3", peak):
                 new = delink_deepspeed(engine, DELINKS[step])
             out["blocks"].append(len(new.model.layers))
             out["partitioned"].append(all(hasattr(p, "ds_id") for p in new.parameters()))
