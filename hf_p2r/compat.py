@@ -7,14 +7,16 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
 `causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
-(`prepared_models`, `forget_preparation`), torch autograd and tensors (`in_backward`, `tensor_version`,
-`local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining (`pipeline_order`,
-`initialize_pipeline_stage`, `pipeline_stage_backward`), torch.distributed.checkpoint (`dcp_reader`). A new read
-goes beside its library's, with a test.
+(`prepared_models`, `forget_preparation`, `import_deepspeed_only_when_used`), torch autograd and tensors
+(`in_backward`, `tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining
+(`pipeline_order`, `initialize_pipeline_stage`, `pipeline_stage_backward`), torch.distributed.checkpoint
+(`dcp_reader`). A new read goes beside its library's, with a test.
 """
 
+import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -26,6 +28,7 @@ __all__ = [
     "dynamo_counters",
     "forward_without_checkpointing",
     "forget_preparation",
+    "import_deepspeed_only_when_used",
     "in_backward",
     "init_module_weights",
     "initialize_pipeline_stage",
@@ -243,6 +246,24 @@ def forget_preparation(model) -> None:
     """Drop Accelerate's "already prepared" mark from `model` (`_is_accelerate_prepared`), so that the next `prepare`
     wraps it again (mixed precision's autocast forward included) instead of handing it back as it is."""
     vars(model).pop("_is_accelerate_prepared", None)
+
+
+def import_deepspeed_only_when_used() -> None:
+    """Make Accelerate leave DeepSpeed unimported where no DeepSpeed engine can exist. Its `extract_model_from_parallel`
+    (behind `Accelerator.unwrap_model`, `get_state_dict`, ...) imports DeepSpeed whenever it is installed, to test
+    whether a model is a `DeepSpeedEngine`: seconds of import, and DeepSpeed's "Setting accelerator to CPU" warning in
+    the progress bar of every run (issue 37). No model is a `DeepSpeedEngine` before DeepSpeed is imported (a DeepSpeed
+    run imports it when Accelerate sets up its state), so that function's `is_deepspeed_available` (the name it calls,
+    in `accelerate.utils.other`) answers True only once DeepSpeed is imported and available. Idempotent."""
+    other = importlib.import_module("accelerate.utils.other")
+    available = other.is_deepspeed_available
+    if getattr(available, "__wrapped__", None) is None:
+
+        @functools.wraps(available)
+        def imported_and_available() -> bool:
+            return "deepspeed" in sys.modules and available()
+
+        other.is_deepspeed_available = imported_and_available
 
 
 def local_tensor(tensor):

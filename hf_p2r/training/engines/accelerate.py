@@ -14,6 +14,7 @@ from accelerate.utils import DistributedType
 from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
+from ...compat import import_deepspeed_only_when_used
 from ...distributed import gather_shared_once
 from ...distributed.deepspeed import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
@@ -46,6 +47,7 @@ class AccelerateEngine(Engine):
             log_with=None if args.report_to == "none" else args.report_to,
             project_dir=Path(args.output_dir),
         )
+        import_deepspeed_only_when_used()  # Accelerate's unwrapping imports DeepSpeed whenever it is installed
         if config.delink_schedule():
             check_delink_supported(accelerator, args)
         check_optimizer_supported(accelerator, args)  # optimizer: muon needs whole matrices
