@@ -6,7 +6,9 @@ Only the command being run builds its parser, and heavy imports happen inside `f
 command's `--help` and argument errors import neither torch nor transformers (tests/test_cli.py checks it), and
 `hf-p2r convert` needs them only for a dtype cast or `--verify`. Expected errors print one line on stderr, without a
 traceback, and exit 2 for bad input (a file, a field, an argument) or 1 for a failure at run time (a full disk):
-`hf_p2r.errors.exit_code`.
+`hf_p2r.errors.exit_code`; a name in it is shown with its control characters escaped (`hf_p2r.errors.printable`).
+Whatever a command prints (its output, its messages, logs and warnings, a traceback) is redacted on its way out: the
+Hub token never appears (`hf_p2r.errors.run_redacted`).
 
 SIGTERM and SIGHUP (`kill`, `timeout`, a SLURM job ending, a closed terminal) stop a command like Ctrl-C does: the
 partial output is removed, one line is printed and the exit status is 128 + the signal number.
@@ -20,7 +22,7 @@ import threading
 from collections.abc import Iterator
 
 from .commands import convert, env, export, plan, push, train
-from .errors import exit_code
+from .errors import exit_code, printable, run_redacted
 
 COMMANDS = {"train": train, "convert": convert, "export": export, "push": push, "plan": plan, "env": env}
 # Errors that mean "bad input or environment", not a bug: shown as one line (exit status: `exit_code`).
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             subparsers.add_parser(name, help=command.HELP)
     args = parser.parse_args(argv)
+    return run_redacted(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         with _stop_on_signals():
             return args.func(args) or 0
@@ -64,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def one_line(message: str) -> str:
-    """`message` on one line (some libraries' messages span several)."""
-    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    """`message` on one line (some libraries' messages span several), its other control characters escaped."""
+    return printable(" ".join(line.strip() for line in message.splitlines() if line.strip()))
 
 
 @contextlib.contextmanager

@@ -7,10 +7,10 @@ instead of somewhere in a training run. No torch at import: the converter's fast
 By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_registration`, `mark_auto_class`,
 `causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
-(`prepared_models`, `forget_preparation`, `import_deepspeed_only_when_used`), torch autograd and tensors
-(`in_backward`, `tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`), torch.distributed.pipelining
-(`pipeline_order`, `initialize_pipeline_stage`, `pipeline_stage_backward`), torch.distributed.checkpoint
-(`dcp_reader`). A new read goes beside its library's, with a test.
+(`prepared_models`, `forget_preparation`, `restore_forward`, `import_deepspeed_only_when_used`), torch autograd and
+tensors (`in_backward`, `tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`),
+torch.distributed.pipelining (`pipeline_order`, `initialize_pipeline_stage`, `pipeline_stage_backward`),
+torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with a test.
 """
 
 import functools
@@ -40,6 +40,7 @@ __all__ = [
     "pipeline_stage_backward",
     "prepared_models",
     "reshard_after_backward",
+    "restore_forward",
     "tensor_version",
     "zero3_copy_fp32_to_partitions",
     "zero3_full",
@@ -266,6 +267,20 @@ def import_deepspeed_only_when_used() -> None:
         other.is_deepspeed_available = imported_and_available
 
 
+def restore_forward(model) -> None:
+    """Put back the forward that Accelerate's mixed precision wrapped in autocast (`_original_forward`): the class's,
+    or one patched on the instance (TRL's fused LM head). `unwrap_model(keep_fp32_wrapper=False)` instead follows the
+    `__wrapped__` chain to its innermost function, past the model's own decorators (`can_return_tuple`) and past such
+    a patch."""
+    original = vars(model).pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__self__", None) is model and original.__func__ is type(model).forward:
+        vars(model).pop("forward", None)  # the class's: no instance attribute
+    else:
+        model.forward = original
+
+
 def local_tensor(tensor):
     """This rank's shard of a DTensor (`_local_tensor`: a view, so writes go to the shard; `to_local()` is an autograd
     function), or the tensor itself."""
@@ -386,13 +401,15 @@ _DCP_METADATA_GLOBALS = {
 }
 
 
-def dcp_reader(path):
+def dcp_reader(path, *, bytes_entries: bool = False):
     """torch.distributed.checkpoint's `FileSystemReader` for `path` whose `.metadata` (a pickle, which torch's reader
     loads with `pickle.load`: any code a crafted file names would run) is unpickled naming only DCP's metadata records,
     torch.Size, dtypes, layouts and paths; anything else is `pickle.UnpicklingError` before it is called. The shards'
     tensors torch reads itself, with `torch.load(weights_only=True)`; an entry of pickled bytes (which DCP would load
-    with `weights_only=False`) is refused with the rest. Reads the reader's private `_get_metadata_path`,
-    `fs` and `load_id` (the same in torch 2.11 and 2.15) to do what its `read_metadata` does."""
+    with `weights_only=False`) is refused with the rest, unless `bytes_entries` (to check the metadata of a folder
+    another library loads, such as Accelerate's FSDP optimizer state, whose bytes entries are then checked one by one:
+    never load through such a reader). Reads the reader's private `_get_metadata_path`, `fs` and `load_id` (the same in
+    torch 2.11 and 2.15) to do what its `read_metadata` does."""
     import pickle
 
     import torch
@@ -401,8 +418,13 @@ def dcp_reader(path):
 
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str):
-            allowed = name in _DCP_METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            allowed = (
+                name in _DCP_METADATA_GLOBALS.get(module, ())
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+                or (
+                    bytes_entries
+                    and (module, name) == ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+                )
             )
             if not allowed:
                 raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")

@@ -1,4 +1,6 @@
-"""What hf-p2r says when its input is wrong: one error type for bad input, one exit-code rule, one JSON reader.
+"""What hf-p2r says when its input is wrong: one error type for bad input, one exit-code rule, one JSON reader; and
+how everything it says is shown: names from disk with their control characters escaped (`printable`), and never the
+Hub token (`redact`, `redacted_output`).
 
 Every tool of hf-p2r (`hf-p2r convert / push / plan`, the trainer) reads files it did not write: config.json, shard
 indexes, safetensors headers, trainer_state.json, YAML. Whatever those hold (malformed, truncated, nested a million
@@ -9,14 +11,35 @@ This module is torch-free and imports nothing of hf_p2r: every layer may use it.
 >>> from hf_p2r.errors import read_json
 >>> config = read_json("pseudo/config.json")  # InputError("pseudo/config.json: not valid JSON (...)") if damaged
 ```
+
+The Hub token is redacted on the way out, once, whatever printed it: `redacted_output` wraps the process's stdout and
+stderr (and the logging handlers writing to them) while a command runs, so a library's message, a log line, a
+warning or a traceback that quotes the token (a server echoing a request's headers in its error) shows `***`.
 """
 
+import contextlib
+import io
 import json
+import logging
 import os
+import re
 import stat
+import sys
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["MAX_JSON_BYTES", "InputError", "exit_code", "parse_json", "read_json"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "InputError",
+    "exit_code",
+    "parse_json",
+    "printable",
+    "read_json",
+    "redact",
+    "redacted_output",
+    "run_redacted",
+]
 
 # The largest JSON document hf-p2r reads (an index of a model with millions of tensors is tens of MB).
 MAX_JSON_BYTES = 256 << 20
@@ -85,3 +108,136 @@ def _kind(mode: int) -> str:
 def _json_name(kind: type) -> str:
     names = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
     return names.get(kind, "null" if kind is type(None) else kind.__name__)
+
+
+def printable(text, limit: int | None = None) -> str:
+    """`text` (a name from disk, a key, a field's value; any object, as `str` shows it) as a message quotes it: as it is
+    when every character is printable, else with the others escaped as Python escapes them (a newline as ``\\n``, an
+    escape sequence as ``\\x1b``), so that a file named with a newline cannot forge a line of output, nor a name move
+    the terminal's cursor. Cut to `limit` characters (ending in "...") when given.
+
+    ```python
+    >>> printable("model\\n.safetensors")
+    'model\\\\n.safetensors'
+    ```
+    """
+    text = str(text)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if limit is None or len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+# What a Hugging Face access token looks like ("hf_" and 34 letters or digits; 20 or more, to be safe).
+_TOKEN_SHAPE = re.compile(r"hf_[A-Za-z0-9]{20,}")
+# The environment variables huggingface_hub reads a token from.
+_TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+_SHORTEST_TOKEN = 8  # a shorter "token" is not one: replacing it everywhere would garble the output
+
+
+def redact(text: str) -> str:
+    """`text` without the Hub token: the token of this process (HF_TOKEN, or huggingface_hub's own, `get_token`, once
+    huggingface_hub is loaded: only then can anything have sent it) and anything shaped like a Hugging Face token
+    become `***`."""
+    for token in _tokens():
+        if token in text:
+            text = text.replace(token, "***")
+    return _TOKEN_SHAPE.sub("***", text) if "hf_" in text else text
+
+
+def _tokens() -> list[str]:
+    found = [os.environ.get(name, "").strip() for name in _TOKEN_VARIABLES]
+    if "huggingface_hub" in sys.modules:
+        try:
+            from huggingface_hub import get_token
+
+            found.append(get_token() or "")
+        except Exception:  # noqa: BLE001, S110 - no token then; redaction must never fail a command
+            pass
+    return sorted({token for token in found if len(token) >= _SHORTEST_TOKEN}, key=len, reverse=True)
+
+
+class _Redacting(io.TextIOBase):
+    """A text stream that writes to `stream` what it is given, `redact`ed; anything else is `stream`'s."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self):
+        return getattr(self._stream, "encoding", "utf-8")
+
+    @property
+    def errors(self):
+        return getattr(self._stream, "errors", "strict")
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacted_output() -> Iterator[None]:
+    """Within it, everything written to `sys.stdout` and `sys.stderr` is `redact`ed on its way out: prints, warnings,
+    progress bars, tracebacks, and the logging handlers that write to either stream (those made before it too)."""
+    if isinstance(sys.stdout, _Redacting) or isinstance(sys.stderr, _Redacting):  # already (a command in a command)
+        yield
+        return
+    streams = {"stdout": sys.stdout, "stderr": sys.stderr}
+    wrapped = {name: _Redacting(stream) if stream is not None else None for name, stream in streams.items()}
+    handlers = [
+        handler
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in getattr(logger, "handlers", ())
+        if isinstance(handler, logging.StreamHandler)
+        and any(handler.stream is s for s in streams.values() if s is not None)
+    ]
+    sys.stdout, sys.stderr = wrapped["stdout"], wrapped["stderr"]
+    previous = []
+    for handler in handlers:
+        stream = handler.stream
+        try:
+            handler.setStream(wrapped["stdout" if stream is streams["stdout"] else "stderr"])
+        except AttributeError:  # a handler that looks sys.stderr up when it writes (logging's last resort)
+            continue
+        previous.append((handler, stream))
+    try:
+        yield
+    finally:
+        for handler, stream in previous:
+            handler.setStream(stream)
+        if sys.stdout is wrapped["stdout"] is not None:
+            sys.stdout = streams["stdout"]
+        if sys.stderr is wrapped["stderr"] is not None:
+            sys.stderr = streams["stderr"]
+
+
+def run_redacted(main: Callable[[], int | None]) -> int:
+    """`main()`'s exit status, with everything it prints `redact`ed (`redacted_output`); an exception it lets through
+    (a bug, not an expected error: those are one line) is printed as Python prints it, redacted, and is exit status
+    1. For a command's entry point: `sys.exit(run_redacted(lambda: main(argv)))`."""
+    with redacted_output():
+        try:
+            return main() or 0
+        except Exception:  # noqa: BLE001 - the traceback, through the redacting stream
+            traceback.print_exc()
+            sys.stderr.flush()
+            return 1

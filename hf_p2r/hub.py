@@ -7,9 +7,14 @@ never modifies the folder.)
 
 Only what lies within the folder is uploaded (`hf_p2r.checkpoint.io.files_within`: regular files, and the links of a
 Hugging Face cache snapshot into its own blobs); a link out of the folder (to /etc/passwd, say), a FIFO or a device is
-skipped and said so. The repo id and the branch are checked before anything is read or sent.
+skipped and said so. So is what is not a valid file of its kind (a `.safetensors` file whose header does not describe
+it, a 0-byte one included; a `.json` file that is not JSON), a folder named README.md (the card is rendered instead)
+and a name with unprintable characters (a newline...). The dry run's listing and the push come from one plan
+(`_plan`): the listing is exactly what is uploaded. The repo id and the branch are checked before anything is read or
+sent; names from disk are shown with their control characters escaped, and the token never.
 """
 
+import dataclasses
 import logging
 import os
 import re
@@ -21,9 +26,9 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from tqdm import tqdm
 
 from .checkpoint.card import render_model_card
-from .checkpoint.headers import read_weights
-from .checkpoint.io import file_within, files_within
-from .errors import InputError
+from .checkpoint.headers import read_header, read_weights
+from .checkpoint.io import CONFIG_NAME, file_within, files_within, read_config_dict, why_skipped
+from .errors import InputError, printable, read_json, redact
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +70,11 @@ def push_to_hub(
     check_repo_id(repo_id)
     check_branch(revision)
     folder = Path(folder)
-    card, card_note = _card_for_upload(folder, repo_id)
-    files, skipped = _files_to_upload(folder, include_readme=card is None)
+    plan = _plan(folder, repo_id)
+    files, skipped, card = plan.files, plan.skipped, plan.card
     commit_message = commit_message or f"Upload {folder.name} with hf-p2r"
     if dry_run:
-        return _report(folder, repo_id, files, skipped, card, card_note, private=private, revision=revision)
+        return redact(_report(folder, repo_id, plan, private=private, revision=revision))
     if skipped:
         logger.warning(_skipped_line(folder, skipped))
 
@@ -81,7 +86,7 @@ def push_to_hub(
     # The resolved paths: a file swapped for a link after the listing is not followed out of the folder.
     operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=target) for path, target in files.items()]
     if card is not None:
-        operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=str(card).encode()))
+        operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=redact(str(card)).encode()))
     commit = api.create_commit(
         repo_id, operations=operations, commit_message=commit_message, revision=revision, repo_type="model"
     )
@@ -173,45 +178,102 @@ def _card_for_upload(folder: Path, repo_id: str) -> tuple[ModelCard | None, str]
     return None, f"the folder's own {CARD_NAME}, unchanged"
 
 
-def _files_to_upload(folder: Path, *, include_readme: bool) -> tuple[dict[str, Path], list[str]]:
-    """({path in the repo: the file it is}, [skipped paths]): the files within `folder` (`files_within`)."""
-    kept, skipped = files_within(folder)
-    files = {}
+@dataclasses.dataclass
+class _Plan:
+    """What a push uploads: `files` {path in the repo: the file}, and the model `card` (None: the folder's own
+    README.md, in `files`); `skipped` {path: why} what it does not, and why."""
+
+    files: dict[str, Path]
+    card: ModelCard | None
+    card_note: str
+    skipped: dict[str, str]
+
+
+def _plan(folder: Path, repo_id: str) -> _Plan:
+    """The one plan of a push and of its dry run. Refused (`InputError`): a folder without a valid config.json or
+    whose weights are damaged; skipped, with the reason: what `_why_not_uploaded` names."""
+    card_folder = (folder / CARD_NAME).is_dir() and not (folder / CARD_NAME).is_symlink()
+    if card_folder:
+        card, card_note = render_model_card(folder, model_id=repo_id), f"rendered from model_cards/: {_CARD_FOLDER}"
+    else:
+        card, card_note = _card_for_upload(folder, repo_id)
+    read_config_dict(folder)  # (the rendered card read it already; the author's card did not)
+    kept, outside = files_within(folder)
+    files, skipped = {}, dict.fromkeys(outside, _NOT_WITHIN)
+    if card_folder:
+        skipped[f"{CARD_NAME}/"] = _CARD_FOLDER
     for path in kept:
-        if path == CARD_NAME and not include_readme:
+        if path == CARD_NAME and card is not None:
             continue
-        target = file_within(folder, folder / path)
-        if target is None:  # changed since it was listed
-            skipped.append(path)
-        else:
+        why = _why_not_uploaded(folder, path)
+        target = file_within(folder, folder / path) if why is None else None
+        if why is None and target is None:  # changed since it was listed
+            why = why_skipped(folder, folder / path)
+        if why is None:
             files[path] = target
-    return files, sorted(skipped)
+        elif why == _CARD_FOLDER:
+            skipped[f"{CARD_NAME}/"] = why  # named once, for all it holds
+        else:
+            skipped[path] = why
+    return _Plan(files, card, card_note, dict(sorted(skipped.items())))
 
 
-def _skipped_line(folder: Path, skipped: list[str]) -> str:
-    """One line naming what `files_within` skipped (the first `_NAMED_SKIPS`; the rest counted)."""
-    names = ", ".join(skipped[:_NAMED_SKIPS])
-    if len(skipped) > _NAMED_SKIPS:
-        names += f" and {len(skipped) - _NAMED_SKIPS} more"
-    return (
-        f"skipped {len(skipped)} of {folder}'s entries, not files within it (links out of it, FIFOs, devices, links "
-        f"to folders): {names}"
-    )
+_NOT_WITHIN = "not a file within the folder"
+_CARD_FOLDER = f"a folder named {CARD_NAME} (the model card is a file: one is rendered instead)"
 
 
-def _report(folder, repo_id, files, skipped, card, card_note, *, private, revision) -> str:
+def _why_not_uploaded(folder: Path, path: str) -> str | None:
+    """Why the file at `path` (within `folder`) is not uploaded, or None: a name with characters that are not printable
+    (control characters, a newline: `str.isprintable`); a file under a folder named README.md; a `.safetensors` file
+    whose header does not describe it (a 0-byte one included), a `.json` file that is not JSON."""
+    if not path.isprintable():
+        return "its name has unprintable characters"
+    if path.startswith(f"{CARD_NAME}/"):
+        return _CARD_FOLDER
+    try:
+        if path.endswith(".safetensors"):
+            read_header(folder / path)
+        elif path.endswith(".json") and path != CONFIG_NAME:  # (config.json: read by `_plan`, refused if bad)
+            read_json(folder / path, expect=None)
+    except (InputError, OSError) as error:
+        problem = str(error).removeprefix(str(folder / path)).removeprefix(": ")
+        return printable(problem, 160)
+    return None
+
+
+def _skipped_line(folder: Path, skipped: dict[str, str]) -> str:
+    """One line naming what a push skips (the first `_NAMED_SKIPS`; the rest counted): the entries that are not files
+    within the folder (links out of it, FIFOs, devices, links to folders), then the others, each with its reason."""
+    outside = [path for path, why in skipped.items() if why == _NOT_WITHIN]
+    others = [(path, why) for path, why in skipped.items() if why != _NOT_WITHIN]
+    names = [printable(path) for path in outside] + [f"{printable(path)} ({why})" for path, why in others]
+    shown = names[:_NAMED_SKIPS]
+    more = f" and {len(names) - _NAMED_SKIPS} more" if len(names) > _NAMED_SKIPS else ""
+    parts = []
+    if outside:
+        count = min(len(outside), _NAMED_SKIPS)
+        parts.append(
+            "not files within it (links out of it, FIFOs, devices, links to folders): " + ", ".join(shown[:count])
+        )
+        shown = shown[count:]
+    if shown:
+        parts.append("not valid files of their kind, or not uploadable: " + ", ".join(shown))
+    return f"skipped {len(skipped)} of {printable(folder)}'s entries, " + "; ".join(parts) + more
+
+
+def _report(folder: Path, repo_id: str, plan: _Plan, *, private: bool, revision: str | None) -> str:
     visibility = "private " if private else ""
     lines = [
         f"Dry run: would create (if needed) the {visibility}model repo {repo_id} and commit to {revision or 'main'}:"
     ]
-    for path, target in files.items():
-        lines.append(f"  {path}  ({tqdm.format_sizeof(target.stat().st_size, 'B')})")
-    if card is not None:
-        lines.append(f"  {CARD_NAME}  ({card_note}, below)")
+    for path, target in plan.files.items():
+        lines.append(f"  {printable(path)}  ({tqdm.format_sizeof(target.stat().st_size, 'B')})")
+    if plan.card is not None:
+        lines.append(f"  {CARD_NAME}  ({plan.card_note}, below)")
     else:
-        lines.append(f"  (model card: {card_note})")
-    if skipped:
-        lines.append(f"Not uploaded: {_skipped_line(folder, skipped)}")
-    if card is not None:
-        lines += ["", str(card)]
+        lines.append(f"  (model card: {plan.card_note})")
+    if plan.skipped:
+        lines.append(f"Not uploaded: {_skipped_line(folder, plan.skipped)}")
+    if plan.card is not None:
+        lines += ["", str(plan.card)]
     return "\n".join(lines)

@@ -70,7 +70,9 @@ def run(argv: list[str] | None = None) -> int:
     """The trainer as a process's entry point (`python -m hf_p2r.train`, a launcher's `-m hf_p2r.train`,
     `scripts/train.py`): `stop_with_launcher`, then `main`."""
     stop_with_launcher()
-    return main(argv)
+    from .errors import run_redacted
+
+    return run_redacted(lambda: main(argv))  # the Hub token never printed
 
 
 if __name__ == "__main__":

@@ -352,3 +352,6 @@ def test_dcp_reader_reads_what_torchs_reader_reads_and_refuses_other_globals(tmp
     dcp.save({"note": "text"}, checkpoint_id=tmp_path / "bytes", no_dist=True)
     with pytest.raises(pickle.UnpicklingError, match=r"BytesStorageMetadata is not part of"):
         dcp_reader(tmp_path / "bytes").read_metadata()
+    # ... unless asked (to check the metadata of a folder another library loads): the records, never loaded through it
+    metadata = dcp_reader(tmp_path / "bytes", bytes_entries=True).read_metadata()
+    assert metadata.state_dict_metadata == dcp.FileSystemReader(tmp_path / "bytes").read_metadata().state_dict_metadata

@@ -1,4 +1,5 @@
-"""hf_p2r.errors: the one bad-input type, the exit-code rule, and the JSON reader every tool reads files with."""
+"""hf_p2r.errors: the one bad-input type, the exit-code rule, the JSON reader every tool reads files with, and how names
+from disk are shown (`printable`; the token's redaction: tests/security/test_token.py)."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_p2r.errors import InputError, exit_code, parse_json, read_json
+from hf_p2r.errors import InputError, exit_code, parse_json, printable, read_json
 
 
 def test_exit_code_is_2_for_bad_input_and_1_for_failures_at_run_time():
@@ -87,3 +88,29 @@ def test_any_bytes_parse_or_raise_input_error(data):
 )
 def test_well_formed_documents_round_trip(value):
     assert parse_json(json.dumps(value), "x.json") == value
+
+
+# Issue 36: names from disk are shown with their control characters escaped (one helper, used everywhere).
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("model.safetensors", "model.safetensors"),
+        ("a\nforged: line", "a\\nforged: line"),
+        ("bell\x07 esc\x1b[2J tab\t", "bell\\x07 esc\\x1b[2J tab\\t"),
+        ("é ü 模型", "é ü 模型"),
+        ("\u202eRTL override", "\\u202eRTL override"),
+    ],
+)
+def test_printable_escapes_what_a_terminal_would_act_on(name, shown):
+    assert printable(name) == shown
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(), st.none() | st.integers(3, 50))
+def test_printable_is_one_printable_line_that_keeps_printable_text(text, limit):
+    shown = printable(text, limit)
+    assert shown.isprintable() and "\n" not in shown
+    assert limit is None or len(shown) <= limit
+    if text.isprintable() and limit is None:
+        assert shown == text
+    assert printable(shown) == shown, "idempotent: an escaped name is not escaped twice"

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -431,12 +432,13 @@ def test_readmes_that_cannot_be_hf_p2rs_card_go_up_unchanged(converted, hub, con
     assert _uploaded(hub)["README.md"] == content
 
 
-def test_token_shaped_strings_are_masked_too():
-    from hf_p2r.commands.push import _without_token
+def test_token_shaped_strings_are_masked_too(monkeypatch):
+    from hf_p2r.errors import redact
 
+    monkeypatch.setenv("HF_TOKEN", "not-hf-shaped-secret-0123")
     other = "hf_" + "A1b2" * 9
-    message = _without_token(f"401: {TOKEN} and {other}", TOKEN)
-    assert message == "401: *** and ***"
+    message = redact(f"401: {TOKEN} and {other}, not-hf-shaped-secret-0123")
+    assert message == "401: *** and ***, ***"
 
 
 _CARD_FIELDS = ["model_type", "architectures", "num_hidden_layers", "share_layers", "num_unique_layers", "auto_map"]
@@ -469,3 +471,175 @@ def test_cards_render_from_any_config_values(saved, changes):
     finally:
         (saved / "config.json").write_text(json.dumps(config))
     assert "# me/x" in str(card)
+
+
+# Issue 36: names from disk are printed escaped, and the dry run lists exactly what the push uploads.
+
+
+def _listing(out: str) -> list[str]:
+    """The paths a dry run's report lists (its lines up to the card or the "Not uploaded" line)."""
+    head = out[: out.index("\n\n")] if "\n\n" in out else out
+    lines = [line for line in head.splitlines()[1:] if line.startswith("  ")]
+    return [line[2:].rsplit("  (", 1)[0] for line in lines]
+
+
+def test_a_file_name_with_a_newline_cannot_forge_a_line_of_the_dry_run(converted):
+    """As users run it, in a fresh process: the name is skipped (the Hub's paths are text) and shown escaped."""
+    forged = "notes\n  model-00002-of-00002.safetensors  (5.0GB)\nNot uploaded: nothing"
+    (converted / forged).write_text("x")
+    (converted / "ok\x1b[2Jname.txt").write_text("y")
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "push", str(converted), "me/real-8", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "model-00002-of-00002" not in _listing(result.stdout)
+    assert not any(line.startswith("  model-00002") for line in result.stdout.splitlines())
+    assert "Not uploaded: nothing" not in result.stdout.splitlines()
+    assert "\x1b" not in result.stdout
+    skipped = result.stdout.splitlines()[len(_listing(result.stdout)) + 1]
+    assert skipped.startswith("Not uploaded: skipped 2 of ")
+    assert "notes\\n  model-00002-of-00002.safetensors  (5.0GB)\\nNot uploaded: nothing (its name has unprintable" in (
+        skipped
+    )
+    assert "ok\\x1b[2Jname.txt (its name has unprintable characters)" in skipped
+
+
+def test_push_plans_exactly_what_it_uploads(converted, hub, capsys):
+    """A README.md that is a folder, a 0-byte or damaged .safetensors file, a .json file that is not JSON: skipped
+    and named, in the dry run and the push alike; the rest is uploaded, and listed, as it is."""
+    (converted / "README.md").unlink()
+    (converted / "README.md").mkdir()
+    (converted / "README.md" / "inside.txt").write_text("not a card")
+    (converted / "extra.safetensors").write_bytes(b"")
+    (converted / "damaged.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    (converted / "notes.json").write_text("{")
+    (converted / "notes.txt").write_text("kept")
+    assert main(["push", str(converted), "me/real-8", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    listed = _listing(out)
+    assert listed == ["config.json", "generation_config.json", "model.safetensors", "notes.txt", "README.md"]
+    assert "README.md  (rendered from model_cards/: a folder named README.md" in out
+    skipped = next(line for line in out.splitlines() if line.startswith("Not uploaded: "))
+    assert skipped.startswith(f"Not uploaded: skipped 4 of {converted}'s entries, not valid files of their kind")
+    named = [
+        "README.md/ (a folder named README.md",
+        "damaged.safetensors (not a valid safetensors file: its",
+        "extra.safetensors (not a valid safetensors file: the file has 0 bytes",
+        "notes.json (not valid JSON",
+    ]
+    assert [text for text in named if text not in skipped] == [], skipped
+    assert main(["push", str(converted), "me/real-8"]) == 0
+    assert sorted(_uploaded(hub)) == sorted(listed), "the push uploads what the dry run lists"
+    assert capsys.readouterr().err == f"hf-p2r push: warning: {skipped.removeprefix('Not uploaded: ')}\n"
+
+
+@pytest.mark.parametrize("damage", ["empty weights", "config not JSON"])
+def test_a_model_whose_own_files_are_damaged_is_not_pushed(converted, hub, damage):
+    """Its own weights and config.json are refused (one line), not skipped: the model would not load. (The author's
+    own card, which reads neither, included.)"""
+    (converted / "README.md").write_text("# My own card\n")
+    if damage == "empty weights":
+        (converted / "model.safetensors").write_bytes(b"")
+        message = r"model\.safetensors: not a valid safetensors file: the file has 0 bytes"
+    else:
+        (converted / "config.json").write_text("{")
+        message = r"config\.json: not valid JSON"
+    for dry_run in (True, False):
+        with pytest.raises(InputError, match=message):
+            push_to_hub(converted, "me/real-8", dry_run=dry_run)
+    assert hub == []
+
+
+_KINDS = ["file", "empty", "empty weights", "bad json", "folder", "link in", "link out", "fifo", "card folder"]
+_NAMES = st.text(
+    st.sampled_from("ab.-_ é\n\t\x1b\x7f") | st.characters(blacklist_categories=("Cs",), blacklist_characters="/\x00"),
+    min_size=1,
+    max_size=10,
+).filter(lambda name: name not in (".", "..") and len(name.encode()) < 200)
+
+
+def _make(folder, name: str, kind: str, outside) -> str | None:
+    """Entry `name` of `kind` in `folder`; its name (None if it could not be made: taken already)."""
+    name = {"empty weights": f"{name}.safetensors", "bad json": f"{name}.json", "card folder": "README.md"}.get(
+        kind, name
+    )
+    path = folder / name
+    if os.path.lexists(path):
+        return None
+    if kind == "file":
+        path.write_bytes(b"data")
+    elif kind in ("empty", "empty weights"):
+        path.write_bytes(b"")
+    elif kind == "bad json":
+        path.write_text("{")
+    elif kind in ("folder", "card folder"):
+        if kind == "card folder":
+            (folder / "README.md").unlink(missing_ok=True)
+            path = folder / "README.md"
+        path.mkdir()
+        (path / "inner.txt").write_text("inner")
+    elif kind == "link in":
+        path.symlink_to("config.json")
+    elif kind == "link out":
+        path.symlink_to(outside)
+    else:
+        os.mkfifo(path)
+    return name
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("push") / "model"
+    tiny_model().save_pretrained(folder)
+    (folder.parent / "outside.txt").write_text("secret")
+    return folder
+
+
+@settings(max_examples=25, deadline=None)
+@given(entries=st.lists(st.tuples(_NAMES, st.sampled_from(_KINDS)), min_size=1, max_size=6))
+def test_the_dry_run_lists_exactly_what_the_push_uploads_whatever_the_folder_holds(saved_model, entries):
+    import tempfile
+    from unittest import mock
+
+    from hf_p2r.checkpoint.headers import read_header
+    from hf_p2r.errors import printable
+
+    with tempfile.TemporaryDirectory() as name:
+        folder = Path(name) / "model"
+        shutil.copytree(saved_model, folder)
+        outside = saved_model.parent / "outside.txt"
+        made = [made for entry, kind in entries if (made := _make(folder, entry, kind, outside))]
+        report = push_to_hub(folder, "me/model", dry_run=True)
+        sent = []
+
+        def commit(self, *args, **kwargs):
+            sent.append(kwargs["operations"])
+            url = "https://huggingface.co/me/model/commit/abc"
+            return CommitInfo(commit_url=url, commit_message="m", commit_description="", oid="abc")
+
+        with mock.patch.object(HfApi, "create_repo"), mock.patch.object(HfApi, "create_commit", commit):
+            push_to_hub(folder, "me/model")
+        head = report[: report.index("\n\n")]
+        assert all(line.isprintable() for line in head.splitlines()), "every line of the listing printable"
+        listed = _listing(report)
+        (operations,) = sent
+        uploaded = {op.path_in_repo: op.path_or_fileobj for op in operations}
+        assert sorted(listed) == sorted(uploaded), "the listing is the upload"
+        for path, source in uploaded.items():
+            if path == "README.md" and isinstance(source, bytes):
+                continue
+            assert path.isprintable() and not path.startswith("README.md/")
+            assert Path(source).is_file() and Path(source).resolve().is_relative_to(folder.resolve())
+            if path.endswith(".safetensors"):
+                read_header(source)
+            if path.endswith(".json"):
+                json.loads(Path(source).read_text())
+        skipped_line = next((line for line in head.splitlines() if line.startswith("Not uploaded: ")), "")
+        for name in made:  # every entry made is uploaded (a folder: its files) or named as skipped
+            if name.startswith(".") or name == "README.md":
+                continue
+            inside = any(path.startswith(f"{name}/") for path in uploaded)
+            assert name in uploaded or inside or printable(name) in skipped_line, (name, skipped_line)

@@ -28,8 +28,10 @@ from .docs_pages import (
 # folder by test_python_blocks_run; "after the commands": test_readme_commands runs it in its workspace once the
 # commands have written runs/; a test's name: that test runs it as written; anything else: why it is not run.
 PYTHON_BLOCKS = {
-    "share_layers=True, num_unique_layers=1)": "tests/test_readme.py::test_the_quickstart_saves_both_models",
+    "num_hidden_layers=12, share_layers=True, num_unique_layers=1)": "tests/test_readme.py::"
+    "test_the_quickstart_saves_both_models",
     "num_experts=8, num_experts_per_tok=2, share_layers=True)": "here",
+    'growth="interleave", function_preserving=True)': "here",
     'AutoTokenizer.from_pretrained("runs/demo/real")': "after the commands",
     "convert_pseudo_to_real(": "tests/checkpoint/test_convert.py::test_readme_examples_run_on_what_make_demo_writes",
     "CheckpointReader(": "tests/checkpoint/test_convert.py::test_readme_examples_run_on_what_make_demo_writes",
@@ -37,6 +39,10 @@ PYTHON_BLOCKS = {
     "covers each call)",
     "GranularOffload(model, 0.5": "needs a CUDA device (tests/training/test_offload.py runs the same calls on CPU)",
     "DistributedConfig(tp_size=8)": "needs 8 processes under torchrun (tests/distributed/test_tensor_parallel.py)",
+    "callbacks=[P2RCallback(delink_at={1000: 4, 3000: None}": "tests/integrations/test_example.py::"
+    "test_the_example_trains_resumes_on_either_side_of_the_delink_and_dry_runs_the_push",
+    "p2r_trainer(SFTTrainer)": "tests/integrations/test_trl.py::"
+    "test_sft_trainer_delinks_keeps_trls_fused_head_and_resumes_bitwise",
 }
 
 

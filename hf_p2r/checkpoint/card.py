@@ -4,6 +4,7 @@ one. What a model type is (a P2R model, which needs hf-p2r, or a vanilla one; de
 conversion targets' registry (`targets.py`).
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def render_model_card(
         share_layers=share,
         num_parameters=f"{num_parameters:,}",
         dtypes=", ".join(dtypes),
-        usage=_usage(
+        usage=usage_code(
             model_id,
             import_hf_p2r=p2r and not remote_code,
             remote_code=remote_code,
@@ -116,17 +117,33 @@ def render_model_card(
     )
 
 
-def _usage(model_id: str, *, import_hf_p2r: bool, remote_code: bool, has_tokenizer: bool) -> str:
-    lines = []
-    if import_hf_p2r:
-        lines.append("import hf_p2r  # registers the P2R architecture with transformers")
-    lines.append(f"from transformers import AutoModelForCausalLM{', AutoTokenizer' if has_tokenizer else ''}")
-    lines.append("")
-    extra = ", trust_remote_code=True" if remote_code else ""
-    lines.append(f'model = AutoModelForCausalLM.from_pretrained("{model_id}"{extra})')
+def usage_code(
+    model_id: str, *, import_hf_p2r: bool, remote_code: bool, has_tokenizer: bool, one_line: bool = False
+) -> str:
+    """Python that loads the checkpoint `model_id` (a Hub id or a folder) and, when it has a tokenizer, generates from
+    it: what the model card's "How to use" and the trainer's run summary show, runnable as written in a fresh
+    process. `import_hf_p2r`: a P2R checkpoint without its modeling code (the import registers the architecture);
+    `remote_code`: one with it (config.json's `auto_map`), which `AutoModelForCausalLM` and `AutoTokenizer` (that
+    reads config.json too) load with `trust_remote_code=True` instead of asking. `one_line`: its statements joined
+    by "; " (no comments), for `python -c`."""
+    name = json.dumps(model_id)  # a Python string literal, whatever the name holds
+    trust = ", trust_remote_code=True" if remote_code else ""
+    lines = [("import hf_p2r", "registers the P2R architecture with transformers")] if import_hf_p2r else []
+    lines.append((f"from transformers import AutoModelForCausalLM{', AutoTokenizer' if has_tokenizer else ''}", ""))
+    lines.append(("", ""))
+    lines.append((f"model = AutoModelForCausalLM.from_pretrained({name}{trust})", ""))
     if has_tokenizer:
-        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{model_id}")')
-    return "\n".join(lines)
+        lines += [
+            (f"tokenizer = AutoTokenizer.from_pretrained({name}{trust})", ""),
+            (f'inputs = tokenizer("{USAGE_PROMPT}", return_tensors="pt")', ""),
+            ("outputs = model.generate(**inputs, max_new_tokens=20, do_sample=False)", ""),
+            ("print(tokenizer.decode(outputs[0], skip_special_tokens=True))", ""),
+        ]
+    if one_line:
+        return "; ".join(code for code, _ in lines if code)
+    return "\n".join(f"{code}  # {comment}" if comment else code for code, comment in lines)
 
 
-__all__ = ["MODEL_CARD_TEMPLATE", "render_model_card"]
+USAGE_PROMPT = "Hello"
+
+__all__ = ["MODEL_CARD_TEMPLATE", "render_model_card", "usage_code"]

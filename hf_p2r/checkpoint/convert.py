@@ -28,9 +28,10 @@ import os
 import re
 import shutil
 import types
+from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, printable, redact
 from ..models.p2r.inventory_p2r import DEPTH_DEFAULT, LAYOUT_DEFAULTS, MOE_DEFAULTS, SHAPE_DEFAULTS, inventory
 from ..models.p2r.sharing_p2r import (
     LAYER_KEY,
@@ -43,7 +44,7 @@ from ..models.p2r.sharing_p2r import (
     validate_layout,
     validate_moe,
 )
-from .headers import FLOAT_CODES, TensorInfo, parse_size, printable, read_weights
+from .headers import FLOAT_CODES, NAME_LIMIT, TensorInfo, parse_size, read_weights
 from .io import CONFIG_NAME, atomic_directory, files_within, read_config_dict, resolve_destination, why_skipped
 from .ranges import copying
 from .targets import get_target
@@ -63,6 +64,11 @@ CARRIED_FILES = (
 )
 # Folders that travel with it: transformers' named chat templates (additional_chat_templates/<name>.jinja).
 CARRIED_FOLDERS = ("additional_chat_templates",)
+# The rest of a model folder hf-p2r writes (`check_output_folder`: what --overwrite may replace): config, card,
+# weights (one file, or shards and their index), model code.
+MODEL_FOLDER_FILES = (CONFIG_NAME, "README.md", "model*.safetensors", "model.safetensors.index.json", "*.py")
+# What shows a folder holds a training run (`hf_p2r.training`: output_dir, a checkpoint folder): never replaced.
+TRAINING_RUN_FILES = ("checkpoints", "trainer_state.json", ".metadata", "metrics.jsonl", "train_config.yaml")
 # dtypes an output can be cast to: those transformers loads without a quantization config.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 # The most tensors an output may hold: far above any model's (DeepSeek-V3: ~92,000), far below what would exhaust
@@ -342,7 +348,7 @@ def rewrite_checkpoint(
     `num_blocks` blocks (the shared engine of `convert_pseudo_to_real` and `export_llama`; `max_shard_size` and `dtype`
     already parsed; `target` checked by its `Target.check`), grown as `plan` says (`conversion_growth`) if given."""
     dst = Path(dst)
-    _check_not_nested(src, dst)
+    check_output_folder(dst, [src], overwrite=overwrite)
     stored_blocks = config["num_unique_layers"] if config["share_layers"] else config["num_hidden_layers"]
     if (count := tensor_count(config, num_blocks)) > MAX_TENSORS:  # before any list grows with it
         raise InputError(
@@ -442,7 +448,8 @@ def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, prove
     out_config = output_config(config, num_blocks, target=target, dtype=dtype)
     (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
     _carry_files(src, tmp, remote_code=get_target(target).carries_code and "auto_map" in out_config)
-    render_model_card(tmp, model_id=model_id, provenance=provenance).save(tmp / "README.md")
+    card = redact(str(render_model_card(tmp, model_id=model_id, provenance=provenance)))  # (no token in any output)
+    (tmp / "README.md").write_text(card, encoding="utf-8", newline="")  # (what ModelCard.save writes)
 
 
 def output_config(config: dict, num_blocks: int, *, target: str, dtype: str) -> dict:
@@ -616,7 +623,7 @@ def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expe
     if extra := sorted(weights.keys() - expected.keys()):
         raise ValueError(
             f"{weights[extra[0]].file}: holds tensors that the model of {config_path} does not have: "
-            + ", ".join(map(printable, extra[:3]))
+            + ", ".join(printable(name, NAME_LIMIT) for name in extra[:3])
         )
     by_dtype: dict[str, list[str]] = {}
     for name, shape in expected.items():
@@ -662,10 +669,54 @@ def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
         logger.warning(f"skipped {printable(relative)}: {why_skipped(src, src / relative)}")
 
 
-def _check_not_nested(src: Path, dst: Path) -> None:
-    source, destination = Path(os.path.realpath(src)), resolve_destination(dst).resolve()
-    if destination == source or destination.is_relative_to(source) or source.is_relative_to(destination):
-        raise InputError(f"{dst}: the output must not be the source {src}, inside it, or contain it")
+def check_output_folder(dst: str | os.PathLike, sources: Iterable[str | os.PathLike], *, overwrite: bool) -> Path:
+    """Where output folder `dst` is written (`resolve_destination`), after checking that writing it there loses
+    nothing; for every command that writes a folder from folders it reads (`convert`, `export`). Refused:
+
+    - `dst` equal to one of `sources` (the folders read: a checkpoint, its run), inside one or containing one
+      (`InputError`): the output would replace its own input;
+    - a non-empty `dst` without `overwrite` (`FileExistsError`);
+    - with `overwrite`, a `dst` that is not an earlier output (`InputError`): a training run (its `checkpoints/`,
+      `trainer_state.json`, DCP shards, `metrics.jsonl`), or a folder holding anything a model folder of hf-p2r does
+      not (`MODEL_FOLDER_FILES`, `CARRIED_FILES`, `CARRIED_FOLDERS`: your own files are never replaced).
+    """
+    destination = resolve_destination(dst).resolve()
+    for source in sources:
+        source = Path(os.path.realpath(source))
+        if destination == source or destination.is_relative_to(source) or source.is_relative_to(destination):
+            raise InputError(
+                f"{printable(dst)}: the output must not be the source {printable(source)}, inside it, or contain it"
+            )
+    if not destination.is_dir() or not any(destination.iterdir()):
+        return destination
+    if not overwrite:
+        raise FileExistsError(
+            f"{printable(destination)}: folder is not empty (overwrite=True, or --overwrite, replaces it)"
+        )
+    entries = sorted(destination.iterdir())
+    if run := [entry.name for entry in entries if entry.name in TRAINING_RUN_FILES]:
+        raise InputError(
+            f"{printable(dst)}: holds a training run ({', '.join(run)}); --overwrite replaces only an earlier output "
+            "of this command, never a run: choose another output folder"
+        )
+    if foreign := [entry.name for entry in entries if not _model_folder_entry(entry)]:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise InputError(
+            f"{printable(dst)}: holds {', '.join(printable(name, 80) for name in foreign[:3])}{more}, which no model "
+            "folder of hf-p2r holds; --overwrite replaces only an earlier output of this command (a model folder): "
+            "choose another output folder, or empty this one"
+        )
+    return destination
+
+
+def _model_folder_entry(entry: Path) -> bool:
+    """Whether `entry` (of a folder) is what a model folder of hf-p2r holds: its files, or a carried folder."""
+    if entry.is_symlink():
+        return False
+    if entry.is_dir():
+        return entry.name in CARRIED_FOLDERS
+    patterns = MODEL_FOLDER_FILES + CARRIED_FILES
+    return entry.is_file() and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in patterns)
 
 
 def parse_dtype(dtype) -> str | None:

@@ -28,16 +28,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm.auto import tqdm
 
 from ..compat import dcp_reader
-from ..errors import InputError
-from .headers import DTYPE_CODE_OF, parse_size, plan_shards, printable, write_index
-from .io import file_within, why_skipped
+from ..errors import InputError, printable
+from .dcp_metadata import METADATA, CoveringLoadPlanner, read_dcp_metadata
+from .headers import DTYPE_CODE_OF, NAME_LIMIT, parse_size, plan_shards, write_index
 from .writer import create_file, write_tensor
 
-METADATA = ".metadata"  # DCP's index of a checkpoint's tensors and of where their pieces are
 MODEL = "model."  # the prefix of the weights' entries (`hf_p2r.training.dcp`)
 # A sparse layer's tensors as `save_pretrained` writes them, and as the model (and DCP) holds them.
 _EXPERT = re.compile(
@@ -47,27 +45,17 @@ _EXPERT = re.compile(
 
 def dcp_weights(checkpoint: str | os.PathLike) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """{name: (dtype, shape)} of the model weights in DCP checkpoint folder `checkpoint` (its `model.<name>` entries),
-    read from its `.metadata`. `InputError` naming the folder if it is not a DCP checkpoint or holds no weights, or
-    naming a file that lies outside it (a link out of the folder: refused before anything is read)."""
+    read from its `.metadata`, checked by `read_dcp_metadata` (every file it names within the folder, every tensor
+    tiled by its pieces). `InputError` naming the folder if it is not a DCP checkpoint or holds no weights, or naming
+    the file and the problem (refused before any piece is read)."""
     checkpoint = Path(checkpoint)
-    if not (checkpoint / METADATA).exists():
+    if not os.path.lexists(checkpoint / METADATA):
         raise InputError(f"{checkpoint}: not a DCP checkpoint (no {METADATA}; written with checkpoint_format: dcp)")
-    if file_within(checkpoint, checkpoint / METADATA) is None:
-        raise InputError(f"{checkpoint / METADATA}: refused: {why_skipped(checkpoint, checkpoint / METADATA)}")
-    try:
-        metadata = dcp_reader(checkpoint).read_metadata()
-    except Exception as error:  # noqa: BLE001 - a pickle that does not load: EOFError, UnpicklingError, ...
-        raise InputError(
-            f"{checkpoint / METADATA}: damaged ({type(error).__name__}: {error})".splitlines()[0]
-        ) from None
-    for relative in sorted({info.relative_path for info in metadata.storage_data.values()}):
-        path = checkpoint / relative
-        if path.exists() and file_within(checkpoint, path) is None:  # (a missing one: `check_files`, or DCP's error)
-            raise InputError(f"{path}: refused: {why_skipped(checkpoint, path)}")
+    metadata = read_dcp_metadata(checkpoint)
     weights = {
         key.removeprefix(MODEL): (entry.properties.dtype, tuple(entry.size))
         for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL) and isinstance(entry, TensorStorageMetadata)
+        if key.startswith(MODEL)
     }
     if not weights:
         raise InputError(f"{checkpoint}: holds no model weights (no '{MODEL}*' tensors in {METADATA})")
@@ -76,13 +64,19 @@ def dcp_weights(checkpoint: str | os.PathLike) -> dict[str, tuple[torch.dtype, t
 
 def read_dcp_tensor(checkpoint: str | os.PathLike, name: str, dtype: torch.dtype, shape: tuple[int, ...]):
     """The whole tensor `name` (a `dcp_weights` name) of DCP checkpoint `checkpoint`, gathered from its pieces by
-    `dcp.load` in this process alone (no process group). A piece that does not load (a damaged shard) is `InputError`
-    with DCP's first line."""
-    tensor = torch.empty(shape, dtype=dtype)
+    `dcp.load` in this process alone (no process group). A piece that does not load (a damaged shard), or a tensor its
+    pieces do not cover wholly (`CoveringLoadPlanner`: refused before it is read into), is `InputError` with DCP's first
+    line."""
+    tensor = torch.empty(shape, dtype=dtype)  # (written whole, or refused: the planner checks the plan tiles it)
     try:
         with warnings.catch_warnings():  # (torch says it loads in one process even when told so)
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({MODEL + name: tensor}, storage_reader=dcp_reader(checkpoint), no_dist=True)
+            dcp.load(
+                {MODEL + name: tensor},
+                storage_reader=dcp_reader(checkpoint),
+                planner=CoveringLoadPlanner(),
+                no_dist=True,
+            )
     except CheckpointException as error:  # a BaseException holding each process's failure
         failure = next(iter(error.failures.values()))
         failure = failure[0] if isinstance(failure, tuple) else failure
@@ -158,12 +152,15 @@ def _source(checkpoint: Path, name: str, shape: tuple[int, ...], stored: dict) -
     if name not in stored and (part := expert_part(name, shape[0])):  # one expert's projection, or the router
         source, index = part
     if source not in stored:
-        raise InputError(f"{checkpoint}: holds no {MODEL}{printable(source)}, a weight of the model it was saved from")
+        raise InputError(
+            f"{checkpoint}: holds no {MODEL}{printable(source, NAME_LIMIT)}, a weight of the model it was saved from"
+        )
     found = stored[source][1]
     got = found if index is None else tuple(torch.empty(found, device="meta")[index].shape)
     if got != shape:
         raise InputError(
-            f"{checkpoint}: {MODEL}{printable(source)} has shape {list(found)}, but the model its trainer_state.json "
-            f"describes has {list(shape)}" + (f" for {printable(name)}" if source != name else "")
+            f"{checkpoint}: {MODEL}{printable(source, NAME_LIMIT)} has shape {list(found)}, but the model its "
+            f"trainer_state.json describes has {list(shape)}"
+            + (f" for {printable(name, NAME_LIMIT)}" if source != name else "")
         )
     return source, index

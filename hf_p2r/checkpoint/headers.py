@@ -18,7 +18,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..compat import parse_size_to_int
-from ..errors import InputError, parse_json, read_json
+from ..errors import InputError, parse_json, printable, read_json
 from .io import file_within, why_skipped
 
 WEIGHTS_NAME = "model.safetensors"
@@ -41,6 +41,7 @@ DTYPE_NAMES = {
 DTYPE_CODE_OF = {name: code for code, name in DTYPE_NAMES.items()}
 FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0")
 _MAX_HEADER = 100_000_000  # safetensors refuses larger headers
+NAME_LIMIT = 200  # characters of a tensor name a message quotes (a crafted header's names may be megabytes long)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,17 +179,23 @@ def read_weights(folder: str | os.PathLike) -> dict[str, TensorInfo]:
         raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
     files = sorted(set(weight_map.values()))
     if missing_files := [file for file in files if not os.path.lexists(folder / file)]:
-        raise FileNotFoundError(f"{index_path}: names shard {missing_files[0]}, which does not exist in {folder}")
+        raise FileNotFoundError(
+            f"{index_path}: names shard {printable(missing_files[0])}, which does not exist in {folder}"
+        )
     for file in files:
         if file_within(folder, folder / file) is None:
-            raise InputError(f"{index_path}: names shard {file}, which is {why_skipped(folder, folder / file)}")
+            raise InputError(
+                f"{index_path}: names shard {printable(file)}, which is {why_skipped(folder, folder / file)}"
+            )
     tensors = {}
     for file in files:
         path = folder / file
         stored = read_header(path)
         listed = {name for name, shard in weight_map.items() if shard == file}
         if missing := sorted(listed - stored.keys()):
-            raise InputError(f"{index_path}: lists {_some(missing)} in {file}, but {path} does not contain it")
+            raise InputError(
+                f"{index_path}: lists {_some(missing)} in {printable(file)}, but {path} does not contain it"
+            )
         if extra := sorted(stored.keys() - listed):
             raise InputError(f"{path}: holds {_some(extra)}, which {index_path.name} does not list")
         tensors.update(stored)
@@ -215,13 +222,7 @@ def _read_index(index_path: Path) -> dict[str, str]:
 
 def _some(names: list[str]) -> str:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-    return ", ".join(printable(name) for name in names[:3]) + more
-
-
-def printable(name: str, limit: int = 200) -> str:
-    """A tensor name as a message shows it: as it is when printable, escaped otherwise; cut to `limit` characters."""
-    text = name if name.isprintable() else repr(name)[1:-1]
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+    return ", ".join(printable(name, NAME_LIMIT) for name in names[:3]) + more
 
 
 # --- writing -----------------------------------------------------------------------------------------------------

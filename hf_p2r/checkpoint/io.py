@@ -18,7 +18,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import InputError, read_json
+from ..errors import InputError, printable, read_json
 
 CONFIG_NAME = "config.json"
 # How deeply a config.json may nest (transformers' configs nest 2 or 3 levels: rope_parameters, quantization_config).
@@ -178,10 +178,10 @@ def why_skipped(folder: str | os.PathLike, path: str | os.PathLike) -> str:
         except (OSError, RuntimeError):
             return "a dangling link or a link loop"
         if target.is_dir():
-            return f"a link to a folder ({target})"
+            return f"a link to a folder ({printable(target)})"
         if not target.is_file():
-            return f"a link to {_kind(target)} ({target})"
-        return f"a link out of {folder} (to {target})"
+            return f"a link to {_kind(target)} ({printable(target)})"
+        return f"a link out of {printable(folder)} (to {printable(target)})"
     return _kind(path)
 
 
@@ -234,6 +234,23 @@ def files_within(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
             relative = (base / name).relative_to(folder).as_posix()
             (kept if file_within(folder, base / name) is not None else skipped).append(relative)
     return sorted(kept), sorted(skipped)
+
+
+def check_only_files_within(folder: str | os.PathLike) -> None:
+    """`InputError` naming the first entry of `folder` (its subfolders and hidden entries included) that is not a
+    regular file or a folder within it (`file_within`): a link out of it, a link to a folder, a dangling link, a FIFO,
+    a device, a socket. For a folder whose every file something loads (a resume checkpoint): what it names must be its
+    own files."""
+    folder = Path(folder)
+    for parent, dirnames, filenames in os.walk(folder):  # does not walk into links to folders
+        base = Path(parent)
+        dirnames.sort()
+        for name in [*(d for d in dirnames if (base / d).is_symlink()), *sorted(filenames)]:
+            if file_within(folder, base / name) is None:
+                raise InputError(
+                    f"{printable(base / name)}: refused: {why_skipped(folder, base / name)} (a checkpoint holds only "
+                    "its own files)"
+                )
 
 
 def _make_folder(destination: Path, kind: str) -> Path:

@@ -1,10 +1,7 @@
 """`hf-p2r push DIR REPO_ID`: publish a checkpoint folder to the Hugging Face Hub; see `hf_p2r.push_to_hub`."""
 
 import argparse
-import re
 
-# What a Hugging Face user access token looks like (hf_ and 34 letters or digits).
-_TOKEN_SHAPE = re.compile(r"\bhf_[A-Za-z0-9]{20,}")
 HELP = "publish a checkpoint folder to the Hugging Face Hub (with a model card)"
 
 
@@ -35,9 +32,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     import httpx2  # huggingface_hub's HTTP client: its errors are not OSError
-    from huggingface_hub import constants, get_token
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError
 
+    from ..errors import redact
     from ..hub import logger, push_to_hub
 
     # push_to_hub's warnings (what it skipped) are one line each on stderr.
@@ -54,16 +52,10 @@ def run(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
         )
     except HfHubHTTPError as error:  # the Hub answered with an error (401, 403, 404...): an OSError, one line
-        raise OSError(_without_token(f"{constants.ENDPOINT}: {error}", get_token())) from None
+        raise OSError(redact(f"{constants.ENDPOINT}: {error}")) from None
     except httpx2.HTTPError as error:  # no answer: refused, unreachable, timed out, TLS...
-        raise ConnectionError(_without_token(f"cannot reach {constants.ENDPOINT}: {error}", get_token())) from None
+        raise ConnectionError(redact(f"cannot reach {constants.ENDPOINT}: {error}")) from None
     finally:
         logger.removeHandler(handler)
     print(result)
     return 0
-
-
-def _without_token(message: str, token: str | None) -> str:
-    """Messages never carry the token, nor anything shaped like a Hugging Face token; this makes sure of it."""
-    message = message.replace(token, "***") if token else message
-    return _TOKEN_SHAPE.sub("***", message)

@@ -46,11 +46,14 @@ from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import atomic_directory
 from ..checkpoint import save_model as write_model_folder
+from ..checkpoint.dcp_metadata import METADATA as DCP_METADATA
+from ..checkpoint.dcp_metadata import read_dcp_metadata
 from ..checkpoint.headers import read_header
+from ..checkpoint.io import check_only_files_within
 from ..compat import prepared_models
-from ..errors import InputError, read_json
+from ..errors import InputError, printable, read_json
 from ..models.p2r import P2RForCausalLM
-from .config import DataArguments, ModelArguments, TrainConfig
+from .config import DataArguments, ModelArguments, TrainArguments, TrainConfig
 from .dcp import background_writes, is_dcp_checkpoint
 from .dcp import check_files as check_dcp_files
 from .dcp import wait as wait_for_write
@@ -60,8 +63,12 @@ CHECKPOINTS = "checkpoints"
 # Fields that decide what a checkpoint's weights mean, or its optimizer's parameter groups: a resumed run must agree.
 _COMPATIBLE_FIELDS = (
     [f.name for f in dataclasses.fields(ModelArguments)]
-    + [f.name for f in dataclasses.fields(DataArguments) if f.name not in ("cache_dir", "preprocessing_num_workers")]
-    + ["seed", "shared_lr_scale"]
+    + [
+        f.name
+        for f in dataclasses.fields(DataArguments)
+        if f.name not in ("cache_dir", "preprocessing_num_workers", "allow_data_change")
+    ]
+    + ["seed", "shared_lr_scale", "optimizer"]
 )
 
 
@@ -88,9 +95,14 @@ def checkpoint_path(output_dir: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in `output_dir`, oldest first (temporary folders of interrupted saves are ignored)."""
+    """Complete checkpoints in `output_dir`, oldest first (temporary folders of interrupted saves are ignored, and so
+    is a link: a run prunes only folders it wrote, never through a link to another run's)."""
     folder = Path(output_dir) / CHECKPOINTS
-    found = [p for p in folder.glob("checkpoint-*") if (p / STATE_FILE).is_file() and _step_of(p) is not None]
+    found = [
+        p
+        for p in folder.glob("checkpoint-*")
+        if not p.is_symlink() and (p / STATE_FILE).is_file() and _step_of(p) is not None
+    ]
     return sorted(found, key=_step_of)
 
 
@@ -334,15 +346,26 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
 
 
 def read_state(path: Path, config: TrainConfig) -> TrainState:
-    """The state saved in checkpoint `path`, after checking that it belongs to a run like `config`, that `config`'s
-    schedule has steps left from it, and that its files are whole (`check_checkpoint_files`). Every problem is one
-    `InputError` naming the file or field."""
+    """The state saved in checkpoint `path`, after checking that its files are its own and whole
+    (`check_checkpoint_files`), that it belongs to a run like `config` (the model, the data, the optimizer: an
+    optimizer's state does not load into another's), and that `config`'s schedule has steps left from it. Every problem
+    is one `InputError` naming the file or field, before anything is loaded or changed."""
+    check_checkpoint_files(path)
     state, stage, saved = read_trainer_state(path / STATE_FILE)
     current = config.to_dict()
-    differing = [name for name in _COMPATIBLE_FIELDS if saved.get(name) != current[name]]
+    differing = [name for name in _COMPATIBLE_FIELDS if _saved_value(saved, name) != current[name]]
     if differing:
-        details = ", ".join(f"{name}={saved.get(name)!r} there, {current[name]!r} now" for name in differing)
-        raise InputError(f"resume_from_checkpoint: {path} comes from a different run ({details})")
+        details = ", ".join(
+            f"{name}={printable(repr(_saved_value(saved, name)), 80)} there, {printable(repr(current[name]), 80)} now"
+            for name in differing
+        )
+        hint = (
+            f"; an optimizer's state does not load into another's: resume with --optimizer "
+            f"{printable(_saved_value(saved, 'optimizer'), 20)}, or start a new run"
+            if "optimizer" in differing
+            else ""
+        )
+        raise InputError(f"resume_from_checkpoint: {path} comes from a different run ({details}){hint}")
     depth, args = config.model.num_hidden_layers, config.train
     if stage not in (None, state.stage(depth)):
         raise InputError(
@@ -361,8 +384,21 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
             f"this configuration has {config.blocks_at(state.step)} blocks then, {sorted(possible)} in all "
             "(num_unique_layers, pseudo_steps, partial_delink_steps, partial_delink_blocks)"
         )
-    check_checkpoint_files(path)
     return state
+
+
+def _saved_value(saved: dict, name: str):
+    """Field `name` of a checkpoint's recorded configuration; a field the run that saved it did not have yet (a
+    checkpoint older than the field) is that field's default, the behaviour of the runs before it."""
+    if name in saved:
+        return saved[name]
+    kind = next(kind for kind in (ModelArguments, DataArguments, TrainArguments) if name in _field_names(kind))
+    field = next(field for field in dataclasses.fields(kind) if field.name == name)
+    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
+
+
+def _field_names(kind) -> set[str]:
+    return {field.name for field in dataclasses.fields(kind)}
 
 
 def read_trainer_state(path: str | Path) -> tuple[TrainState, str | None, dict]:
@@ -418,10 +454,17 @@ def check_checkpoint_files(path: Path) -> None:
     """Check every file of checkpoint folder `path` that a resume loads, without loading it: safetensors headers
     against their file's size (truncation), torch files (`optimizer.bin`, `random_states_*.pkl`, a pipeline's
     `stage-*.pt`) for a complete zip whose pickle holds only tensors and plain containers (`weights_only`,
-    memory-mapped: no tensor is read); a DCP checkpoint's `.metadata` and shards (`hf_p2r.training.dcp.check_files`).
-    The first damaged file is an `InputError` naming it."""
+    memory-mapped: no tensor is read); a DCP checkpoint's `.metadata` and shards (`hf_p2r.training.dcp.check_files`),
+    and so the DCP folders an engine's state is saved in (Accelerate's FSDP state: their pickled values too, which
+    Accelerate loads with `weights_only=False`, must load with `weights_only=True`). Before any of them: every entry
+    of the folder is a regular file within it (`check_only_files_within`: no link out of it, to another checkpoint or
+    elsewhere). The first damaged file is an `InputError` naming it."""
+    check_only_files_within(path)
     if is_dcp_checkpoint(path):
         check_dcp_files(path)
+    for metadata in sorted(path.rglob(DCP_METADATA)):
+        if metadata.parent != path:
+            read_dcp_metadata(metadata.parent, bytes_entries=True)
     for file in sorted(path.iterdir()):
         if file.suffix not in (".safetensors", ".bin", ".pt", ".pkl"):
             continue  # trainer_state.json (read_trainer_state), engines' folders (FSDP's, DeepSpeed's)
@@ -462,7 +505,8 @@ def loading_checkpoint(accelerator: Accelerator, path: Path) -> Iterator[None]:
     try:
         yield
     except Exception as caught:  # noqa: BLE001 - told to the other processes first, then raised
-        error, problem = caught, f"resume_from_checkpoint: {path} does not fit this run ({_first_line(caught)})"
+        problem = f"resume_from_checkpoint: {path} does not fit this run ({printable(_first_line(caught), 400)})"
+        error = caught
     failures = [(index, text) for index, text in gather_object([(accelerator.process_index, problem)]) if text]
     if isinstance(error, RuntimeError | ValueError | KeyError | TypeError | IndexError | EOFError | UnpicklingError):
         raise InputError(problem) from None

@@ -127,11 +127,27 @@ class DataArguments:
     train_files: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "Local .txt/.md/.py (one document per file), .json/.jsonl or .parquet files, or folders of them."
+            "help": "Local .txt/.md/.rst/.py (split into documents: text_document_separator), .json/.jsonl or "
+            ".parquet files (a record is a document), or folders of them."
         },
     )
     text_column: str = field(
         default="text", metadata={"help": "Column holding the text (JSON, Parquet and Hub datasets)."}
+    )
+    text_document_separator: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where a text file (.txt/.md/.py/.rst) splits into documents: a string (escapes \\n \\t \\f "
+            "read as such, e.g. '\\n\\n\\n' or '<|endoftext|>'), or '' for one document per file. Default: at "
+            "blank lines (a line of whitespace only) in .txt/.md/.rst files; each .py file is one document."
+        },
+    )
+    allow_data_change: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume on training data that differs from the checkpoint's (files added, removed or modified) "
+            "with a one-line warning, instead of refusing: its data position then points into other data."
+        },
     )
     streaming: bool = field(
         default=False,
@@ -154,7 +170,10 @@ class DataArguments:
         default=None, metadata={"help": "Tokenizer folder or Hub name (default: the built-in byte-level tokenizer)."}
     )
     block_size: int = field(default=128, metadata={"help": "Tokens per training sequence (documents are packed)."})
-    validation_fraction: float = field(default=0.05, metadata={"help": "Share of the blocks held out for validation."})
+    validation_fraction: float = field(
+        default=0.05,
+        metadata={"help": "Share of the text held out for validation, by whole documents (map-style runs)."},
+    )
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
     cache_dir: str | None = field(default=None, metadata={"help": "datasets cache folder (default: HF's)."})
 

@@ -25,10 +25,12 @@ says so in a line): off drops the checkpoint's correction buffers, on starts the
 not saved: the trainer draws no random numbers after its start (the data order is a function of `seed` and the data
 position; the trainer's models keep `attention_dropout` 0, their only random layer).
 
-`check_files` checks the files before anything loads: the `.metadata` file, and every shard it names present and as
-long as the pieces it holds there. `.metadata` is a pickle: it is read by `compat.dcp_reader`, which lets it name only
-DCP's metadata records (torch's own reader would run whatever a crafted file names); the shards' tensors torch reads
-with `torch.load(weights_only=True)`.
+`check_files` checks the files before anything loads (`hf_p2r.checkpoint.dcp_metadata`): the `.metadata` file, every
+shard it names a regular file within the checkpoint's folder (never `..`, an absolute path or a link out of it) as
+long as the pieces it holds there, and every tensor tiled exactly by its pieces. `.metadata` is a pickle: it is read by
+`compat.dcp_reader`, which lets it name only DCP's metadata records (torch's own reader would run whatever a crafted
+file names); the shards' tensors torch reads with `torch.load(weights_only=True)`. Every load plans with
+`CoveringLoadPlanner`, which refuses, before reading, a plan that leaves part of a tensor unwritten.
 
 Within `background_writes` (`checkpoint_async`, the save protocol's choice: `hf_p2r.training.checkpointing`), `save`
 starts `dcp.async_save` instead: the state is copied to CPU memory (torch's default stager: a copy even of CPU
@@ -38,6 +40,7 @@ on the default group (gloo on CPU, where two threads' collectives on one group w
 `async_save` refuses: it needs a CPU backend).
 """
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -57,33 +60,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..checkpoint.dcp_metadata import METADATA, CoveringLoadPlanner, read_dcp_metadata
 from ..compat import dcp_reader
 from ..distributed.pipeline import Pipeline
-from ..errors import InputError
-
-METADATA = ".metadata"  # DCP's index of a checkpoint's tensors and where their pieces are
+from ..errors import printable
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
-    return (Path(path) / METADATA).is_file()
+    return os.path.lexists(Path(path) / METADATA)
 
 
 def check_files(path: Path) -> None:
-    """`InputError` naming the first damaged file of DCP checkpoint `path`: an unreadable `.metadata`, a shard it names
-    that is missing, or one shorter than the pieces it holds there (truncated)."""
-    try:
-        metadata = dcp_reader(path).read_metadata()
-        needed: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    except Exception as error:  # noqa: BLE001 - a pickle that does not load: EOFError, UnpicklingError, ...
-        raise InputError(f"{path / METADATA}: damaged ({type(error).__name__}: {error})".splitlines()[0]) from None
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise InputError(f"{file}: missing (a shard of this DCP checkpoint; {METADATA} names it)")
-        if (found := file.stat().st_size) < size:
-            raise InputError(f"{file}: truncated ({found} bytes, {METADATA} places pieces up to byte {size})")
+    """`InputError` naming the first damaged file of DCP checkpoint `path`, before anything is loaded: an unreadable
+    `.metadata`, a shard it names that is missing, outside `path` (`..`, an absolute path, a link out of it) or shorter
+    than the pieces it holds there (truncated), a tensor its pieces do not tile exactly
+    (`hf_p2r.checkpoint.dcp_metadata.read_dcp_metadata`)."""
+    read_dcp_metadata(path)
 
 
 _BACKGROUND: ContextVar[list[Future] | None] = ContextVar("background_writes", default=None)
@@ -157,13 +149,15 @@ def release_background_group() -> None:
 def load(path: Path, state: dict) -> None:
     """`dcp.load` of `state` (its tensors loaded in place) from `path`; a checkpoint that does not fit `state` (a
     missing name, another shape) is a `ValueError` with the first process's first failure (DCP raises a
-    `BaseException` holding every process's traceback), the same on every process."""
+    `BaseException` holding every process's traceback), the same on every process. A tensor of `state` the checkpoint's
+    pieces do not cover wholly is refused before anything is read (`CoveringLoadPlanner`)."""
     try:
-        dcp.load(state, checkpoint_id=path, storage_reader=dcp_reader(path))
+        dcp.load(state, checkpoint_id=path, storage_reader=dcp_reader(path), planner=CoveringLoadPlanner())
     except CheckpointException as error:
         rank = min(error.failures)
         failure = _failure(error, rank)
         text = next((line.strip() for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
+        text = printable(text, 400)  # (a key of the checkpoint, quoted: its control characters escaped)
         raise ValueError(f"{text} (process {rank})" if dist.is_initialized() else text) from None
 
 

@@ -70,9 +70,14 @@ def delink_in_training(
     args: TrainArguments,
     offload: GranularOffload | None = None,
     activation_bytes: int = 0,
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, GranularOffload | None]:
     """Delink the prepared `model` and rebuild the prepared `optimizer`; returns the newly prepared pair and the
     granular offload applied to the new model (None without `args.offload`).
+
+    The new optimizer is `build_optimizer(model, args, offload)`, or `optimizer_factory(model)` when given
+    (transformers' Trainer builds its own: `hf_p2r.integrations`); its state is carried from `optimizer` by
+    `args.optimizer_carry`.
 
     Call it between optimizer steps (gradients zeroed). Accelerate keeps the prepared objects (what `save_state`
     saves: `hf_p2r.compat.prepared_models`); its public `free_memory()` drops them (and resets `accelerator.step`, the
@@ -90,6 +95,10 @@ def delink_in_training(
       while the model fits: the pseudo model trains on the GPU, the real one offloads just enough).
     """
     check_delink_supported(accelerator, args)
+
+    def new_optimizer_for(model: nn.Module, offload: GranularOffload | None = None) -> torch.optim.Optimizer:
+        return optimizer_factory(model) if optimizer_factory is not None else build_optimizer(model, args, offload)
+
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
@@ -98,7 +107,7 @@ def delink_in_training(
         new_model, mapping = delink_fully_sharded(
             model, num_unique_layers, shard=lambda m: gather_shared_once(fsdp2_prepare_model(accelerator, m))
         )
-        new_optimizer = build_optimizer(new_model, args)
+        new_optimizer = new_optimizer_for(new_model)
         after = ParameterSnapshot.of(new_model)
         carry_optimizer_state(raw_optimizer, new_optimizer, before, after, mapping, args.optimizer_carry)
         accelerator.free_memory()
@@ -106,7 +115,7 @@ def delink_in_training(
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         plain = delink_deepspeed(model, num_unique_layers)  # a collective: every rank calls it
         accelerator.free_memory()
-        return *accelerator.prepare(plain, build_optimizer(plain, args)), None
+        return *accelerator.prepare(plain, new_optimizer_for(plain)), None
 
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     # Unwrapping took off the mixed-precision (autocast) forward, but on one device the model itself still carries
@@ -120,7 +129,7 @@ def delink_in_training(
     before, mapping = ParameterSnapshot.of(unwrapped), unwrapped.delink_parameter_map(num_unique_layers)
     unwrapped.delink(num_unique_layers)
     offload = apply_offload(unwrapped, args, accelerator, activation_bytes)
-    new_optimizer = build_optimizer(unwrapped, args, offload)
+    new_optimizer = new_optimizer_for(unwrapped, offload)
     after = ParameterSnapshot.of(unwrapped)
     carry_optimizer_state(raw_optimizer, new_optimizer, before, after, mapping, args.optimizer_carry)
     placement = [False, False] if offload is not None else None

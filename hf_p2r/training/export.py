@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint import convert_pseudo_to_real, save_model
-from ..checkpoint.convert import conversion_blocks, parse_dtype
+from ..checkpoint.convert import check_output_folder, conversion_blocks, parse_dtype
 from ..checkpoint.dcp_weights import dcp_weights, write_dcp_weights
 from ..checkpoint.headers import parse_size
-from ..checkpoint.io import file_within, resolve_destination, why_skipped
+from ..checkpoint.io import file_within, why_skipped
 from ..checkpoint.targets import get_target
 from ..errors import InputError
 from .checkpointing import CHECKPOINTS, STATE_FILE, read_trainer_state, resolve_checkpoint
@@ -50,8 +50,10 @@ def export_checkpoint(
     the shards, whatever layout wrote them; with nothing to convert the output is the folder the trainer writes
     (`pseudo/`, `real/`: config, generation config, tokenizer, model code with `remote_code`), else what `hf-p2r
     convert` writes from that folder (streamed through a temporary copy beside `dst`). `dst` appears complete or not
-    at all; a non-empty `dst` is refused unless `overwrite`. Bad input (not a DCP checkpoint, a damaged or missing
-    shard, a file that is a link out of the folder, a `trainer_state.json` that does not describe a run) is one
+    at all; it must not be the checkpoint or its run, lie inside either or contain either, and a non-empty `dst` is
+    refused unless `overwrite`, which replaces only an earlier output (a model folder), never a run
+    (`check_output_folder`). Bad input (not a DCP checkpoint, a damaged or missing shard, a file `.metadata` names
+    outside the folder, a tensor its pieces do not cover, a `trainer_state.json` that does not describe a run) is one
     `InputError` naming the file, before anything is written.
 
     ```python
@@ -62,10 +64,11 @@ def export_checkpoint(
     checkpoint = Path(checkpoint)
     if not (checkpoint / STATE_FILE).exists() and (checkpoint / CHECKPOINTS).is_dir():  # a run's output folder
         checkpoint = resolve_checkpoint(checkpoint, "latest")
-    destination = resolve_destination(dst)
-    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dst}: folder is not empty (overwrite=True, or --overwrite, replaces it)")
-    dcp_weights(checkpoint)  # a DCP checkpoint, its files within it
+    inputs = [checkpoint.resolve()]
+    if inputs[0].parent.name == CHECKPOINTS:  # a checkpoint of a run: the run is an input too
+        inputs.append(inputs[0].parent.parent)
+    destination = check_output_folder(dst, inputs, overwrite=overwrite)
+    dcp_weights(checkpoint)  # a DCP checkpoint, its files within it, its tensors whole
     if not (checkpoint / STATE_FILE).exists():
         raise InputError(f"{checkpoint}: no {STATE_FILE} (a DCP checkpoint of hf-p2r's trainer has one)")
     if file_within(checkpoint, checkpoint / STATE_FILE) is None:

@@ -254,10 +254,15 @@ def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -
         floor = 1.0 if args.lr_scheduler == "constant" else args.min_lr_ratio
         lr = peak * (floor + (1.0 - floor) * decay)
     if args.lr_after_delink == "rewarm":
-        since = [step - delink_step for delink_step in delink_steps if delink_step <= step]
-        if since:
-            lr *= min(1.0, (min(since) + 1) / args.rewarm_steps)
+        lr *= rewarm_factor(step, delink_steps, args.rewarm_steps)
     return lr
+
+
+def rewarm_factor(step: int, delink_steps: list[int], rewarm_steps: int) -> float:
+    """`lr_after_delink: rewarm`'s factor on the rate of the update from `step`: (steps since the last delink at or
+    before `step`, + 1) / `rewarm_steps`, at most 1 (1 before the first delink)."""
+    since = [step - delink_step for delink_step in delink_steps if delink_step <= step]
+    return min(1.0, (min(since) + 1) / rewarm_steps) if since else 1.0
 
 
 @functools.cache

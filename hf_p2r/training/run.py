@@ -1,20 +1,28 @@
 """What every training run does around its steps, whatever engine runs them: the step log (progress bar, metrics
-records, messages), the stop on SIGTERM / SIGINT, the output folder's checks and preparation, the checks before a save,
-and the end-of-run summary.
+records, messages), the stop on SIGTERM / SIGINT, the output folder's lock, checks and preparation, the checks before
+a save, and the end-of-run summary.
 """
 
+import contextlib
+import errno
+import fcntl
 import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
+from ..checkpoint.card import usage_code
+from ..errors import InputError, printable, redact
 from .checkpointing import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
 from .config import TrainArguments, TrainConfig
 from .metrics import (
@@ -30,6 +38,8 @@ from .metrics import (
 
 # What a run writes into output_dir (and what overwrite_output_dir removes; nothing else there is touched).
 OUTPUTS = (CHECKPOINTS, "pseudo", "real", METRICS_FILE, PLOT_FILE, "logs", "train_config.yaml")
+# The file in output_dir that the run's main process holds locked while it runs (`holding_output_dir`).
+LOCK_FILE = ".hf-p2r-run.lock"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -116,10 +126,139 @@ def say(accelerator: Accelerator, message: str) -> None:
         tqdm.write(message)
 
 
+class OutputDirLock:
+    """One run per output_dir: an exclusive `flock` on `output_dir/.hf-p2r-run.lock`, which holds the holder's pid
+    and host. The kernel releases it when the holding process ends in any way (kill -9 and out-of-memory included),
+    so a lock a dead process left is taken over by the next run; `release` removes the file (and `output_dir`, when
+    taking the lock created it and nothing else is there). A second `OutputDirLock` on the same folder, from another
+    process or this one, is refused (`InputError` naming the holder's pid), as long as the first one is held.
+    Where the file system has no `flock` (some network file systems), the run goes on without a lock (`held` False).
+
+    ```python
+    >>> lock = OutputDirLock("runs/p2r")   # InputError("output_dir: runs/p2r is in use by another run (process ...)")
+    >>> lock.release()
+    ```
+    """
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / LOCK_FILE
+        self._created = _missing_folders(self.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._fd = None
+        try:
+            self._fd = self._acquire()
+        except BaseException:
+            self._remove_created()
+            raise
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _acquire(self) -> int | None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
+                os.close(fd)
+                who = f"process {printable(holder[0], 20)}" if holder else "another process"
+                who += f" on {printable(holder[1], 80)}" if len(holder) > 1 and holder[1] != _host() else ""
+                raise InputError(
+                    f"output_dir: {printable(self.output_dir)} is in use by another run ({who}); one run per "
+                    "output_dir: wait for it to end, or choose another output_dir"
+                ) from None
+            except OSError as error:
+                os.close(fd)
+                if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)  # no flock on this file system: no lock, no lock file
+                    return None
+                raise
+            try:  # the holder may have released (removed) the file between our open and our lock: the lock is ours
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))  # only if the file is still the path's
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()} {_host()}\n".encode(), 0)
+                return fd
+            os.close(fd)
+
+    def release(self) -> None:
+        """Remove the lock file and release the lock (idempotent); then `output_dir` if this lock made it and it is
+        empty (a run that failed before writing anything leaves nothing behind)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # while held: a run waiting on this file retries on a new one
+            os.close(fd)
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        for folder in self._created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty
+        self._created = []
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and its ancestors that do not exist, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _host() -> str:
+    return socket.gethostname() or "localhost"
+
+
+@contextlib.contextmanager
+def holding_output_dir(accelerator: Accelerator, output_dir: Path) -> Iterator[None]:
+    """The run's life, with its main process holding `output_dir`'s lock (`OutputDirLock`), released on every way
+    out (done, an error, a signal; a killed process's by the kernel). When another run holds it, every process raises
+    the main process's one line (one collective: call on every process, before anything else touches output_dir)."""
+    lock, caught, problem = None, None, None
+    if accelerator.is_main_process:
+        try:
+            lock = OutputDirLock(output_dir)
+        except (InputError, OSError) as error:  # in use; or output_dir cannot be made (a file there, no permission)
+            caught, problem = error, (isinstance(error, InputError), str(error))
+    if accelerator.num_processes > 1:
+        [problem] = broadcast_object_list([problem])
+    if caught is not None:
+        raise caught
+    if problem is not None:
+        in_use, text = problem
+        raise (InputError if in_use else OSError)(text)
+    if lock is not None and not lock.held:
+        say(
+            accelerator, f"output_dir: {printable(output_dir)}'s file system has no flock: this run holds no lock on it"
+        )
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> list[Path]:
     """The earlier outputs in `output_dir` (`OUTPUTS`), after checking what the run may do with them, changing
-    nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run needs a readable metrics.jsonl.
+    nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run needs a readable metrics.jsonl, and an
+    output_dir that is not the checkpoint it resumes from, nor inside it.
     Called on every process (so all of them stop on an error)."""
+    source = config.train.resume_from_checkpoint
+    if source and source != "latest":  # the run's outputs would land in the checkpoint it reads
+        checkpoint, output = Path(os.path.realpath(source)), Path(os.path.realpath(output_dir))
+        if output == checkpoint or output.is_relative_to(checkpoint):
+            raise InputError(
+                f"output_dir: {printable(output_dir)} is the checkpoint it resumes from ({printable(source)}) or lies "
+                "inside it: give the run's output_dir (the checkpoint's ../..) or a new folder"
+            )
     existing = [output_dir / name for name in OUTPUTS if (output_dir / name).exists()]
     if not resumed and existing and not config.train.overwrite_output_dir:
         raise FileExistsError(
@@ -148,7 +287,7 @@ def prepare_output_dir(
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             output_dir.mkdir(parents=True, exist_ok=True)
         # The resolved configuration, usable as --config to repeat the run.
-        config_text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+        config_text = redact(yaml.safe_dump(config.to_dict(), sort_keys=False))  # (no token in any output)
         (output_dir / "train_config.yaml").write_text(config_text, encoding="utf-8")
     accelerator.wait_for_everyone()
 
@@ -216,12 +355,9 @@ def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remot
     width = max(map(len, names), default=0)
     lines += ["  outputs:", *(f"    {name:<{width}}  {text}" for name, (_, text) in zip(names, found))]
     real, pseudo, cli = output_dir / "real", output_dir / "pseudo", hf_p2r_command()
-    load = (
-        f"from transformers import AutoModelForCausalLM; model = AutoModelForCausalLM.from_pretrained({str(real)!r}, "
-        "trust_remote_code=True)"
-        if remote_code  # the modeling code is in real/
-        else f"import hf_p2r; from transformers import AutoModelForCausalLM; "
-        f"model = AutoModelForCausalLM.from_pretrained({str(real)!r})"
+    # with remote_code the modeling code is in real/, else `import hf_p2r` registers it; its tokenizer is there too
+    load = usage_code(
+        str(real), import_hf_p2r=not remote_code, remote_code=remote_code, has_tokenizer=True, one_line=True
     )
     lines += [
         "  next:",

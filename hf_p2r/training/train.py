@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from ..distributed.materialize import materialize
 from .checkpointing import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
 from .config import TrainConfig
-from .data import BlockOrder, BlockStream, build_blocks, load_tokenizer, stream_blocks
+from .data import BlockOrder, BlockStream, build_blocks, check_output_dir_outside_data, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
 from .metrics import METRICS_FILE
 from .optim import learning_rate_at, set_learning_rate
@@ -41,6 +41,7 @@ from .run import (
     check_finite,
     check_output_dir,
     finish_run,
+    holding_output_dir,
     non_finite_loss,
     prepare_output_dir,
     say,
@@ -79,7 +80,8 @@ def train(config: TrainConfig) -> int:
     # The engine: its Accelerator (what it cannot run is refused now), later the model it places and parallelises.
     engine = engine_for(config)
     try:
-        return run(config, engine)
+        with holding_output_dir(engine.accelerator, Path(config.train.output_dir)):  # one run per output_dir
+            return run(config, engine)
     finally:
         abandon_checkpoint()  # an error's way out: a checkpoint still written in the background (checkpoint_async) ends
         engine.close()  # every way out (done, stopped by a signal, an error) releases what it built and ends the run
@@ -98,28 +100,30 @@ def run(config: TrainConfig, engine: Engine) -> int:
     checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
     existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
+    check_output_dir_outside_data(config.data, output_dir)
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     if not config.data.streaming:
         with accelerator.main_process_first():  # the main process tokenizes, the others read its cache file
-            train_blocks, validation_blocks = build_blocks(config.data, tokenizer, args.seed)
+            data = build_blocks(config.data, tokenizer, args.seed)
     num_blocks = engine.model_blocks(state)
     engine.build(build_model(config, tokenizer, num_blocks, meta=True), num_blocks)  # it materialises what it holds
     if config.data.streaming:  # split by the engine's data layout (a pipelined engine's is known once built)
-        train_blocks, validation_blocks = stream_blocks(
-            config.data, tokenizer, engine.data_rank, engine.data_size, args.eval_blocks
-        )
-        if checkpoint:
-            train_blocks.resume(state.stream_states, accelerator.process_index, accelerator.num_processes, checkpoint)
-    if checkpoint:
+        data = stream_blocks(config.data, tokenizer, engine.data_rank, engine.data_size, args.eval_blocks)
+    train_blocks, validation_blocks = data
+    say(accelerator, data.report)  # each split's documents and tokens
+    position = data.position(args.seed)  # the data position: the stream, or the order of the map-style blocks
+    if checkpoint:  # on the data it was saved on (or, with allow_data_change, a warning)
+        stream_states, index, count = state.stream_states, accelerator.process_index, accelerator.num_processes
+        if warning := position.resume(stream_states, index, count, checkpoint):
+            say(accelerator, warning)
         engine.load(checkpoint, state)
         say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
     prepare_output_dir(accelerator, output_dir, config, state if checkpoint else None, existing)
     if args.report_to != "none":
         accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
 
-    order = None if config.data.streaming else BlockOrder(len(train_blocks), args.seed)
     log = StepLog(accelerator, state, args, engine.tokens_per_step, depth, output_dir / METRICS_FILE)
     if checkpoint is None and args.eval_steps:
         log.record(val_loss=engine.evaluate(validation_blocks))
@@ -145,7 +149,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
             lr = learning_rate_at(state.step, args, delink_steps)
             shared_lr = set_learning_rate(engine.optimizer, lr)  # (2BW steps inside its schedule, at this rate)
             losses = [
-                engine.forward_backward(next_batch(train_blocks, order, state, engine))
+                engine.forward_backward(next_batch(train_blocks, position, state, engine))
                 for _ in range(args.gradient_accumulation_steps)
             ]
             # One collective gives every process the same mean loss and the same stop decision.
@@ -164,8 +168,8 @@ def run(config: TrainConfig, engine: Engine) -> int:
             if measure:
                 log.record(**measure)
             if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
-                if config.data.streaming:  # every process's stream position, by process index
-                    state.stream_states = gather_object([train_blocks.state_dict()])
+                # every process's data position (a stream's, or what the blocks are made of), by process index
+                state.stream_states = gather_object([position.state_dict()])
                 saved = engine.training_state()
                 check_finite(accelerator, output_dir, state, depth, "checkpoint", saved)
                 engine.save_checkpoint(output_dir, state, saved)

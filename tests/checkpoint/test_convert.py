@@ -313,9 +313,13 @@ def test_destination_rules(tmp_path):
     (tmp_path / "out" / "mine.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="out: folder is not empty"):
         convert_pseudo_to_real(src, tmp_path / "out")
+    # --overwrite replaces an earlier output, never a folder of someone's own files (issue 36)
+    with pytest.raises(ValueError, match=r"out: holds mine\.txt, which no model folder of hf-p2r holds"):
+        convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
-    convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)
-    assert not (tmp_path / "out" / "mine.txt").exists()
+    (tmp_path / "out" / "mine.txt").unlink()
+    convert_pseudo_to_real(src, tmp_path / "out")
+    convert_pseudo_to_real(src, tmp_path / "out", overwrite=True)  # an earlier output: replaced
     _assert_same_weights(P2RForCausalLM.from_pretrained(tmp_path / "out"), model.delink())
     for dst in (src, src / "inside", tmp_path):
         with pytest.raises(ValueError, match="must not be the source"):

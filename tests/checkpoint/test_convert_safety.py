@@ -249,3 +249,40 @@ def test_tensor_count_is_the_plans_length(kind):
         for blocks in (config["num_unique_layers"], 8):
             shapes = convert_module.parameter_shapes(config, blocks)
             assert convert_module.tensor_count(config, blocks) == len(shapes), (fields, blocks)
+
+
+# --- issue 36: an output folder is never the input's home; names from disk are printed escaped --------------------
+
+
+@pytest.mark.parametrize("holds", ["a training run", "someone's files"])
+def test_overwrite_replaces_an_earlier_output_only(tmp_path, holds):
+    """`--overwrite` onto a folder holding a training run (its checkpoints, its metrics) or files no model folder
+    holds: refused in one line, exit 2, the folder as it was. Onto an earlier output: replaced."""
+    src, _ = _pseudo(tmp_path)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    if holds == "a training run":
+        (dst / "checkpoints/checkpoint-1").mkdir(parents=True)
+        (dst / "checkpoints/checkpoint-1/trainer_state.json").write_text("{}")
+        (dst / "metrics.jsonl").write_text("{}\n")
+    else:
+        (dst / "config.json").write_text("{}")
+        (dst / "thesis.tex").write_text("years of work")
+    before = {str(p): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    code, out, err = _cli("convert", src, dst, "--overwrite")
+    expected = "holds a training run (checkpoints, metrics.jsonl)" if holds == "a training run" else "holds thesis.tex"
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err, err
+    assert {str(p): p.read_bytes() for p in dst.rglob("*") if p.is_file()} == before
+    convert_pseudo_to_real(src, tmp_path / "earlier")
+    code, out, err = _cli("convert", src, tmp_path / "earlier", "--overwrite")
+    assert code == 0, err
+
+
+def test_a_shard_name_with_control_characters_is_shown_escaped(tmp_path):
+    """An index naming a shard "a\\nhf-p2r convert: done" cannot forge a line: one line, the name escaped."""
+    src, _ = _pseudo(tmp_path)
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "a\nhf-p2r convert: done\x1b[2K"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, out, err = _cli("convert", src, tmp_path / "out")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "names shard a\\nhf-p2r convert: done\\x1b[2K, which does not exist" in err and "\x1b" not in err

@@ -40,25 +40,46 @@ def test_stdlib_corpus_is_deterministic_and_bounded():
     assert sum(len(text.encode()) for text in first["text"]) <= 50_000
 
 
-def test_blocks_pack_documents_with_end_of_text_and_hold_out_the_tail(tmp_path):
-    files = []
-    for i in range(20):
-        path = tmp_path / f"doc{i}.txt"
-        path.write_text(f"document {i} " * 30)
-        files.append(str(path))
+def test_validation_is_held_out_by_document_and_the_report_counts_each_split(tmp_path):
+    """Each document lands whole in one split (the seeded shuffle decides which), validation holds at least
+    validation_fraction of the text and at most one document more; each split is its documents' bytes, each closed by
+    <|endoftext|>, cut into blocks; the report's counts are the splits' own."""
+    texts = [f"document {i:02d} " * (5 + i % 7) for i in range(20)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i:02d}.txt").write_text(text)
     tokenizer = byte_level_tokenizer()
-    args = DataArguments(train_files=files, block_size=64, validation_fraction=0.2, cache_dir=str(tmp_path / "cache"))
-    train, validation = build_blocks(args, tokenizer, seed=0)
-    total = sum(len(f"document {i} " * 30) + 1 for i in range(20))  # + one end-of-text token per document
-    assert len(train) + len(validation) == total // 64
-    assert len(validation) == round((total // 64) * 0.2)
-    assert train[0]["input_ids"].shape == (64,) and train[0]["input_ids"].dtype == torch.long
-    stream = torch.cat([train[:]["input_ids"].flatten(), validation[:]["input_ids"].flatten()])
-    assert (stream == 256).sum() >= 19  # documents are separated by <|endoftext|>
-    again, _ = build_blocks(args, tokenizer, seed=0)
-    assert torch.equal(again[:]["input_ids"], train[:]["input_ids"])
-    other, _ = build_blocks(args, tokenizer, seed=1)
-    assert not torch.equal(other[:]["input_ids"], train[:]["input_ids"]), "the seed shuffles the documents"
+    args = DataArguments(
+        train_files=[str(tmp_path)], block_size=16, validation_fraction=0.2, cache_dir=str(tmp_path.parent / "cache")
+    )
+    blocks = build_blocks(args, tokenizer, seed=0)
+    train, validation = blocks
+    assert train[0]["input_ids"].shape == (16,) and train[0]["input_ids"].dtype == torch.long
+    split = {}
+    for name, dataset in {"train": train, "validation": validation}.items():
+        text = tokenizer.decode(dataset[:]["input_ids"].flatten().tolist())
+        *whole, cut = text.split("<|endoftext|>")  # the last document of the split may be cut at its last block
+        assert all(document in texts for document in whole) and any(t.startswith(cut) for t in texts), name
+        split[name] = {texts.index(document) for document in whole}
+        assert len(text) > sum(len(texts[i]) + 1 for i in split[name]) - 16
+    assert not split["train"] & split["validation"], "no document in both splits"
+    total, longest = sum(map(len, texts)), max(map(len, texts))
+    outside_train = sum(len(texts[i]) for i in range(20) if i not in split["train"])  # (validation's, one cut)
+    assert (
+        outside_train / total >= 0.2 and sum(len(texts[i]) for i in split["validation"]) / total < 0.2 + longest / total
+    )
+    counts = [int(line.split()[2]) for line in blocks.report.splitlines()[1:]]
+    assert sum(counts) == 20 and all(0 <= counts[k] - len(split[n]) <= 1 for k, n in enumerate(split)), counts
+    assert blocks.report.splitlines() == [
+        f"data: train_files: 20 files, {sum(map(len, texts)):,} bytes; text files split into documents at blank lines "
+        "(.py files: one document each)",
+        f"data: train {counts[0]} documents, {len(train) * 16:,} tokens in {len(train)} blocks of 16",
+        f"data: validation {counts[1]} documents, {len(validation) * 16:,} tokens in {len(validation)} blocks of "
+        "16 (held out by document: 20% of the text)",
+    ]
+    again = build_blocks(args, tokenizer, seed=0)
+    assert torch.equal(again.train[:]["input_ids"], train[:]["input_ids"])
+    other = build_blocks(args, tokenizer, seed=1)
+    assert not torch.equal(other.train[:]["input_ids"], train[:]["input_ids"]), "the seed shuffles the documents"
 
 
 def test_block_order_is_a_pure_function_of_the_position():
@@ -102,7 +123,7 @@ def test_json_and_jsonl_files_with_a_local_tokenizer(tmp_path):
         cache_dir=str(tmp_path / "cache"),
     )
     train_blocks, validation = build_blocks(args, tokenizer, seed=0)
-    assert (len(train_blocks), len(validation)) == (6, 2)
+    assert (len(train_blocks), len(validation)) == (6, 2)  # 25% of the text: two of the eight documents
     blocks = sorted(tuple(block.tolist()) for block in [*train_blocks["input_ids"], *validation["input_ids"]])
     expected = sorted((*(WORDS.index(word) + 2 for word in text.split()), 1) for text in documents)
     assert blocks == expected  # every document once, in the tokenizer's ids (not bytes), each closed by </s>
@@ -155,10 +176,19 @@ def test_bad_data_is_one_line_naming_the_file(tmp_path, case):
 
 def test_a_blank_file_beside_text_is_skipped(tmp_path):
     """A batch of documents that are all blank once stopped the tokenizer (IndexError); it gives no blocks now."""
-    files = _write(tmp_path, {"blank.txt": "  \n", "code.txt": TEXT, "empty.txt": ""})
+    files = _write(tmp_path, {"blank.txt": "  \n", "code.py": TEXT, "empty.txt": "", "more.py": TEXT})
     args = DataArguments(train_files=files, block_size=16, cache_dir=str(tmp_path / "cache"))
-    train_blocks, validation = build_blocks(args, byte_level_tokenizer(), seed=0)
-    assert len(train_blocks) + len(validation) == (len(TEXT.encode()) + 1) // 16
+    blocks = build_blocks(args, byte_level_tokenizer(), seed=0)
+    assert [len(blocks.train), len(blocks.validation)] == [(len(TEXT.encode()) + 1) // 16] * 2
+    assert "data: train 1 documents" in blocks.report and "data: validation 1 documents" in blocks.report
+
+
+def test_one_document_is_refused_in_one_line_naming_the_way_out(tmp_path):
+    files = _write(tmp_path, {"code.py": TEXT})
+    args = DataArguments(train_files=files, block_size=16, cache_dir=str(tmp_path / "cache"))
+    message = rf"^train_files: {files[0]} holds one document, and validation is held out by document: .*separator"
+    with pytest.raises(InputError, match=message):
+        build_blocks(args, byte_level_tokenizer(), seed=0)
 
 
 def test_the_script_refuses_binary_data_in_one_line_and_keeps_the_earlier_run(tmp_path):
@@ -190,10 +220,10 @@ class CountingTokenizer:
     def __getattr__(self, name):
         return getattr(self.__dict__["tokenizer"], name)
 
-    def __call__(self, texts):
+    def __call__(self, texts, **options):
         with open(self.marker, "a") as marker:
             marker.write(os.environ["RANK"] + "\n")
-        return self.tokenizer(texts)
+        return self.tokenizer(texts, **options)
 
 
 def tokenize_on_two_processes(folder: str, rank: int, world_size: int) -> dict:

@@ -21,7 +21,7 @@ from hf_p2r.training.checkpointing import list_checkpoints
 
 from ..distributed import spawn
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, losses, run_on_every_process, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, PYTHON, REPO, losses, run_on_every_process, subprocess_env, tiny_argv, trajectory
 from .test_resume import snapshot, truncate
 
 # L=4, k=1: delinked to the real model at step 2; a checkpoint every step (1, 2 pseudo; 3, 4 real).
@@ -308,6 +308,9 @@ def _steps(model, optimizer, ids, count: int) -> list[float]:
 def _sharded(folder: str, rank: int, world: int) -> dict:
     """Each process half of the batch. (a) Two steps, a checkpoint, two more; (b) the one-process checkpoint
     loaded, two more steps."""
+    import torch.distributed.checkpoint as dcp_module
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     from hf_p2r.training.dcp import load_model_state, model_state, save
@@ -317,6 +320,10 @@ def _sharded(folder: str, rank: int, world: int) -> dict:
     model, optimizer = _model_and_optimizer(mesh)
     _steps(model, optimizer, ids, 2)
     save(Path(folder) / "sharded", model_state(model, optimizer))
+    # What Accelerate's FSDP2 SHARDED_STATE_DICT save writes (an engine folder of its format): the optimizer's whole
+    # state dict, its parameter groups pickled values
+    optimizer_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp_module.save(optimizer_state, storage_writer=FileSystemWriter(Path(folder) / "optimizer_0"))
     after = _steps(model, optimizer, ids, 2)
     model, optimizer = _model_and_optimizer(mesh)
     load_model_state(Path(folder) / "one", model, optimizer)
@@ -351,6 +358,12 @@ def test_fsdp2_shards_resume_on_one_process_and_back(fsdp2):
     weight = chunks["model.model.layers.0.mlp.up_proj.weight"]
     assert [tuple(chunk.sizes) for chunk in weight.chunks] == [(32, 32), (32, 32)]  # each process wrote its half
     assert "optimizer.model.layers.0.mlp.up_proj.weight.exp_avg" in chunks
+    # issue 36's checks accept what FSDP2 writes: hf-p2r's DCP checkpoint, and Accelerate's engine folder
+    from hf_p2r.checkpoint.dcp_metadata import read_dcp_metadata
+
+    read_dcp_metadata(folder / "sharded")
+    engine_folder = read_dcp_metadata(folder / "optimizer_0", bytes_entries=True).state_dict_metadata
+    assert any(type(entry).__name__ == "BytesStorageMetadata" for entry in engine_folder.values()), "the control"
     model, optimizer = _model_and_optimizer()
     load_model_state(folder / "sharded", model, optimizer)
     from_sharded = _steps(model, optimizer, BATCH, 2)
@@ -400,6 +413,106 @@ def test_shards_that_do_not_fit_are_refused_after_loading_and_change_nothing(one
         resume(run, 3)
     assert "model.model.layers.1." in str(raised.value) and "\n" not in str(raised.value)
     assert snapshot(run) == before
+
+
+# Issue 36: a checkpoint names only its own files, and covers every tensor it holds; else refused, nothing changed.
+def _point_at(relative):
+    def change(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = relative
+
+    return change
+
+
+def _half_embeddings(metadata):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    entry = metadata.state_dict_metadata["model.model.embed_tokens.weight"]
+    (chunk,) = entry.chunks
+    entry.chunks = [ChunkStorageMetadata(chunk.offsets, torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]]))]
+
+
+def _rewrite_metadata(checkpoint: Path, change) -> None:
+    from hf_p2r.compat import dcp_reader
+
+    metadata = dcp_reader(checkpoint).read_metadata()
+    change(metadata)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+NAMED_ELSEWHERE = {
+    # checkpoint-3's pieces read from checkpoint-4's shard (then pruned: save_total_limit 1), its own shard gone
+    "another checkpoint's shard": (
+        lambda ck: (_rewrite_metadata(ck, _point_at("../checkpoint-4/__0_0.distcp")), (ck / "__0_0.distcp").unlink()),
+        r"names '\.\./checkpoint-4/__0_0\.distcp', a path out of the checkpoint's folder",
+    ),
+    "an absolute path": (
+        lambda ck: (_rewrite_metadata(ck, _point_at(str(ck.parent / "checkpoint-4/__0_0.distcp"))),),
+        r"checkpoint-4/__0_0\.distcp', an absolute path",
+    ),
+    "a link out of the checkpoint": (
+        lambda ck: ((ck / "__0_0.distcp").unlink(), (ck / "__0_0.distcp").symlink_to("../checkpoint-4/__0_0.distcp")),
+        r"checkpoint-3/__0_0\.distcp: refused: a link out of .*checkpoint-3 \(to .*checkpoint-4/__0_0\.distcp\)",
+    ),
+    "a tensor half covered": (
+        lambda ck: (_rewrite_metadata(ck, _half_embeddings),),
+        r"tensor 'model\.model\.embed_tokens\.weight' of shape \[\d+, 32\]: its pieces cover \d+ of its",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NAMED_ELSEWHERE)
+def test_a_checkpoint_naming_files_not_its_own_or_not_covering_a_tensor_is_refused_before_anything_changes(
+    one_process, tmp_path, case
+):
+    run = copy_run(one_process, tmp_path / "run")
+    damage, message = NAMED_ELSEWHERE[case]
+    damage(run / "checkpoints/checkpoint-3")
+    before = snapshot(run)
+    with pytest.raises(InputError, match=message) as raised:
+        resume(run, 3, save_total_limit=1)
+    assert "\n" not in str(raised.value)
+    assert snapshot(run) == before  # nothing pruned, nothing written
+
+
+def test_resuming_from_another_checkpoints_shard_as_users_run_it_prunes_nothing(one_process, tmp_path):
+    """The case that lost a checkpoint: in a fresh process (with a timeout), exit 2, one line, every checkpoint kept."""
+    run = copy_run(one_process, tmp_path / "run")
+    NAMED_ELSEWHERE["another checkpoint's shard"][0](run / "checkpoints/checkpoint-3")
+    before = snapshot(run)
+    argv = tiny_argv(run, **SCHEDULE, save_total_limit=1, resume_from_checkpoint=run / "checkpoints/checkpoint-3")
+    result = subprocess.run(
+        [PYTHON, "-m", "hf_p2r.train", *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "a path out of the checkpoint's folder" in errors[0], result.stderr[-3000:]
+    assert snapshot(run) == before
+    assert [p.name for p in list_checkpoints(run)] == [f"checkpoint-{step}" for step in (1, 2, 3, 4)]
+
+
+def test_a_resume_with_another_optimizer_names_the_field(one_process, tmp_path):
+    """It said "Missing key in checkpoint state_dict: optimizer.model...step"; the field now, before any load."""
+    run = copy_run(one_process, tmp_path / "run")
+    before = snapshot(run)
+    with pytest.raises(InputError, match=r"different run \(optimizer='adamw' there, 'muon' now\); an optimizer's"):
+        resume(run, 3, optimizer="muon")
+    assert snapshot(run) == before
+
+
+def test_a_checkpoint_folder_that_is_a_link_is_never_pruned_through(one_process, tmp_path):
+    """A link in checkpoints/ to another run's checkpoint is not one of this run's: not listed, so not pruned."""
+    other = copy_run(one_process, tmp_path / "other")
+    run = copy_run(one_process, tmp_path / "run")
+    (run / "checkpoints/checkpoint-0").symlink_to(other / "checkpoints/checkpoint-1")
+    assert [p.name for p in list_checkpoints(run)] == [f"checkpoint-{step}" for step in (1, 2, 3, 4)]
+    assert resume(run, 3, save_total_limit=1) == 0
+    assert (other / "checkpoints/checkpoint-1/.metadata").is_file()
 
 
 def test_a_failed_shard_write_keeps_the_checkpoints_already_there(tmp_path, monkeypatch):

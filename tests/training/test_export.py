@@ -7,17 +7,23 @@ folder itself, or the converter's output from it (its model card aside, which na
 line, exit status 2, and nothing written."""
 
 import filecmp
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from hf_p2r.checkpoint import convert_pseudo_to_real
 from hf_p2r.cli import main
+from hf_p2r.compat import dcp_reader
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.export import export_checkpoint
 
@@ -126,6 +132,30 @@ def _damage(checkpoint: Path, case: str, tmp_path: Path) -> None:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         state["config"]["hidden_size"] = -8
         (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    elif case in ("metadata names a file out of the folder", "metadata names an absolute path"):
+        outside = tmp_path / "elsewhere.distcp"
+        shutil.move(shard, outside)
+        named = "../elsewhere.distcp" if "out of" in case else str(outside)
+        _rewrite_metadata(checkpoint, lambda metadata: [setattr(i, "relative_path", named) for i in _storage(metadata)])
+    elif case == "a tensor half covered":
+        _rewrite_metadata(checkpoint, _halve_embeddings)
+
+
+def _storage(metadata) -> list:
+    return list(metadata.storage_data.values())
+
+
+def _rewrite_metadata(checkpoint: Path, change) -> None:
+    metadata = dcp_reader(checkpoint).read_metadata()
+    change(metadata)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _halve_embeddings(metadata) -> None:
+    """The embeddings' one piece made to cover half its rows: what once exported uninitialised memory with exit 0."""
+    entry = metadata.state_dict_metadata["model.model.embed_tokens.weight"]
+    (chunk,) = entry.chunks
+    entry.chunks = [ChunkStorageMetadata(chunk.offsets, torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]]))]
 
 
 BAD = {
@@ -138,6 +168,12 @@ BAD = {
     "no trainer state": r"checkpoint-4: no trainer_state\.json",
     "bad trainer state": r'trainer_state\.json: "state\.blocks_consumed", .* missing',
     "bad config field": r'trainer_state\.json: "config": hidden_size: .*-8',
+    # issue 36: a checkpoint names only its own files, and covers every tensor it holds
+    "metadata names a file out of the folder": r"\.metadata: the storage entry of '.*' names '\.\./elsewhere\.distcp', "
+    "a path out of the checkpoint's folder",
+    "metadata names an absolute path": r"names '/.*elsewhere\.distcp', an absolute path",
+    "a tensor half covered": r"tensor 'model\.model\.embed_tokens\.weight' of shape \[320, 32\]: its pieces cover "
+    r"5120 of its 10240 elements",
 }
 
 
@@ -161,8 +197,74 @@ def test_an_existing_destination_is_kept_without_overwrite(run, tmp_path, capsys
     assert "folder is not empty (overwrite=True, or --overwrite, replaces it)" in capsys.readouterr().err
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left beside it
+    # --overwrite replaces an earlier output of the command, never a folder of other files (issue 36)
+    assert main(["export", str(run / "checkpoints/checkpoint-4"), str(tmp_path / "out"), "--overwrite"]) == 2
+    assert "out: holds keep.txt, which no model folder of hf-p2r holds; --overwrite replaces only an earlier" in (
+        capsys.readouterr().err
+    )
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    (tmp_path / "out/keep.txt").unlink()
+    assert main(["export", str(run / "checkpoints/checkpoint-4"), str(tmp_path / "out"), "--target", "llama"]) == 0
     assert main(["export", str(run / "checkpoints/checkpoint-4"), str(tmp_path / "out"), "--overwrite"]) == 0
     same_files(tmp_path / "out", run / "real")
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` (links too, as links): its bytes' hash and modification time."""
+    return {
+        str(path.relative_to(folder)): (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+# Issue 36: `hf-p2r export RUN RUN --overwrite` replaced the whole run (every checkpoint, the metrics) with the model.
+DESTINATIONS = {
+    "the run": lambda run: run,
+    "inside the run": lambda run: run / "exported",
+    "the checkpoint": lambda run: run / "checkpoints/checkpoint-4",
+    "inside the checkpoint": lambda run: run / "checkpoints/checkpoint-4/model",
+    "containing the run": lambda run: run.parent,
+}
+
+
+@pytest.mark.parametrize("case", DESTINATIONS)
+@pytest.mark.parametrize("source", ["checkpoint", "run"])
+def test_an_output_folder_is_never_the_inputs_home(run, tmp_path, capsys, case, source):
+    copy = Path(shutil.copytree(run, tmp_path / "work" / "run"))
+    before = snapshot(tmp_path)
+    checkpoint = copy / "checkpoints/checkpoint-4" if source == "checkpoint" else copy
+    assert main(["export", str(checkpoint), str(DESTINATIONS[case](copy)), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the output must not be the source" in err, err
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_never_replaces_a_training_run(run, tmp_path, capsys):
+    """Another run's output_dir, given as DST with --overwrite: refused in one line, every file kept."""
+    other = Path(shutil.copytree(run, tmp_path / "other-run"))
+    before = snapshot(other)
+    assert main(["export", str(run / "checkpoints/checkpoint-4"), str(other), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"{other}: holds a training run (checkpoints, metrics.jsonl, train_config.yaml); --overwrite" in err, err
+    assert snapshot(other) == before
+
+
+def test_export_run_run_overwrite_as_users_type_it(run, tmp_path):
+    """In a fresh process, with a timeout: exit 2, one line, the run as it was."""
+    copy = Path(shutil.copytree(run, tmp_path / "run"))
+    before = snapshot(copy)
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "export", str(copy), str(copy), "--overwrite"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    source = copy / "checkpoints/checkpoint-4"  # (its newest checkpoint, and the run: both inputs)
+    expected = f"hf-p2r export: error: {copy}: the output must not be the source {source}, inside it, or contain it"
+    assert result.stderr == expected + "\n"
+    assert snapshot(copy) == before
 
 
 def test_a_conversion_the_converter_refuses_is_refused_first_naming_the_checkpoint(run, tmp_path, capsys):
@@ -180,3 +282,18 @@ def test_a_conversion_the_converter_refuses_is_refused_first_naming_the_checkpoi
     state = run / "checkpoints/checkpoint-4/trainer_state.json"
     assert capsys.readouterr().err.startswith(f"hf-p2r export: error: {state}: share_layers is false")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_half_covered_tensor_is_exit_2_and_nothing_written_as_users_run_it(run, tmp_path):
+    """What once wrote uninitialised memory (values like 1e38) and exited 0: in a fresh process, with a timeout."""
+    checkpoint = Path(shutil.copytree(run / "checkpoints/checkpoint-4", tmp_path / "checkpoint-4"))
+    _rewrite_metadata(checkpoint, _halve_embeddings)
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_p2r.cli", "export", str(checkpoint), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.count("\n") == 1 and re.search(BAD["a tensor half covered"], result.stderr), result.stderr
+    assert not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ field (exit 2), and every earlier output stays as it was."""
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -184,5 +185,135 @@ def test_the_script_says_one_line_and_exits_2_for_a_damaged_checkpoint(run, case
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("train.py: error: ") and "checkpoint-3" in errors[0], errors
+    assert "Traceback" not in result.stderr + result.stdout
+    assert snapshot(run) == before
+
+
+# Issue 36: a checkpoint names only its own files. Refused before anything loads or changes, in one line.
+def _link_to_checkpoint_4(name):
+    def link(path):
+        path.unlink()
+        path.symlink_to(f"../checkpoint-4/{name}")
+
+    return link
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _crafted_engine_folder(path):
+    """An engine's DCP folder (Accelerate's FSDP state: `pytorch_model_fsdp_0/`) whose `.metadata` runs code when
+    torch's own reader unpickles it."""
+    folder = path.parent / "pytorch_model_fsdp_0"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(path.parent / "ran")))
+
+
+NOT_ITS_OWN = {
+    "weights linked to another checkpoint": (
+        "model.safetensors",
+        _link_to_checkpoint_4("model.safetensors"),
+        r"checkpoint-3/model\.safetensors: refused: a link out of .*checkpoint-3 \(to .*checkpoint-4/model",
+    ),
+    "optimizer linked out": (
+        "optimizer.bin",
+        _link_to_checkpoint_4("optimizer.bin"),
+        r"checkpoint-3/optimizer\.bin: refused: a link out of",
+    ),
+    "trainer state linked out": (
+        "trainer_state.json",
+        _link_to_checkpoint_4("trainer_state.json"),
+        r"checkpoint-3/trainer_state\.json: refused: a link out of",
+    ),
+    "a FIFO": ("extra", lambda path: os.mkfifo(path), r"checkpoint-3/extra: refused: a FIFO"),
+    "an engine folder's crafted pickle": (
+        "ignored",
+        _crafted_engine_folder,
+        r"pytorch_model_fsdp_0/\.metadata: damaged \(UnpicklingError: posix\.system is not part of",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NOT_ITS_OWN)
+def test_a_checkpoint_naming_files_not_its_own_is_refused_before_anything_changes(run, case):
+    name, damage, message = NOT_ITS_OWN[case]
+    damage(run / "checkpoints/checkpoint-3" / name)
+    before = snapshot(run)
+    with pytest.raises(InputError, match=message) as raised:
+        resume(run, "checkpoints/checkpoint-3", save_total_limit=1)
+    assert "\n" not in str(raised.value)
+    assert snapshot(run) == before
+    assert not (run / "checkpoints/checkpoint-3/ran").exists()
+
+
+# Issue 36: a resume with another optimizer said "missing key optimizer.model...step"; it names the field.
+OPTIMIZER_MESSAGE = (
+    r"comes from a different run \(optimizer='{saved}' there, '{now}' now\); an optimizer's state does not load "
+    r"into another's: resume with --optimizer {saved}, or start a new run$"
+)
+
+
+def test_a_resume_with_another_optimizer_names_the_field(run):
+    before = snapshot(run)
+    with pytest.raises(InputError, match=OPTIMIZER_MESSAGE.format(saved="adamw", now="muon")):
+        resume(run, "checkpoints/checkpoint-3", optimizer="muon")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize(("saved", "now"), [("adamw", "muon"), ("muon", "adamw")])
+def test_the_optimizer_is_checked_whichever_model_and_direction(tmp_path, moe, saved, now):
+    """read_state alone (what every engine runs first): MoE and dense, adamw <-> muon; a checkpoint older than the
+    field (no "optimizer" recorded) is AdamW's, the only optimizer then."""
+    from hf_p2r.training.checkpointing import STATE_FILE, TrainState, read_state
+
+    extra = dict(num_experts=4, moe_intermediate_size=32) if moe else {}
+    config = lambda optimizer: parse_config(tiny_argv(tmp_path / "out", **extra, optimizer=optimizer))  # noqa: E731
+    recorded = config(saved).to_dict()
+    (tmp_path / STATE_FILE).write_text(json.dumps({"state": vars(TrainState()), "config": recorded}))
+    assert read_state(tmp_path, config(saved)) == TrainState()
+    with pytest.raises(InputError, match=OPTIMIZER_MESSAGE.format(saved=saved, now=now)):
+        read_state(tmp_path, config(now))
+    if saved == "adamw":
+        del recorded["optimizer"]
+        (tmp_path / STATE_FILE).write_text(json.dumps({"state": vars(TrainState()), "config": recorded}))
+        assert read_state(tmp_path, config("adamw")) == TrainState()
+        with pytest.raises(InputError, match=OPTIMIZER_MESSAGE.format(saved="adamw", now="muon")):
+            read_state(tmp_path, config("muon"))
+
+
+@pytest.mark.parametrize("inside", ["", "out"], ids=["the checkpoint", "inside it"])
+def test_an_output_dir_in_the_checkpoint_it_resumes_from_is_refused(run, inside):
+    """The run's outputs (checkpoints, metrics, models) would be written into the checkpoint it reads."""
+    checkpoint = run / "checkpoints/checkpoint-3"
+    before = snapshot(run)
+    argv = tiny_argv(checkpoint / inside, **SCHEDULE, resume_from_checkpoint=checkpoint)
+    with pytest.raises(InputError, match=r"is the checkpoint it resumes from \(.*checkpoint-3\) or lies inside it"):
+        train(parse_config(argv))
+    assert snapshot(run) == before
+
+
+def test_another_optimizer_is_one_line_and_exit_2_as_users_run_it(run):
+    """In a fresh process, with a timeout: the field named, no traceback, nothing changed."""
+    before = snapshot(run)
+    argv = tiny_argv(run, **SCHEDULE, optimizer="muon", resume_from_checkpoint=run / "checkpoints/checkpoint-3")
+    result = subprocess.run(
+        [PYTHON, str(REPO / "scripts/train.py"), *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "(optimizer='adamw' there, 'muon' now)" in errors[0], errors
     assert "Traceback" not in result.stderr + result.stdout
     assert snapshot(run) == before

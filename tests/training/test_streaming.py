@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_p2r.errors import InputError
-from hf_p2r.training import ConfigError, DataArguments, parse_config, train
+from hf_p2r.training import ConfigError, DataArguments, data, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.data import BlockStream, byte_level_tokenizer, stream_blocks
 
@@ -323,10 +323,11 @@ def test_two_processes_split_the_stream_save_each_position_and_resume_exactly(tm
             train(parse_config(argv))
 
 
-def test_a_shard_that_breaks_mid_run_is_one_line_naming_it_and_keeps_the_checkpoints(tmp_path):
-    """The first shard fills the first packed batch (1,000 one-letter documents: 62 blocks, 15 steps of 4); the second
-    shard, first read at step 16, has a bad line: the run stops there with one line naming that shard, and the
-    checkpoints it saved before stay."""
+def test_a_shard_that_breaks_mid_run_is_one_line_naming_it_and_keeps_the_checkpoints(tmp_path, monkeypatch):
+    """The first shard fills the first packed batch (1,000 one-letter documents, one chunk: with one chunk per packed
+    batch, 62 blocks, 15 steps of 4); the second shard, first read at step 16, has a bad line: the run stops there
+    with one line naming that shard, and the checkpoints it saved before stay."""
+    monkeypatch.setattr(data, "PACK_CHUNKS", 1)
     first, second = tmp_path / "train-00000.jsonl", tmp_path / "train-00001.jsonl"
     first.write_text((json.dumps({"text": "x"}) + "\n") * 1000)
     second.write_text('{"text": "fine"}\n{"text": \n')
@@ -337,3 +338,42 @@ def test_a_shard_that_breaks_mid_run_is_one_line_naming_it_and_keeps_the_checkpo
         train(parse_config(argv))
     assert "\n" not in str(raised.value)
     assert [p.name for p in list_checkpoints(output_dir)] == ["checkpoint-5", "checkpoint-10", "checkpoint-15"]
+
+
+def test_a_stream_resumes_only_on_the_shards_it_saved_or_warns_with_allow_data_change(tmp_path):
+    """The saved position names its shards (size, modification time): a shard changed since is refused in one line
+    naming it; with allow_data_change the stream resumes from the position with a one-line warning."""
+    shards = jsonl_shards(tmp_path, 2)
+    args = data_args(tmp_path, shards)
+    tokenizer = byte_level_tokenizer()
+    blocks = stream_blocks(args, tokenizer, 0, 1, eval_blocks=2)
+    assert blocks.report.splitlines() == [  # the run's first lines
+        f"data: train streamed from train_files {shards[0]}, {shards[1]} (2 files), "
+        f"{sum(map(os.path.getsize, shards)):,} bytes, split over 1 process(es) and tokenized as it is read (its "
+        "documents and tokens are not counted ahead)",
+        f"data: validation the first 2 blocks of 32 (64 tokens) of validation_files {args.validation_files[0]}",
+    ]
+    stream = blocks.train
+    stream.take(3)
+    states = json.loads(json.dumps([stream.state_dict()]))  # as a checkpoint keeps them
+    assert states[0]["source"] == {"train_files": [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in shards]}
+    same, _ = stream_blocks(args, tokenizer, 0, 1, eval_blocks=2)
+    assert same.resume(states, 0, 1, tmp_path / "checkpoint-3") is None
+    following = same.take(2)
+
+    before = os.path.getsize(shards[1])
+    with open(shards[1], "a") as shard:
+        shard.write(json.dumps({"text": "one more document"}) + "\n")
+    changed, _ = stream_blocks(args, tokenizer, 0, 1, eval_blocks=2)
+    with pytest.raises(InputError) as refused:
+        changed.resume(states, 0, 1, tmp_path / "checkpoint-3")
+    assert str(refused.value) == (
+        f"resume_from_checkpoint: the training data changed since {tmp_path / 'checkpoint-3'} was saved ({shards[1]}: "
+        f"{before:,} bytes then, {os.path.getsize(shards[1]):,} now): the data position it holds would point into "
+        "other data; restore the data, or pass --allow_data_change to resume on it"
+    )
+    allowed, _ = stream_blocks(data_args(tmp_path, shards, allow_data_change=True), tokenizer, 0, 1, eval_blocks=2)
+    warning = allowed.resume(states, 0, 1, tmp_path / "checkpoint-3")
+    assert warning.startswith("warning: the training data changed since ") and warning.endswith("resuming on it anyway")
+    assert torch.equal(allowed.take(2), following), "the position is kept (the change is after it)"
+    assert allowed.state_dict()["source"]["train_files"][1][1] == os.path.getsize(shards[1]), "the new data recorded"

@@ -1,0 +1,112 @@
+"""One tiny run described once for both trainers: hf-p2r's own (`hf_p2r.training.train`) and `P2RTrainer`, on the
+same model (`build_model`: the same initial weights), the same blocks in the same order (`build_blocks`, `BlockOrder`),
+the same optimizer settings and the same schedule (`P2RCallback.from_config`).
+
+Run as a module (`accelerate launch -m tests.integrations.helpers SPEC.json`) it trains one `P2RTrainer` run described
+by SPEC.json ({"output_dir", "fields": tiny_argv overrides, "args": TrainingArguments overrides, "resume"}) and writes
+its log history to output_dir/history.json (the main process).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from accelerate import PartialState
+from transformers import Trainer, TrainingArguments, default_data_collator
+
+from hf_p2r.integrations import P2RCallback, P2RTrainer
+from hf_p2r.training import TrainConfig, build_model, parse_config
+from hf_p2r.training.data import BlockOrder, build_blocks, load_tokenizer
+
+from ..training.helpers import tiny_argv
+
+# What a resumed or distributed run must reproduce in Trainer's log history (the rest is timing).
+DETERMINISTIC = ("step", "loss", "grad_norm", "learning_rate", "eval_loss", "p2r/num_blocks", "p2r/delink")
+
+
+def p2r_config(output_dir, **fields) -> TrainConfig:
+    """hf-p2r's configuration of a tiny run (tests/training/helpers.py's `TINY`), constant learning rate by default:
+    transformers' warm-up and decay formulas differ from hf-p2r's (docs/trainer.md)."""
+    defaults = dict(lr_scheduler="constant", warmup_steps=0, shared_lr_scale="none", eval_steps=0, save_steps=0)
+    return parse_config(tiny_argv(output_dir, **{**defaults, **fields}))
+
+
+def trainer_for(
+    config: TrainConfig, *, trainer_class: type[Trainer] = P2RTrainer, world_size: int = 1, callback=True, **args
+) -> Trainer:
+    """A trainer for the run `config` describes on `world_size` processes: its model, its training blocks in hf-p2r's
+    order (each process takes its `per_device_batch_size` slice of every global batch, as Accelerate shards a
+    sequential sampler and as hf-p2r's loop does), its optimizer settings and its schedule; `args` override the
+    TrainingArguments."""
+    t = config.train
+    tokenizer = load_tokenizer(config.data.tokenizer_name)
+    with PartialState().main_process_first():  # the main process tokenizes, the others read its cache file
+        blocks, validation = build_blocks(config.data, tokenizer, t.seed)
+    count = t.total_steps * t.per_device_batch_size * t.gradient_accumulation_steps * world_size
+    labelled = blocks.select(BlockOrder(len(blocks), t.seed).indices(0, count)).map(with_labels, batched=True)
+    validation = validation.select(range(min(len(validation), t.eval_blocks))).map(with_labels, batched=True)
+    model = build_model(config, tokenizer, config.initial_blocks())
+    model.config.use_cache = False
+    fields = dict(
+        output_dir=t.output_dir,
+        max_steps=t.total_steps,
+        per_device_train_batch_size=t.per_device_batch_size,
+        per_device_eval_batch_size=t.per_device_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_epsilon,
+        max_grad_norm=t.max_grad_norm,
+        optim="adamw_torch_fused",
+        train_sampling_strategy="sequential",
+        seed=t.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    fields.update(args)
+    callbacks = [P2RCallback.from_config(config)] if callback else []
+    return trainer_class(
+        model=model,
+        args=TrainingArguments(**fields),
+        train_dataset=labelled,
+        eval_dataset=validation,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+def with_labels(batch: dict) -> dict:
+    return {"labels": batch["input_ids"]}  # the causal-LM loss shifts them itself
+
+
+def deterministic(history: list[dict]) -> list[dict]:
+    """The records of a log history, each with only what a repeated run must reproduce."""
+    kept = [{key: record[key] for key in DETERMINISTIC if key in record} for record in history]
+    return [record for record in kept if set(record) - {"step", "p2r/num_blocks"}]
+
+
+def history(output_dir) -> list[dict]:
+    return json.loads((Path(output_dir) / "history.json").read_text())
+
+
+def main(spec_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    world_size = spec.get("world_size", 1)
+    trainer = trainer_for(p2r_config(spec["output_dir"], **spec["fields"]), world_size=world_size, **spec["args"])
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    if trainer.is_world_process_zero():
+        (Path(spec["output_dir"]) / "history.json").write_text(json.dumps(trainer.state.log_history))
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
