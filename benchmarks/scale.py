@@ -93,7 +93,8 @@ SCHEDULE = dict(
 # keeps every block of 128 KiB and more in its own mapping, returned to the system when freed. The rows run with it
 # (the setting the README gives for CPU runs); a few run with glibc's default for contrast.
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-ALLOCATORS = {"fixed": FIXED_MMAP, "glibc": {}}
+# (glibc's default needs HF_P2R_MALLOC=glibc: the trainer fixes the threshold itself otherwise, hf_p2r.train.set_malloc)
+ALLOCATORS = {"fixed": FIXED_MMAP, "glibc": {"HF_P2R_MALLOC": "glibc"}}
 CONTRAST = (("tiny", "4 sharded (FSDP2)"), ("w512-L16", "4 sharded (FSDP2)"))  # also run with glibc's default
 RESUME_FROM = 3  # the real-stage checkpoint the other layouts resume
 # Resumed layouts of the 4-process checkpoint, with the 4-process run's global batch of 4.

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 
 from .commands import convert, env, export, plan, push, train
-from .errors import exit_code, printable, run_redacted
+from .errors import exit_code, one_line, run_redacted
 
 COMMANDS = {"train": train, "convert": convert, "export": export, "push": push, "plan": plan, "env": env}
 # Errors that mean "bad input or environment", not a bug: shown as one line (exit status: `exit_code`).
@@ -67,11 +67,6 @@ def _run(args: argparse.Namespace) -> int:
         message = str(error) if not isinstance(error, KeyError) else f"missing {error}"
         print(f"hf-p2r {args.command}: error: {one_line(message)}", file=sys.stderr)
         return exit_code(error)
-
-
-def one_line(message: str) -> str:
-    """`message` on one line (some libraries' messages span several), its other control characters escaped."""
-    return printable(" ".join(line.strip() for line in message.splitlines() if line.strip()))
 
 
 @contextlib.contextmanager

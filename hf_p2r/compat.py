@@ -13,10 +13,8 @@ torch.distributed.pipelining (`pipeline_order`, `initialize_pipeline_stage`, `pi
 torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with a test.
 """
 
-import functools
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -243,28 +241,33 @@ def prepared_models(accelerator) -> list:
     return list(accelerator._models)
 
 
+def import_deepspeed_only_when_used() -> None:
+    """Make Accelerate's model unwrapping (`Accelerator.unwrap_model`, `extract_model_from_parallel`) import DeepSpeed
+    only where DeepSpeed is already imported (idempotent).
+
+    It imports DeepSpeed whenever DeepSpeed is installed, to test whether a model is its engine, and DeepSpeed's
+    import prints "Setting accelerator to CPU" (and more) into a run that does not use it. A model can only be a
+    DeepSpeed engine once DeepSpeed has been imported (Accelerate imports it to make one), so the test is skipped
+    before: Accelerate reads its `is_deepspeed_available` from `accelerate.utils.other`'s namespace there."""
+    import sys
+
+    from accelerate.utils import other
+
+    available = other.is_deepspeed_available
+    if getattr(available, "only_when_imported", False):
+        return
+
+    def is_deepspeed_available() -> bool:
+        return "deepspeed" in sys.modules and available()
+
+    is_deepspeed_available.only_when_imported = True
+    other.is_deepspeed_available = is_deepspeed_available
+
+
 def forget_preparation(model) -> None:
     """Drop Accelerate's "already prepared" mark from `model` (`_is_accelerate_prepared`), so that the next `prepare`
     wraps it again (mixed precision's autocast forward included) instead of handing it back as it is."""
     vars(model).pop("_is_accelerate_prepared", None)
-
-
-def import_deepspeed_only_when_used() -> None:
-    """Make Accelerate leave DeepSpeed unimported where no DeepSpeed engine can exist. Its `extract_model_from_parallel`
-    (behind `Accelerator.unwrap_model`, `get_state_dict`, ...) imports DeepSpeed whenever it is installed, to test
-    whether a model is a `DeepSpeedEngine`: seconds of import, and DeepSpeed's "Setting accelerator to CPU" warning in
-    the progress bar of every run (issue 37). No model is a `DeepSpeedEngine` before DeepSpeed is imported (a DeepSpeed
-    run imports it when Accelerate sets up its state), so that function's `is_deepspeed_available` (the name it calls,
-    in `accelerate.utils.other`) answers True only once DeepSpeed is imported and available. Idempotent."""
-    other = importlib.import_module("accelerate.utils.other")
-    available = other.is_deepspeed_available
-    if getattr(available, "__wrapped__", None) is None:
-
-        @functools.wraps(available)
-        def imported_and_available() -> bool:
-            return "deepspeed" in sys.modules and available()
-
-        other.is_deepspeed_available = imported_and_available
 
 
 def restore_forward(model) -> None:

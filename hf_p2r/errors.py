@@ -34,6 +34,7 @@ __all__ = [
     "InputError",
     "exit_code",
     "parse_json",
+    "one_line",
     "printable",
     "read_json",
     "redact",
@@ -125,6 +126,12 @@ def printable(text, limit: int | None = None) -> str:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if limit is None or len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def one_line(message: str, limit: int | None = None) -> str:
+    """`message` on one line (some libraries' messages span several), its other control characters escaped
+    (`printable`), cut to `limit` characters when given: how every expected error is printed."""
+    return printable(" ".join(line.strip() for line in str(message).splitlines() if line.strip()), limit)
 
 
 # What a Hugging Face access token looks like ("hf_" and 34 letters or digits; 20 or more, to be safe).

@@ -17,6 +17,41 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_M_MMAP_THRESHOLD = -3  # from <malloc.h>
+# glibc's malloc serves an allocation of this many bytes or more by its own mapping, returned to the system when freed.
+MMAP_THRESHOLD = 128 * 1024
+
+
+def malloc_policy() -> str:
+    """What the trainer does with glibc's malloc at start in this environment (`set_malloc`; `hf-p2r env` says it).
+
+    glibc's default raises its mmap threshold each time a large block is freed (up to 32 MiB), so FSDP2's all-gathered
+    blocks and the optimizer's temporaries come from the heap afterwards and the pages they free stay resident: 4
+    FSDP2 processes of a 55M-parameter model held 18.0 bytes per parameter per process above a tiny run with glibc's
+    default, 4.9 with this setting and 5.2 with `MALLOC_MMAP_THRESHOLD_=131072` (benchmarks/malloc.md). The trainer
+    fixes it at 128 KiB, glibc's starting value, unless the environment sets it."""
+    if not sys.platform.startswith("linux"):
+        return "left to the platform's allocator (not Linux)"
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return "left to the environment's MALLOC_MMAP_THRESHOLD_"
+    if os.environ.get("HF_P2R_MALLOC", "").lower() == "glibc":
+        return "left to glibc's default (HF_P2R_MALLOC=glibc)"
+    return (
+        f"mmap threshold fixed at {MMAP_THRESHOLD // 1024} KiB (freed blocks return to the system; "
+        "HF_P2R_MALLOC=glibc keeps glibc's default)"
+    )
+
+
+def set_malloc() -> bool:
+    """Fix glibc's mmap threshold at `MMAP_THRESHOLD` as `malloc_policy` says (mallopt, in this process, for every
+    later allocation: what `MALLOC_MMAP_THRESHOLD_` does from the start); whether it was set."""
+    if not malloc_policy().startswith("mmap threshold fixed"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has it as a no-op)
+        return False
+    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 
 def hide_gpus_for_cpu_launch() -> None:
@@ -28,21 +63,25 @@ def hide_gpus_for_cpu_launch() -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
-    """Parse the trainer's arguments (`hf_p2r.training.parse_config`) and run it; returns the exit code. Expected
-    errors are one line on stderr, `prog: error: ...`."""
-    hide_gpus_for_cpu_launch()
-    from .errors import exit_code
-    from .training import NonFiniteLossError, parse_config, train
+    """Parse the trainer's arguments (`hf_p2r.config.parse_config`, torch-free: `--help` and every configuration
+    error answer before torch is imported) and run it; returns the exit code. Expected errors are one line on stderr,
+    `prog: error: ...` (`hf_p2r.errors.one_line`, as every command prints them)."""
+    from .config import parse_config
+    from .errors import exit_code, one_line
 
     try:
         config = parse_config(argv, prog=prog)
     except ValueError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)
         return 2
+    hide_gpus_for_cpu_launch()
+    set_malloc()  # before torch allocates anything
+    from .training import NonFiniteLossError, train
+
     try:
         return train(config)
     except (ValueError, OSError, NonFiniteLossError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(error))}", file=sys.stderr)  # (redacted: `run`, the cli's run_redacted)
         return exit_code(error)
 
 

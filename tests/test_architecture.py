@@ -5,10 +5,11 @@ The layers, from the bottom (STYLE.md: "import direction is architecture"): `err
 private reads of other libraries) and `lazy` import nothing of hf_p2r; `models` (the model files know nothing of
 checkpoints, parallelism or training) and `ops` (compute kernels in plain torch); `checkpoint` (every tensor read and
 write, and the model card); `hub` (pushes folders); `distributed` (parallelism applied to a model from outside);
-`planning` (sizes layouts from what the models and `distributed` say); `training` (the loop and its engines);
-`integrations` (P2R inside transformers' Trainer, built on `training`'s delink and carry); the command lines (`cli`,
-`commands`, the trainer's entry point `train`). The package's `__init__` is its facade and may name anything. Every
-import counts, at module level or inside a function: a deferred import is still an arrow.
+`planning` (sizes layouts from what the models and `distributed` say) and `config` (the trainer's configuration,
+torch-free, which the planner reads too); `training` (the loop and its engines); `integrations` (P2R inside
+transformers' Trainer, built on `training`'s delink and carry); the command lines (`cli`, `commands`, the trainer's
+entry point `train`). The package's `__init__` is its facade and may name anything. Every import counts, at module
+level or inside a function: a deferred import is still an arrow.
 """
 
 import ast
@@ -28,6 +29,7 @@ LAYERS = {
     "hf_p2r.hub": 3,
     "hf_p2r.distributed": 4,
     "hf_p2r.planning": 5,
+    "hf_p2r.config": 5,  # the trainer's configuration (torch-free; the planner reads a trainer YAML with it)
     "hf_p2r.training": 6,
     "hf_p2r.integrations": 7,  # P2R in transformers' Trainer and TRL (a callback and a Trainer subclass)
     "hf_p2r.train": 7,

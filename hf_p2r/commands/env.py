@@ -9,6 +9,8 @@ import importlib.metadata
 import os
 import platform
 
+from ..train import malloc_policy
+
 HELP = "print versions, CUDA devices and CPUs for a bug report"
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "huggingface_hub", "deepspeed")
 
@@ -37,6 +39,7 @@ def collect() -> dict[str, str]:
     for package in PACKAGES:
         info[f"{package} version"] = _version(package)
     info.update(_cuda())
+    info["Trainer's malloc"] = malloc_policy()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     info["CPUs"] = f"{os.cpu_count()}" + (f" ({usable} usable by this process)" if usable != os.cpu_count() else "")
     return info

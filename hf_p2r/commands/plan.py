@@ -170,7 +170,7 @@ def read_plan_input(path: str | os.PathLike) -> "PlanInput":
 
     if not str(path).endswith((".yaml", ".yml")):
         return read_config(path)
-    from ..training.config import parse_config
+    from ..config import parse_config
 
     run = parse_config(["--config", str(path)])
     notes = []
@@ -182,10 +182,10 @@ def read_plan_input(path: str | os.PathLike) -> "PlanInput":
     return PlanInput(
         config,
         seq_len=run.data.block_size,
-        micro_batch=run.train.per_device_batch_size,
-        gradient_accumulation_steps=run.train.gradient_accumulation_steps,
-        precision={"bf16": "amp", "fp16": "amp", "no": "fp32"}.get(run.train.mixed_precision),
-        optimizer=run.train.optimizer,
+        micro_batch=run.compute.per_device_batch_size,
+        gradient_accumulation_steps=run.compute.gradient_accumulation_steps,
+        precision={"bf16": "amp", "fp16": "amp", "no": "fp32"}.get(run.compute.mixed_precision),
+        optimizer=run.optim.optimizer,
         recompute=run.model.activation_checkpointing,
         notes=notes,
     )

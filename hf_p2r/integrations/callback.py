@@ -114,9 +114,9 @@ class P2RCallback(TrainerCallback, ExportableState):
         """The callback that follows the schedule of a configuration of hf-p2r's own trainer (`TrainConfig`, what
         `hf-p2r train --config ...` reads): its delinks (`delink_schedule`: the partial ones, then the real model at
         `pseudo_steps`), `optimizer_carry`, `lr_after_delink` and `rewarm_steps`."""
-        train, depth = config.train, config.model.num_hidden_layers
+        depth, lr = config.model.num_hidden_layers, config.schedule
         schedule = {step: None if blocks == depth else blocks for step, blocks in config.delink_schedule()}
-        return cls(schedule, train.optimizer_carry, train.lr_after_delink, train.rewarm_steps)
+        return cls(schedule, config.stages.optimizer_carry, lr.lr_after_delink, lr.rewarm_steps)
 
     @property
     def delink_steps(self) -> list[int]:

@@ -7,7 +7,7 @@ and model saves), `metrics` (metrics.jsonl and the loss curve), `run` (the step 
 folder, the summary), `engines` (how each backend steps, delinks, evaluates and saves), `train` (the one loop).
 """
 
-from .config import ConfigError, DataArguments, ModelArguments, TrainArguments, TrainConfig, parse_config
+from ..config import ConfigError, DataArguments, ModelArguments, TrainArguments, TrainConfig, parse_config
 from .delink import delink_in_training, delink_pipeline, delink_with_optimizer
 from .run import NonFiniteLossError
 from .train import build_model, train

@@ -51,25 +51,13 @@ from ..checkpoint.dcp_metadata import read_dcp_metadata
 from ..checkpoint.headers import read_header
 from ..checkpoint.io import check_only_files_within
 from ..compat import prepared_models
+from ..config.resume import CHECKPOINTS, STATE_FILE, different_run
 from ..errors import InputError, printable, read_json
 from ..models.p2r import P2RForCausalLM
-from .config import DataArguments, ModelArguments, TrainArguments, TrainConfig
+from .config import TrainConfig
 from .dcp import background_writes, is_dcp_checkpoint
 from .dcp import check_files as check_dcp_files
 from .dcp import wait as wait_for_write
-
-STATE_FILE = "trainer_state.json"
-CHECKPOINTS = "checkpoints"
-# Fields that decide what a checkpoint's weights mean, or its optimizer's parameter groups: a resumed run must agree.
-_COMPATIBLE_FIELDS = (
-    [f.name for f in dataclasses.fields(ModelArguments)]
-    + [
-        f.name
-        for f in dataclasses.fields(DataArguments)
-        if f.name not in ("cache_dir", "preprocessing_num_workers", "allow_data_change")
-    ]
-    + ["seed", "shared_lr_scale", "optimizer"]
-)
 
 
 @dataclass
@@ -148,8 +136,9 @@ def save_checkpoint(
         (folder / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
     main = accelerator.is_main_process
-    limit = config.train.save_total_limit if main else None  # (the main process prunes)
-    with ExitStack() as rename, background_writes() if config.train.checkpoint_async else nullcontext([]) as futures:
+    saving = config.checkpointing
+    limit = saving.save_total_limit if main else None  # (the main process prunes)
+    with ExitStack() as rename, background_writes() if saving.checkpoint_async else nullcontext([]) as futures:
         if main:
             tmp = rename.enter_context(atomic_directory(destination, overwrite=True))  # renamed as the stack closes
             broadcast_object_list([str(tmp)])
@@ -352,21 +341,9 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
     is one `InputError` naming the file or field, before anything is loaded or changed."""
     check_checkpoint_files(path)
     state, stage, saved = read_trainer_state(path / STATE_FILE)
-    current = config.to_dict()
-    differing = [name for name in _COMPATIBLE_FIELDS if _saved_value(saved, name) != current[name]]
-    if differing:
-        details = ", ".join(
-            f"{name}={printable(repr(_saved_value(saved, name)), 80)} there, {printable(repr(current[name]), 80)} now"
-            for name in differing
-        )
-        hint = (
-            f"; an optimizer's state does not load into another's: resume with --optimizer "
-            f"{printable(_saved_value(saved, 'optimizer'), 20)}, or start a new run"
-            if "optimizer" in differing
-            else ""
-        )
-        raise InputError(f"resume_from_checkpoint: {path} comes from a different run ({details}){hint}")
-    depth, args = config.model.num_hidden_layers, config.train
+    if problem := different_run(path, saved, config.to_dict()):  # the fields its weights and groups depend on
+        raise InputError(problem)
+    depth, args = config.model.num_hidden_layers, config.stages
     if stage not in (None, state.stage(depth)):
         raise InputError(
             f'{path / STATE_FILE}: stage "{stage}" does not match num_blocks {state.num_blocks} of {depth} layers'
@@ -385,20 +362,6 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
             "(num_unique_layers, pseudo_steps, partial_delink_steps, partial_delink_blocks)"
         )
     return state
-
-
-def _saved_value(saved: dict, name: str):
-    """Field `name` of a checkpoint's recorded configuration; a field the run that saved it did not have yet (a
-    checkpoint older than the field) is that field's default, the behaviour of the runs before it."""
-    if name in saved:
-        return saved[name]
-    kind = next(kind for kind in (ModelArguments, DataArguments, TrainArguments) if name in _field_names(kind))
-    field = next(field for field in dataclasses.fields(kind) if field.name == name)
-    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
-
-
-def _field_names(kind) -> set[str]:
-    return {field.name for field in dataclasses.fields(kind)}
 
 
 def read_trainer_state(path: str | Path) -> tuple[TrainState, str | None, dict]:

@@ -33,8 +33,17 @@ import torch
 from torch import nn
 
 from ..compat import active_output_collector, forward_without_checkpointing, output_capture_for_compiled_code
+from ..config import ConfigError
 
-__all__ = ["compile_blocks"]
+__all__ = ["check_backend", "compile_blocks"]
+
+
+def check_backend(backend: str) -> None:
+    """`ConfigError` naming `compile_backend` unless `backend` is one of torch.compile's registered backends (checked
+    when the run starts: the list is torch's, which the configuration's parser does not import)."""
+    if backend not in torch.compiler.list_backends(exclude_tags=()):  # debugging backends (aot_eager, eager) included
+        known = ", ".join(["aot_eager", "eager", *torch.compiler.list_backends()])
+        raise ConfigError(f"compile_backend: {backend!r} is not a torch.compile backend ({known})")
 
 
 def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> nn.Module:

@@ -9,7 +9,6 @@ dtype cast is then `convert_pseudo_to_real` of it, streamed, so the output is wh
 trainer's folder.
 """
 
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -23,7 +22,7 @@ from ..checkpoint.io import file_within, why_skipped
 from ..checkpoint.targets import get_target
 from ..errors import InputError
 from .checkpointing import CHECKPOINTS, STATE_FILE, read_trainer_state, resolve_checkpoint
-from .config import DataArguments, ModelArguments, TrainArguments, TrainConfig
+from .config import TrainConfig
 from .data import load_tokenizer
 from .dcp import check_files
 from .train import build_model
@@ -78,7 +77,7 @@ def export_checkpoint(
     config = run_config(saved, checkpoint / STATE_FILE)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     model = build_model(config, tokenizer, state.num_blocks, meta=True)
-    remote_code = config.train.remote_code
+    remote_code = config.checkpointing.remote_code
 
     def write_weights(folder: Path, tensors: dict) -> None:
         write_dcp_weights(checkpoint, folder, tensors, max_shard_size=max_shard_size, progress=progress)
@@ -127,11 +126,7 @@ def export_checkpoint(
 def run_config(saved: dict, path: Path) -> TrainConfig:
     """The `TrainConfig` of a run from the flat configuration its `trainer_state.json` (`path`) records; a field that
     does not fit is an `InputError` naming the file."""
-    parts = []
-    for kind in (ModelArguments, DataArguments, TrainArguments):
-        fields = {field.name: saved[field.name] for field in dataclasses.fields(kind) if field.name in saved}
-        try:
-            parts.append(kind(**fields))
-        except (ValueError, TypeError) as error:
-            raise InputError(f'{path}: "config": {error}'.splitlines()[0]) from None
-    return TrainConfig(*parts)
+    try:
+        return TrainConfig.from_dict(saved, check=False)
+    except (ValueError, TypeError) as error:
+        raise InputError(f'{path}: "config": {error}'.splitlines()[0]) from None

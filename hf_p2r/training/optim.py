@@ -17,14 +17,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_wsd_schedule
 
+from ..config import ConfigError, LearningRateSchedule, OptimizerArguments
 from .carry import block_of
-from .config import ConfigError, TrainArguments
 from .offload import GranularOffload
 
 
 def build_optimizer(
     model: nn.Module,
-    args: TrainArguments,
+    args: OptimizerArguments,
     offload: GranularOffload | None = None,
     lr_scales: dict[int, float] | None = None,
 ) -> torch.optim.Optimizer:
@@ -37,7 +37,8 @@ def build_optimizer(
     on their host masters (`GranularOffload.build_optimizer`; Muon's Newton–Schulz too). torch's fused AdamW is used
     wherever it applies (not on FSDP2's DTensor shards), with or without offload, so the two give the same updates.
     Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared block's by the depths it runs
-    at; a Muon group's also carries `muon_learning_rate / learning_rate`): the training loop sets each group's rate to
+    at, or the model's `depth_mup` scales the blocks' by its `block_lr_scale`: `shared_lr_scales`; a Muon group's also
+    carries `muon_learning_rate / learning_rate`): the training loop sets each group's rate to
     the schedule's times it. `lr_scales` ({id(parameter): factor}) replaces the model's own where `model` holds a part
     of it (pipeline stages).
     """
@@ -83,7 +84,7 @@ def is_matrix(param: nn.Parameter) -> bool:
     return len(getattr(param, "ds_shape", param.shape)) >= 2
 
 
-def check_optimizer_supported(accelerator: Accelerator, args: TrainArguments) -> None:
+def check_optimizer_supported(accelerator: Accelerator, args: OptimizerArguments) -> None:
     """Raise `ConfigError` up front where `optimizer: muon` cannot run: its Newton–Schulz step needs each matrix
     whole, and FSDP (FSDP2's DTensor rows) and DeepSpeed's ZeRO (flat partitions) hand the optimizer shards. Gathering
     each matrix for its step is not implemented: the refusal says so in one line."""
@@ -215,37 +216,42 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return min(group["lr"] for group in optimizer.param_groups)
 
 
-def shared_lr_scales(model, args: TrainArguments) -> dict[int, float]:
-    """{id(parameter): learning-rate factor}: with `shared_lr_scale: depth`, 1/n for a block run at n depths of the
-    whole model. `model`: a P2R model, or a pipeline's stages (their parameters under the model's names, the whole
-    model's layout in `config`)."""
-    if args.shared_lr_scale == "none":
+def shared_lr_scales(model, args: OptimizerArguments) -> dict[int, float]:
+    """{id(parameter): learning-rate factor} of the blocks' parameters: with `shared_lr_scale: depth`, 1/n for a block
+    run at n depths of the whole model; under the model's `depth_mup`, times its `block_lr_scale` (1/sqrt(L) of the
+    depth the model has now, TP VI's eta/sqrt(L): a depth growth's new optimizer takes the new depth's). `model`: a P2R
+    model, or a pipeline's stages (their parameters under the model's names, the whole model's layout in `config`)."""
+    config = model.config
+    depth_scale = config.block_lr_scale if getattr(config, "depth_mup", False) else 1.0
+    uses = Counter(config.block_of_depth) if args.shared_lr_scale == "depth" else None
+    if uses is None and depth_scale == 1.0:
         return {}
-    uses = Counter(model.config.block_of_depth)
     return {
-        id(param): 1.0 / uses[block]
+        id(param): depth_scale / (uses[block] if uses is not None else 1)
         for name, param in model.named_parameters()
         if (block := block_of(name)) is not None
     }
 
 
-def learning_rate_at(step: int, args: TrainArguments, delink_steps: list[int]) -> float:
+def learning_rate_at(step: int, args: LearningRateSchedule, delink_steps: list[int]) -> float:
     """Learning rate of the update from `step` to `step + 1` (steps count from 0).
 
-    Linear warm-up over `warmup_steps`, then `lr_scheduler` decay to `min_lr_ratio * learning_rate` at the last step;
-    the schedule runs over the whole run (pseudo and real steps). `wsd` holds the peak until the last
+    Linear warm-up over `warmup_steps`, then `lr_scheduler` decay to `min_lr_ratio * learning_rate` at the schedule's
+    last step: the schedule spans the whole run (pseudo and real steps) unless `lr_schedule_steps` says otherwise (a
+    resumed run extended past the schedule's end runs on at its final rate). `wsd` holds the peak until the last
     `lr_decay_fraction` of the run (transformers' `get_wsd_schedule`, 1-sqrt decay): the delinks fall in its stable
     phase, and runs that differ before the decay are compared after the same anneal. With `lr_after_delink="rewarm"`
     the rate is also ramped up linearly over `rewarm_steps` after each step in `delink_steps`.
     """
-    peak, warmup = args.learning_rate, args.warmup_steps
-    if step < warmup:
-        lr = peak * (step + 1) / warmup
+    peak, warmup, last = args.learning_rate, args.warmup_steps, args.schedule_steps - 1
+    at = min(step, last)  # past the schedule's end: its final rate
+    if at < warmup:
+        lr = peak * (at + 1) / warmup
     elif args.lr_scheduler == "wsd":
         # The decay's last factor (min_lr_ratio) lands on the last step, as cosine's and linear's do.
-        lr = peak * _wsd_factor(warmup, args.decay_steps, args.total_steps - 1, args.min_lr_ratio)(step)
+        lr = peak * _wsd_factor(warmup, args.decay_steps, last, args.min_lr_ratio)(at)
     else:
-        progress = (step - warmup) / max(1, args.total_steps - 1 - warmup)
+        progress = (at - warmup) / max(1, last - warmup)
         decay = {
             "constant": 1.0,
             "linear": 1.0 - progress,

@@ -22,9 +22,9 @@ from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from ..checkpoint.card import usage_code
+from ..config import LoggingArguments, TrainConfig
 from ..errors import InputError, printable, redact
 from .checkpointing import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
-from .config import TrainArguments, TrainConfig
 from .metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -55,7 +55,8 @@ class StepLog:
         self,
         accelerator: Accelerator,
         state: TrainState,
-        args: TrainArguments,
+        args: LoggingArguments,
+        total_steps: int,
         tokens_per_step: int,
         depth: int,
         metrics_path: Path,
@@ -64,7 +65,7 @@ class StepLog:
         self.tokens_per_step, self.metrics_path = tokens_per_step, metrics_path
         self.interval_steps, self.interval_time = 0, 0.0  # in this process since the last record, for tokens_per_s
         self.progress = tqdm(
-            total=args.total_steps,
+            total=total_steps,
             initial=state.step,
             desc=state.stage(depth),
             dynamic_ncols=True,
@@ -251,7 +252,7 @@ def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> li
     nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run needs a readable metrics.jsonl, and an
     output_dir that is not the checkpoint it resumes from, nor inside it.
     Called on every process (so all of them stop on an error)."""
-    source = config.train.resume_from_checkpoint
+    source = config.checkpointing.resume_from_checkpoint
     if source and source != "latest":  # the run's outputs would land in the checkpoint it reads
         checkpoint, output = Path(os.path.realpath(source)), Path(os.path.realpath(output_dir))
         if output == checkpoint or output.is_relative_to(checkpoint):
@@ -260,7 +261,7 @@ def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> li
                 "inside it: give the run's output_dir (the checkpoint's ../..) or a new folder"
             )
     existing = [output_dir / name for name in OUTPUTS if (output_dir / name).exists()]
-    if not resumed and existing and not config.train.overwrite_output_dir:
+    if not resumed and existing and not config.checkpointing.overwrite_output_dir:
         raise FileExistsError(
             f"output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); pass "
             "--resume_from_checkpoint latest to continue it or --overwrite_output_dir true to start over"
@@ -318,18 +319,23 @@ def _last_good(output_dir: Path) -> str:
     )
 
 
-def finish_run(output_dir: Path, title: str, wall_time_s: float, remote_code: bool) -> None:
+def finish_run(
+    output_dir: Path, title: str, wall_time_s: float, remote_code: bool, resumed: TrainState | None = None
+) -> None:
     """The main process's end of a run: the loss curve (`loss.png`), then the summary (`run_summary`) on stdout."""
     records = read_metrics(output_dir / METRICS_FILE)
     if not plot_losses(records, output_dir / PLOT_FILE, title):
         print(f"matplotlib is not installed: skipped {output_dir / PLOT_FILE} (pip install 'hf-p2r[plot]')")
-    print(run_summary(output_dir, records, wall_time_s, remote_code), flush=True)
+    print(run_summary(output_dir, records, wall_time_s, remote_code, resumed), flush=True)
 
 
-def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remote_code: bool) -> str:
+def run_summary(
+    output_dir: Path, records: list[dict], wall_time_s: float, remote_code: bool, resumed: TrainState | None = None
+) -> str:
     """What a finished run reached and where it is: each stage's steps, blocks, final validation loss and tokens/s
-    (`stage_summary` of its metrics records), the wall time, the output folders and files there, and the commands
-    that come next (load, publish, convert)."""
+    (`stage_summary` of its metrics records), the wall time of this invocation and its training steps' (a resumed run:
+    `resumed`, the state it started from; the whole run's training time beside), the output folders and files there,
+    and the commands that come next (load, publish, convert)."""
     lines = [f"***** run summary: {output_dir} *****"]
     stages = stage_summary(records)
     width = max((len(stage["stage"]) for stage in stages), default=0)
@@ -342,7 +348,14 @@ def run_summary(output_dir: Path, records: list[dict], wall_time_s: float, remot
             figures.append(f"{stage['tokens_per_s']:,.0f} tokens/s")
         lines.append(f"  {stage['stage'] + ' stage:':<{width + 7}} " + ", ".join(figures))
     training = sum(stage["train_time_s"] for stage in stages)
-    lines.append(f"  wall time: {_duration(wall_time_s)}, of which training steps {_duration(training)}")
+    if resumed is None:
+        lines.append(f"  wall time: {_duration(wall_time_s)}, of which training steps {_duration(training)}")
+    else:
+        lines.append(
+            f"  wall time: {_duration(wall_time_s)} (resumed at step {resumed.step}), of which training steps "
+            f"{_duration(max(0.0, training - resumed.train_time_s))}; training steps of the whole run "
+            f"{_duration(training)}"
+        )
     outputs = {
         "real": "the trained model",
         "pseudo": "the pseudo model at the end of its stage",

@@ -19,6 +19,7 @@ Nothing under output_dir changes until the run has built its data and model and,
 a bad configuration, bad data or a damaged checkpoint leaves every earlier output as it was.
 """
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -27,9 +28,9 @@ import torch
 from accelerate.utils import gather_object, set_seed
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..config import TrainConfig
 from ..distributed.materialize import materialize
 from .checkpointing import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
-from .config import TrainConfig
 from .data import BlockOrder, BlockStream, build_blocks, check_output_dir_outside_data, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
 from .metrics import METRICS_FILE
@@ -69,7 +70,7 @@ def build_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config.p2r_config(vocab_size, num_blocks, special_tokens))
     if not meta:
-        materialize(model, config.train.seed)
+        materialize(model, config.compute.seed)
     if config.model.activation_checkpointing:
         model.activation_checkpointing_enable()
     return model.train()
@@ -77,10 +78,13 @@ def build_model(
 
 def train(config: TrainConfig) -> int:
     """Run the schedule of `config`; returns the exit code (see the module docstring)."""
+    # The model's config as transformers builds it (its activation, RoPE scaling...): refused now, in one line, before
+    # the engine joins processes or the data is tokenized.
+    config.p2r_config(config.model.vocab_size or 256, config.initial_blocks(), special_tokens={})
     # The engine: its Accelerator (what it cannot run is refused now), later the model it places and parallelises.
     engine = engine_for(config)
     try:
-        with holding_output_dir(engine.accelerator, Path(config.train.output_dir)):  # one run per output_dir
+        with holding_output_dir(engine.accelerator, Path(config.checkpointing.output_dir)):  # one run per output_dir
             return run(config, engine)
     finally:
         abandon_checkpoint()  # an error's way out: a checkpoint still written in the background (checkpoint_async) ends
@@ -89,31 +93,36 @@ def train(config: TrainConfig) -> int:
 
 def run(config: TrainConfig, engine: Engine) -> int:
     """The run itself, top to bottom, on `engine`; returns the exit code."""
-    args = config.train
+    stages, logging, saving, compute = config.stages, config.logging, config.checkpointing, config.compute
     started_run = time.perf_counter()
-    output_dir = Path(args.output_dir)
+    output_dir = Path(saving.output_dir)
     depth = config.model.num_hidden_layers
     delink_steps = [step for step, _ in config.delink_schedule()]
+    lr_schedule = config.lr_schedule()
 
     # Build: where the run starts, the data, the model (placed and parallelised by the engine); then resume.
     accelerator = engine.accelerator
-    checkpoint = resolve_checkpoint(output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    resume = saving.resume_from_checkpoint
+    checkpoint = resolve_checkpoint(output_dir, resume) if resume else None
     state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
+    resumed = dataclasses.replace(state) if checkpoint else None  # where this invocation starts (for the summary)
     existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
     check_output_dir_outside_data(config.data, output_dir)
+    for note in config.notes:
+        say(accelerator, note)
 
-    set_seed(args.seed)
+    set_seed(compute.seed)
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     if not config.data.streaming:
         with accelerator.main_process_first():  # the main process tokenizes, the others read its cache file
-            data = build_blocks(config.data, tokenizer, args.seed)
+            data = build_blocks(config.data, tokenizer, compute.seed)
     num_blocks = engine.model_blocks(state)
     engine.build(build_model(config, tokenizer, num_blocks, meta=True), num_blocks)  # it materialises what it holds
     if config.data.streaming:  # split by the engine's data layout (a pipelined engine's is known once built)
-        data = stream_blocks(config.data, tokenizer, engine.data_rank, engine.data_size, args.eval_blocks)
+        data = stream_blocks(config.data, tokenizer, engine.data_rank, engine.data_size, logging.eval_blocks)
     train_blocks, validation_blocks = data
     say(accelerator, data.report)  # each split's documents and tokens
-    position = data.position(args.seed)  # the data position: the stream, or the order of the map-style blocks
+    position = data.position(compute.seed)  # the data position: the stream, or the order of the map-style blocks
     if checkpoint:  # on the data it was saved on (or, with allow_data_change, a warning)
         stream_states, index, count = state.stream_states, accelerator.process_index, accelerator.num_processes
         if warning := position.resume(stream_states, index, count, checkpoint):
@@ -121,11 +130,13 @@ def run(config: TrainConfig, engine: Engine) -> int:
         engine.load(checkpoint, state)
         say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
     prepare_output_dir(accelerator, output_dir, config, state if checkpoint else None, existing)
-    if args.report_to != "none":
+    if logging.report_to != "none":
         accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
 
-    log = StepLog(accelerator, state, args, engine.tokens_per_step, depth, output_dir / METRICS_FILE)
-    if checkpoint is None and args.eval_steps:
+    log = StepLog(
+        accelerator, state, logging, stages.total_steps, engine.tokens_per_step, depth, output_dir / METRICS_FILE
+    )
+    if checkpoint is None and logging.eval_steps:
         log.record(val_loss=engine.evaluate(validation_blocks))
 
     # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
@@ -142,15 +153,15 @@ def run(config: TrainConfig, engine: Engine) -> int:
                 log.record(event="delink", num_blocks_before=before, **extra)
                 log.say(f"step {state.step}: delinked {before} -> {target} blocks{engine.delink_note()}")
                 log.stage_changed()
-            if state.step >= args.total_steps:  # (read_state refuses a checkpoint past the end)
+            if state.step >= stages.total_steps:  # (read_state refuses a checkpoint past the end)
                 break
 
             started = time.perf_counter()
-            lr = learning_rate_at(state.step, args, delink_steps)
+            lr = learning_rate_at(state.step, lr_schedule, delink_steps)
             shared_lr = set_learning_rate(engine.optimizer, lr)  # (2BW steps inside its schedule, at this rate)
             losses = [
                 engine.forward_backward(next_batch(train_blocks, position, state, engine))
-                for _ in range(args.gradient_accumulation_steps)
+                for _ in range(compute.gradient_accumulation_steps)
             ]
             # One collective gives every process the same mean loss and the same stop decision.
             loss_value, signum = engine.mean_loss(losses, stop.signum)
@@ -159,15 +170,15 @@ def run(config: TrainConfig, engine: Engine) -> int:
             grad_norm = engine.optimizer_step()
             log.step(loss_value, lr, time.perf_counter() - started)
 
-            final = state.step == args.total_steps
+            final = state.step == stages.total_steps
             measure = log.measures(final, lr, shared_lr, grad_norm)
             if measure:
                 measure.update(engine.step_measures())
-            if (args.eval_steps and state.step % args.eval_steps == 0) or state.step in delink_steps or final:
+            if (logging.eval_steps and state.step % logging.eval_steps == 0) or state.step in delink_steps or final:
                 measure["val_loss"] = engine.evaluate(validation_blocks)
             if measure:
                 log.record(**measure)
-            if (args.save_steps and state.step % args.save_steps == 0) or final or signum:
+            if (saving.save_steps and state.step % saving.save_steps == 0) or final or signum:
                 # every process's data position (a stream's, or what the blocks are made of), by process index
                 state.stream_states = gather_object([position.state_dict()])
                 saved = engine.training_state()
@@ -189,14 +200,14 @@ def run(config: TrainConfig, engine: Engine) -> int:
     engine.save_model(output_dir / "real", tokenizer)
     if accelerator.is_main_process:
         title = f"{output_dir.name}: L={depth}, k={config.initial_blocks()}, {engine.title()}"
-        finish_run(output_dir, title, time.perf_counter() - started_run, args.remote_code)
+        finish_run(output_dir, title, time.perf_counter() - started_run, saving.remote_code, resumed)
     return 0
 
 
 def next_batch(blocks, order: BlockOrder | None, state: TrainState, engine: Engine) -> torch.Tensor:
     """This process's slice of the next global micro-batch (`engine.data_rank` of `engine.data_size`; a stream is
     already this process's share); advances the data position by the global batch."""
-    size = engine.args.per_device_batch_size
+    size = engine.config.compute.per_device_batch_size
     if isinstance(blocks, BlockStream):
         batch = blocks.take(size)
     else:

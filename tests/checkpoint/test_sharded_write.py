@@ -234,6 +234,7 @@ def trainer_real_folder(folder: str) -> dict:
     final checkpoint's stage files (each process's weights)."""
     output_dir = f"{folder}/run"
     fields = dict(pipeline_schedule="1f1b", num_microbatches=2, shared_lr_scale="none", num_unique_layers=2)
+    fields.update(checkpoint_format="accelerate")  # stage files, read below (dcp: the default of several processes)
     argv = tiny_argv(output_dir, pipeline_parallel_size=2, pseudo_steps=1, real_steps=1, eval_steps=0, **fields)
     assert train(parse_config(argv)) == 0
     if dist.get_rank() != 0:

@@ -160,15 +160,16 @@ def test_cli_prints_one_line_without_a_traceback_and_exits_2(tmp_path, yaml_text
 
 
 def test_help_lists_every_field(capsys):
-    from hf_p2r.training.config import DataArguments, ModelArguments, TrainArguments
+    from hf_p2r.config import SECTIONS
 
     with pytest.raises(SystemExit) as exit_info:
         parse_config(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for arguments in (ModelArguments, DataArguments, TrainArguments):
-        for name in arguments.__dataclass_fields__:
-            assert f"--{name}" in text, name
+    for name, section in SECTIONS.items():
+        assert f"{name} ({section.__name__}):" in text, name  # one group per section
+        for field in section.__dataclass_fields__:
+            assert f"--{field}" in text, field
 
 
 DEMO = ["--config", str(REPO / "configs/demo.yaml")]

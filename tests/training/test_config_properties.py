@@ -9,14 +9,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hf_p2r.config import SECTIONS
 from hf_p2r.training import ConfigError, TrainConfig, parse_config
-from hf_p2r.training.config import DataArguments, ModelArguments, TrainArguments
 
 from .helpers import REPO
 
-FIELDS = [
-    name for arguments in (ModelArguments, DataArguments, TrainArguments) for name in arguments.__dataclass_fields__
-]
+FIELDS = [name for section in SECTIONS.values() for name in section.__dataclass_fields__]
 DEMO = (REPO / "configs" / "demo.yaml").read_bytes()
 SYNTAX = [b"[", b"{", b"]", b"- ", b": ", b"&a ", b"*a", b"!!", b"\n  ", b"---\n", b"\t", b"\xff"]
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

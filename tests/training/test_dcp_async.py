@@ -92,7 +92,7 @@ def test_an_async_checkpoint_resumes_bitwise(runs, tmp_path, checkpoint):
 
 def test_async_is_refused_without_dcp(tmp_path):
     with pytest.raises(ConfigError, match=r"^checkpoint_async: asynchronous saves write DCP checkpoints") as raised:
-        parse_config(tiny_argv(tmp_path / "run", **ASYNC))
+        parse_config(tiny_argv(tmp_path / "run", **ASYNC, checkpoint_format="accelerate"))
     assert "\n" not in str(raised.value)
 
 

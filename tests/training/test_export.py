@@ -29,7 +29,7 @@ from hf_p2r.training.export import export_checkpoint
 
 from .helpers import tiny_argv
 
-SCHEDULE = dict(pseudo_steps=2, real_steps=2, save_steps=1, checkpoint_format="dcp", eval_steps=0)
+SCHEDULE = dict(pseudo_steps=2, real_steps=2, save_steps=1, checkpoint_format="dcp", eval_steps=0, remote_code=True)
 
 
 @pytest.fixture(scope="module")

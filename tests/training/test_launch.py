@@ -110,7 +110,7 @@ def test_two_processes_match_one_process_at_equal_global_batch(tmp_path):
     rounding) over these steps. The tolerance 1e-5 leaves room for other CPUs' kernels and stays far below what one
     step changes in the loss (~1e-2), so a wrong batch split or a lost gradient all-reduce would fail it.
     """
-    schedule = dict(pseudo_steps=3, real_steps=3, eval_steps=3, save_steps=3)
+    schedule = dict(pseudo_steps=3, real_steps=3, eval_steps=3, save_steps=3, checkpoint_format="accelerate")
     one, two = tmp_path / "one", tmp_path / "two"
     assert train(parse_config(tiny_argv(one, per_device_batch_size=4, **schedule))) == 0
     _run(

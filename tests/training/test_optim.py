@@ -92,6 +92,27 @@ def test_shared_lr_scale_follows_partial_and_full_delinks():
     assert (decay["lr_scale"], no_decay["lr_scale"]) == (1.0, 1.0)
 
 
+def test_depth_mup_scales_the_blocks_rate_by_the_models_block_lr_scale():
+    """Depth-muP (the model's `depth_mup`): the blocks' groups take `config.block_lr_scale`, 1/sqrt(L) of the depth
+    the model has now (times 1/n for a block shared over n depths), the embeddings, norm and head keep 1; a growth's
+    new optimizer takes the new depth's; without depth_mup nothing changes."""
+    model = tiny_model(num_hidden_layers=4, depth_mup=True)
+    scales = _scales(build_optimizer(model, TrainArguments(shared_lr_scale="none")))
+    in_layers = {id(p) for p in model.model.layers.parameters()}
+    assert model.config.block_lr_scale == 0.5
+    assert {scales[i] for i in in_layers} == {0.5}
+    assert {scales[id(p)] for p in model.parameters() if id(p) not in in_layers} == {1.0}
+    plain = tiny_model(num_hidden_layers=4)
+    assert set(_scales(build_optimizer(plain, TrainArguments(shared_lr_scale="none"))).values()) == {1.0}
+
+    shared = tiny_model(share_layers=True, num_hidden_layers=4, num_unique_layers=1, depth_mup=True)
+    scales = _scales(build_optimizer(shared, TrainArguments(shared_lr_scale="depth")))
+    assert {scales[id(p)] for p in shared.model.layers.parameters()} == {0.5 / 4}
+    shared.delink(num_hidden_layers=16)  # grown: 16 real layers, 1/sqrt(16)
+    scales = _scales(build_optimizer(shared, TrainArguments(shared_lr_scale="depth")))
+    assert {scales[id(p)] for p in shared.model.layers.parameters()} == {0.25}
+
+
 def test_training_steps_shared_blocks_at_the_scaled_rate_and_logs_it(tmp_path):
     argv = tiny_argv(tmp_path, num_unique_layers=2, pseudo_steps=2, real_steps=2, shared_lr_scale="depth")
     assert train(parse_config(argv)) == 0

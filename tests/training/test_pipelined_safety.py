@@ -28,6 +28,7 @@ SCHEDULE = dict(
     real_steps=2,
     save_steps=1,
     eval_steps=0,
+    checkpoint_format="accelerate",  # the stage files damaged below (dcp: the default of several processes)
 )
 
 

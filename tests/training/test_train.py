@@ -337,3 +337,19 @@ def test_a_cpu_process_without_a_gpu_of_its_own_is_refused_before_it_starts(tmp_
     check_gpu_per_process(False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     check_gpu_per_process(True)
+
+
+def test_a_run_that_does_not_use_deepspeed_does_not_import_it(tmp_path):
+    """DeepSpeed's import prints "Setting accelerator to CPU" into the progress bar: a one-process run (fresh process,
+    as `hf-p2r train` starts) leaves it unimported, and what it prints holds no line of it."""
+    pytest.importorskip("deepspeed")  # the check means something only where it is installed
+    argv = tiny_argv(tmp_path / "run", pseudo_steps=1, real_steps=1, eval_steps=0, corpus_max_bytes=5000)
+    code = f"""
+import json, sys
+from hf_p2r.cli import main
+code = main(["train", *{[str(arg) for arg in argv]!r}])
+print(json.dumps([code, "deepspeed" in sys.modules]))
+"""
+    done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, False], done.stderr[-3000:]
+    assert "Setting accelerator" not in done.stdout + done.stderr

@@ -59,7 +59,7 @@ from ...compat import local_tensor
 from ...models.p2r import P2RForCausalLM
 from ..materialize import materialize
 from .pipedream import SchedulePipeDream2BW
-from .schedules import PipelineSchedule, get_schedule
+from .schedules import VIRTUAL_STAGES, PipelineSchedule, get_schedule
 from .split import balanced_split, check_split, explain_split, stage_depths
 from .stage import P2RPipelineStage, ShardedPipelineStage, causal_lm_loss, check_shardable, model_name, shard_stage
 
@@ -440,7 +440,7 @@ def build_pipeline(
     group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     shard: bool = False,
-    virtual_stages: int = 2,
+    virtual_stages: int = VIRTUAL_STAGES,
     seq_len: int = 128,
     device: torch.device | str = "cpu",
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
@@ -565,7 +565,8 @@ def load_pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer | N
             f"resume_from_checkpoint: the checkpoint's pipeline (split {saved[0]}, {saved[1]} blocks, "
             f"data_parallel_size {size}, data_parallel_shard {sharded}) differs from this run's (split "
             f"{pipeline.split}, {pipeline.config.num_unique_layers} blocks, data_parallel_size {pipeline.data_size}, "
-            f"data_parallel_shard {pipeline.sharded})"
+            f"data_parallel_shard {pipeline.sharded}); resume it with its layout (a checkpoint_format dcp "
+            "checkpoint, the default of several processes, resumes on any layout)"
         )
     params = dict(pipeline.named_parameters())
     with torch.no_grad():

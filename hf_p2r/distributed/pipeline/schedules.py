@@ -16,6 +16,10 @@ A schedule new to hf-p2r is one entry here (and, if torch does not have it, a cl
 
 from dataclasses import dataclass
 
+# Stages per process of an interleaved schedule as hf-p2r runs it (the trainer's pipelines, the planner, the checks of
+# a manual pipeline_split).
+VIRTUAL_STAGES = 2
+
 
 @dataclass(frozen=True)
 class PipelineSchedule:
@@ -65,7 +69,7 @@ class PipelineSchedule:
             "stage) does not have; use 1f1b (or gpipe)"
         )
 
-    def stages_per_process(self, virtual_stages: int) -> int:
+    def stages_per_process(self, virtual_stages: int = VIRTUAL_STAGES) -> int:
         """Stages a process runs: `virtual_stages` under an interleaved schedule, else one."""
         return virtual_stages if self.virtual_stages else 1
 
@@ -120,4 +124,4 @@ def get_schedule(name: str) -> PipelineSchedule:
         raise ValueError(f"pipeline_schedule: {name!r} is not one of {', '.join(SCHEDULES)}") from None
 
 
-__all__ = ["ONE_STAGE_SCHEDULES", "REGISTRY", "SCHEDULES", "PipelineSchedule", "get_schedule"]
+__all__ = ["ONE_STAGE_SCHEDULES", "REGISTRY", "SCHEDULES", "VIRTUAL_STAGES", "PipelineSchedule", "get_schedule"]

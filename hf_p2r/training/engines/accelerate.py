@@ -15,13 +15,13 @@ from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
 from ...compat import import_deepspeed_only_when_used
+from ...config import TrainArguments, TrainConfig
 from ...distributed import gather_shared_once
 from ...distributed.deepspeed import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
-from ..compile import compile_blocks
-from ..config import TrainArguments, TrainConfig
+from ..compile import check_backend, compile_blocks
 from ..dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
 from ..dcp import save as save_dcp
 from ..delink import check_delink_supported, delink_in_training
@@ -37,21 +37,23 @@ class AccelerateEngine(Engine):
 
     def __init__(self, config: TrainConfig):
         super().__init__(config)
-        args = self.args
-        cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+        compute, saving, offload = config.compute, config.checkpointing, config.offload
+        cpu = compute.cpu if compute.cpu is not None else not torch.accelerator.is_available()
         check_gpu_per_process(cpu)
+        import_deepspeed_only_when_used()  # (DeepSpeed's import prints into the progress bar of a run not using it)
+        if compute.compile:
+            check_backend(compute.compile_backend)
         self.accelerator = accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            mixed_precision=compute.mixed_precision,
+            gradient_accumulation_steps=compute.gradient_accumulation_steps,
             cpu=cpu,
-            log_with=None if args.report_to == "none" else args.report_to,
-            project_dir=Path(args.output_dir),
+            log_with=None if config.logging.report_to == "none" else config.logging.report_to,
+            project_dir=Path(saving.output_dir),
         )
-        import_deepspeed_only_when_used()  # Accelerate's unwrapping imports DeepSpeed whenever it is installed
         if config.delink_schedule():
-            check_delink_supported(accelerator, args)
-        check_optimizer_supported(accelerator, args)  # optimizer: muon needs whole matrices
-        if args.offload is not None and (
+            check_delink_supported(accelerator, config.stages)
+        check_optimizer_supported(accelerator, config.optim)  # optimizer: muon needs whole matrices
+        if offload.offload is not None and (
             accelerator.num_processes > 1 or accelerator.distributed_type != DistributedType.NO
         ):
             raise ValueError(
@@ -59,7 +61,7 @@ class AccelerateEngine(Engine):
                 f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml "
                 "or deepspeed_zero3_offload.yaml"
             )
-        if args.checkpoint_format == "dcp":
+        if saving.checkpoint_format == "dcp" or saving.checkpoint_async:
             self.check_dcp()
         if zero3_config(accelerator) is not None:
             build_without_zero_init()
@@ -68,7 +70,8 @@ class AccelerateEngine(Engine):
         self.activation_bytes = 0
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
-        accelerator, args = self.accelerator, self.args
+        accelerator, config = self.accelerator, self.config
+        seed, offload = config.compute.seed, config.offload.offload
         self.shape_model(model)
         # The model comes on the meta device: FSDP2 shards it there and each process materialises its shards only;
         # granular offload materialises each part straight into its home (`apply_offload`: resident modules on the
@@ -80,16 +83,17 @@ class AccelerateEngine(Engine):
         if accelerator.is_fsdp2:
             model = self.shard_on_meta(model)
         if zero3_config(accelerator) is not None:
-            materialize_zero3(model, args.seed, zero3_config(accelerator))
-        elif args.offload is None or args.offload == "auto":
-            materialize(model, args.seed)
+            materialize_zero3(model, seed, zero3_config(accelerator))
+        elif offload is None or offload == "auto":
+            materialize(model, seed)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
-        self.activation_bytes = measure_offload_activations(model, args, self.config.data.block_size, accelerator)
-        self.offload = apply_offload(model, args, accelerator, self.activation_bytes)
-        optimizer = build_optimizer(model, args, self.offload)
+        placement = self.offload_arguments()
+        self.activation_bytes = measure_offload_activations(model, placement, config.data.block_size, accelerator)
+        self.offload = apply_offload(model, placement, accelerator, self.activation_bytes)
+        optimizer = build_optimizer(model, config.optim, self.offload)
         # Device placement, DDP / FSDP2 / DeepSpeed, mixed precision.
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            fill_deepspeed_batch_size(accelerator, args)
+            fill_deepspeed_batch_size(accelerator, config.compute.per_device_batch_size)
         placement = [False, False] if self.offload is not None else None
         self.model, self.optimizer = accelerator.prepare(model, optimizer, device_placement=placement)
         if accelerator.is_fsdp2:
@@ -100,6 +104,18 @@ class AccelerateEngine(Engine):
         # logged.
         if self.config.model.num_experts:
             self.router_load = RouterLoad(accelerator.unwrap_model(self.model).config)
+
+    def offload_arguments(self) -> TrainArguments:
+        """What granular offload reads (`apply_offload`, `measure_offload_activations`): its section, and the batch
+        and the seed (the compute section's), as one flat object."""
+        return TrainArguments.of({"offload": self.config.offload, "compute": self.config.compute})
+
+    def delink_arguments(self) -> TrainArguments:
+        """What a delink reads (`delink_in_training`): the optimizer state's carry, the optimizer (the new one's), and
+        offload's fields (offload is applied again to the new model), as one flat object."""
+        config = self.config
+        parts = {"stages": config.stages, "optim": config.optim, "offload": config.offload, "compute": config.compute}
+        return TrainArguments.of(parts)
 
     def shard_on_meta(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2 on the meta-device `model` as `accelerator.prepare` applies it (Accelerate's `fsdp2_prepare_model`
@@ -121,21 +137,33 @@ class AccelerateEngine(Engine):
         sharding, as torchtitan orders it; the compiled forward is found at each call) and the loss from the hidden
         states (`loss_kernel`: the model's `loss_from_hidden_states` hook, inside its forward, so DDP's and FSDP2's
         root hooks run around it). Applied to the first model and to the model of every delink."""
-        args = self.args
-        if args.compile:
-            compile_blocks(model, args.compile_backend)
-        if args.loss_kernel != "plain":
+        compute = self.config.compute
+        if compute.compile:
+            compile_blocks(model, compute.compile_backend)
+        if compute.loss_kernel != "plain":
             device = self.accelerator.device.type
-            if args.loss_kernel == "liger" and device != "cuda":
+            if compute.loss_kernel == "liger" and device != "cuda":
                 raise ValueError(f"loss_kernel: liger runs on CUDA, this run computes on {device}; use chunked or auto")
-            model.loss_from_hidden_states = HeadLoss(args.loss_kernel)
+            model.loss_from_hidden_states = HeadLoss(compute.loss_kernel)
+
+    @property
+    def checkpoint_format(self) -> str:
+        """auto: DCP for several processes or asynchronous saves, where it runs (not under granular offload or
+        DeepSpeed ZeRO-1/2), so that another layout can resume them; Accelerate's format otherwise."""
+        saving = self.config.checkpointing
+        if saving.checkpoint_format != "auto":
+            return saving.checkpoint_format
+        deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        runs = self.config.offload.offload is None and not (deepspeed and zero3_config(self.accelerator) is None)
+        wanted = self.accelerator.num_processes > 1 or saving.checkpoint_async
+        return "dcp" if runs and wanted else "accelerate"
 
     def check_dcp(self) -> None:
         """DCP checkpoints (`hf_p2r.training.dcp`) hold a torch optimizer's state by parameter name: one process, DDP,
         FSDP2 and DeepSpeed ZeRO-3 (whose partitions are saved and loaded one whole parameter at a time); granular
         offload's and ZeRO-1/2's optimizers keep Accelerate's format."""
         deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
-        if self.args.offload is not None or (deepspeed and zero3_config(self.accelerator) is None):
+        if self.config.offload.offload is not None or (deepspeed and zero3_config(self.accelerator) is None):
             raise ValueError(
                 "checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2, DeepSpeed ZeRO-3 and pipelines; "
                 "granular offload and DeepSpeed ZeRO-1/2 save and resume with checkpoint_format accelerate"
@@ -171,7 +199,7 @@ class AccelerateEngine(Engine):
 
     def optimizer_step(self) -> torch.Tensor | None:
         # The last accumulate() synchronised the gradients: clip, then step.
-        max_norm = self.args.max_grad_norm
+        max_norm = self.config.optim.max_grad_norm
         if max_norm and self.offload is not None:  # offloaded gradients' norms were taken as they left the device
             self.accelerator.unscale_gradients()  # fp16's loss scale (changed gradients are measured again)
             norm = self.offload.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -190,7 +218,7 @@ class AccelerateEngine(Engine):
             self.model,
             self.optimizer,
             num_unique_layers,
-            self.args,
+            self.delink_arguments(),
             self.offload,
             self.activation_bytes,
         )
@@ -198,13 +226,16 @@ class AccelerateEngine(Engine):
         return {"offloaded_blocks": self.offload.layers} if self.offload is not None else {}
 
     def delink_note(self) -> str:
-        args = self.args
-        note = f" (optimizer_carry={args.optimizer_carry}, lr_after_delink={args.lr_after_delink})"
+        note = (
+            f" (optimizer_carry={self.config.stages.optimizer_carry}, "
+            f"lr_after_delink={self.config.schedule.lr_after_delink})"
+        )
         return note + (f"; offload: blocks {self.offload.layers} in CPU memory" if self.offload is not None else "")
 
     @torch.no_grad()
     def evaluate(self, blocks) -> float:
-        return evaluate(self.accelerator, self.model, blocks, self.args)
+        batch_size = self.config.compute.per_device_batch_size
+        return evaluate(self.accelerator, self.model, blocks, self.config.logging.eval_blocks, batch_size)
 
     def weights(self):
         if self.offload is not None:
@@ -231,16 +262,16 @@ class AccelerateEngine(Engine):
                 # FSDP2: DTensors, this process's shards; ZeRO-3: this process's share of the whole tensors
                 model.state_dict() if self.accelerator.is_fsdp2 else zero3_owned_state(model),
                 tokenizer=tokenizer,
-                remote_code=self.args.remote_code,
+                remote_code=self.config.checkpointing.remote_code,
                 overwrite=True,
                 progress=False,
             )
             return
-        save_model(self.accelerator, model, tokenizer, directory, self.args.remote_code)
+        save_model(self.accelerator, model, tokenizer, directory, self.config.checkpointing.remote_code)
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
         write = None  # Accelerate's save_state
-        if self.args.checkpoint_format == "dcp":  # every process its shards, under the model's names
+        if self.checkpoint_format == "dcp":  # every process its shards, under the model's names
 
             def write(folder: Path) -> None:
                 if zero3_config(self.accelerator) is not None:  # each process its share of the whole tensors
@@ -252,8 +283,9 @@ class AccelerateEngine(Engine):
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, model, blocks, args: TrainArguments) -> float:
-    """Mean loss over `eval_blocks` validation blocks spread evenly over the split, each process taking every n-th.
+def evaluate(accelerator: Accelerator, model, blocks, eval_blocks: int, batch_size: int) -> float:
+    """Mean loss over `eval_blocks` validation blocks spread evenly over the split, each process taking every n-th, in
+    batches of `batch_size`.
 
     Every process runs the same number of forward passes: under FSDP2 and ZeRO-3 each forward gathers the parameters
     with all processes, so one that stopped early would leave the others waiting. A process with fewer blocks repeats
@@ -261,11 +293,11 @@ def evaluate(accelerator: Accelerator, model, blocks, args: TrainArguments) -> f
     """
     # The unwrapped model (mixed-precision wrapper kept): DDP's forward would add collectives of its own.
     model = accelerator.unwrap_model(model).eval()
-    count = min(len(blocks), args.eval_blocks)
+    count = min(len(blocks), eval_blocks)
     # Evenly spaced rather than the first ones: consecutive blocks come from the same few documents.
     chosen = [index * len(blocks) // count for index in range(count)]
     mine = chosen[accelerator.process_index :: accelerator.num_processes]
-    size = args.per_device_batch_size
+    size = batch_size
     batches = [mine[start : start + size] for start in range(0, len(mine), size)]
     most = math.ceil(len(chosen[:: accelerator.num_processes]) / size)  # the first process has the most blocks
     padding = [batches[-1] if batches else chosen[:1]] * (most - len(batches))
@@ -321,9 +353,9 @@ def build_without_zero_init() -> None:
     unset_hf_deepspeed_config()
 
 
-def fill_deepspeed_batch_size(accelerator: Accelerator, args: TrainArguments) -> None:
+def fill_deepspeed_batch_size(accelerator: Accelerator, per_device_batch_size: int) -> None:
     """DeepSpeed needs its micro-batch size before `prepare`; Accelerate reads it from a DataLoader, which this loop
     does not use, so an "auto" value in the DeepSpeed config is set from `per_device_batch_size`."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        config["train_micro_batch_size_per_gpu"] = args.per_device_batch_size
+        config["train_micro_batch_size_per_gpu"] = per_device_batch_size

@@ -14,8 +14,8 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
+from ...config import TrainConfig
 from ..checkpointing import TrainState
-from ..config import TrainConfig
 from ..dcp import release_background_group
 
 
@@ -30,12 +30,23 @@ class Engine:
     data_size: int
 
     def __init__(self, config: TrainConfig):
-        self.config, self.args = config, config.train
+        self.config = config
+
+    @property
+    def args(self):
+        """The configuration's sections but the model's and the data's, flat (`TrainConfig.train`), for code written
+        before the sections; the engines read the sections."""
+        return self.config.train
+
+    @property
+    def checkpoint_format(self) -> str:
+        """How this run writes its resume checkpoints: `checkpoint_format`, "auto" resolved for the engine's layout."""
+        return self.config.checkpointing.checkpoint_format
 
     @property
     def tokens_per_step(self) -> int:
-        args = self.args
-        per_process = args.per_device_batch_size * args.gradient_accumulation_steps * self.config.data.block_size
+        compute = self.config.compute
+        per_process = compute.per_device_batch_size * compute.gradient_accumulation_steps * self.config.data.block_size
         return per_process * self.data_size
 
     # --- build and resume ---------------------------------------------------------------------------------------------
@@ -107,7 +118,7 @@ class Engine:
 
     def title(self) -> str:
         """What the loss curve's title says of the run's layout."""
-        return f"optimizer_carry={self.args.optimizer_carry}"
+        return f"optimizer_carry={self.config.stages.optimizer_carry}"
 
     def release(self) -> None:
         """Drop what the engine built (model, optimizer, pipeline), then collect the reference cycles among them now.

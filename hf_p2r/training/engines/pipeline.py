@@ -31,6 +31,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
+from ...config import TrainConfig
 from ...distributed.pipeline import (
     Pipeline,
     build_pipeline,
@@ -40,7 +41,6 @@ from ...distributed.pipeline import (
     pipeline_state,
 )
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint
-from ..config import TrainConfig
 from ..dcp import is_dcp_checkpoint, saved_schedule
 from ..dcp import load_pipeline_state as load_dcp_state
 from ..dcp import pipeline_state as dcp_state
@@ -57,58 +57,58 @@ class PipelineEngine(Engine):
 
     def __init__(self, config: TrainConfig):
         super().__init__(config)
-        args = self.args
-        if config.model.num_experts:
-            raise ValueError(
-                "num_experts: mixture-of-experts models are not supported by the pipeline engine "
-                "(pipeline_parallel_size > 1 or data_parallel_size > 1) yet; shard one with accelerate launch and the "
-                "FSDP2 config"
-            )
-        cpu = args.cpu if args.cpu is not None else not torch.accelerator.is_available()
+        parallel, compute = config.parallel, config.compute
+        cpu = compute.cpu if compute.cpu is not None else not torch.accelerator.is_available()
         self.joined = dist.is_initialized()  # a caller's process group (tests) is left to the caller at the end
         self.accelerator = accelerator = Accelerator(
             cpu=cpu,
             mixed_precision="no",
-            log_with=None if args.report_to == "none" else args.report_to,
-            project_dir=Path(args.output_dir),
+            log_with=None if config.logging.report_to == "none" else config.logging.report_to,
+            project_dir=Path(config.checkpointing.output_dir),
         )
-        if accelerator.num_processes != args.pipeline_parallel_size * args.data_parallel_size:
-            name = "pipeline_parallel_size" if args.pipeline_parallel_size > 1 else "data_parallel_size"
+        if accelerator.num_processes != parallel.pipeline_parallel_size * parallel.data_parallel_size:
+            name = "pipeline_parallel_size" if parallel.pipeline_parallel_size > 1 else "data_parallel_size"
             raise ValueError(
-                f"{name}: {args.pipeline_parallel_size} stages x data_parallel_size {args.data_parallel_size} need as "
-                f"many processes, the launcher started {accelerator.num_processes}"
+                f"{name}: {parallel.pipeline_parallel_size} stages x data_parallel_size {parallel.data_parallel_size} "
+                f"need as many processes, the launcher started {accelerator.num_processes} (a resume takes the saved "
+                "run's layout: give this one's pipeline_parallel_size and data_parallel_size)"
             )
         self.pipeline: Pipeline | None = None
-        self.data_size = args.data_parallel_size  # each pipeline reads its slice (`data_rank`, once built)
+        self.data_size = parallel.data_parallel_size  # each pipeline reads its slice (`data_rank`, once built)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.pipeline.optimizer
+
+    @property
+    def checkpoint_format(self) -> str:
+        """auto: DCP, which another split, schedule or data-parallel size resumes."""
+        return "accelerate" if self.config.checkpointing.checkpoint_format == "accelerate" else "dcp"
 
     def model_blocks(self, state: TrainState) -> int:
         # The split is chosen on the first model (a checkpoint records it); `load` delinks to the checkpoint's blocks.
         return self.config.initial_blocks()
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
-        args, accelerator = self.args, self.accelerator
-        data_parallel = args.data_parallel_size
+        parallel, accelerator = self.config.parallel, self.accelerator
+        data_parallel = parallel.data_parallel_size
         mesh = (
-            pipeline_mesh(args.pipeline_parallel_size, data_parallel, accelerator.device.type)
+            pipeline_mesh(parallel.pipeline_parallel_size, data_parallel, accelerator.device.type)
             if data_parallel > 1
             else None
         )
         self.pipeline = build_pipeline(
             model,
-            schedule=args.pipeline_schedule,
-            num_microbatches=args.num_microbatches or args.pipeline_parallel_size,
-            split=args.pipeline_split,
+            schedule=parallel.pipeline_schedule,
+            num_microbatches=parallel.num_microbatches or parallel.pipeline_parallel_size,
+            split=parallel.pipeline_split,
             seq_len=self.config.data.block_size,
             device=accelerator.device,
             mesh=mesh,
-            shard=args.data_parallel_shard,
-            max_grad_norm=args.max_grad_norm or None,
-            delay_correction=args.pipeline_delay_correction,
-            seed=args.seed,  # the meta model's stages this process holds are materialised from it
+            shard=parallel.data_parallel_shard,
+            max_grad_norm=self.config.optim.max_grad_norm or None,
+            delay_correction=parallel.pipeline_delay_correction,
+            seed=self.config.compute.seed,  # the meta model's stages this process holds are materialised from it
         )
         self.pipeline.optimizer = self.new_optimizer(self.pipeline.parameters())
         self.data_rank = self.pipeline.data_rank
@@ -121,15 +121,17 @@ class PipelineEngine(Engine):
         the stages' own parameters, sharded or not)."""
         if {id(param) for param in params} != {id(param) for param in self.pipeline.parameters()}:
             raise ValueError("new_optimizer: params must be the pipeline's stages' parameters")
-        return build_optimizer(self.pipeline, self.args, lr_scales=shared_lr_scales(self.pipeline, self.args))
+        optim = self.config.optim
+        return build_optimizer(self.pipeline, optim, lr_scales=shared_lr_scales(self.pipeline, optim))
 
     def load(self, checkpoint: Path, state: TrainState) -> None:
         part = checkpoint / f"stage-{dist.get_rank()}.pt"
         sharded = is_dcp_checkpoint(checkpoint)  # saved by any split, stages or schedule: resharded to this one
         if not sharded and not part.is_file():
             raise ValueError(
-                f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes (resume "
-                "with its pipeline_parallel_size and data_parallel_size)"
+                f"resume_from_checkpoint: {part} is missing: the checkpoint was saved by fewer processes; resume it "
+                "with its pipeline_parallel_size and data_parallel_size (a checkpoint_format dcp checkpoint, the "
+                "default of several processes, resumes on any layout)"
             )
         depth = self.config.model.num_hidden_layers
         if state.num_blocks > self.config.initial_blocks():  # the layout it saved: delinked (partly or fully)
@@ -147,9 +149,10 @@ class PipelineEngine(Engine):
     def say_correction(self, saved: set[str]) -> None:
         """A line when a 2BW checkpoint's delay correction does not carry into this 2BW run: the correction switched
         off drops its buffers (d(t-1)); switched on, it starts afresh, as a new run's does."""
-        if self.args.pipeline_schedule != "2bw" or "other_version" not in saved:  # (flush <-> 2BW: README)
+        parallel = self.config.parallel
+        if parallel.pipeline_schedule != "2bw" or "other_version" not in saved:  # (flush <-> 2BW: README)
             return
-        corrected, correcting = "previous_update" in saved, self.args.pipeline_delay_correction != "none"
+        corrected, correcting = "previous_update" in saved, parallel.pipeline_delay_correction != "none"
         if corrected and not correcting:
             say(self.accelerator, "resume: the checkpoint's delay-correction buffers are dropped (this run has "
                 "pipeline_delay_correction: none)")  # fmt: skip
@@ -174,12 +177,12 @@ class PipelineEngine(Engine):
         return self.pipeline.update()  # 2BW stepped inside its schedule: None
 
     def delink(self, num_unique_layers: int | None) -> dict:
-        args = self.args
-        delink_pipeline(self.pipeline, self.optimizer, self.new_optimizer, args.optimizer_carry, num_unique_layers)
+        carry = self.config.stages.optimizer_carry
+        delink_pipeline(self.pipeline, self.optimizer, self.new_optimizer, carry, num_unique_layers)
         return {}
 
     def delink_note(self) -> str:
-        return f" in every stage (optimizer_carry={self.args.optimizer_carry})"
+        return f" in every stage (optimizer_carry={self.config.stages.optimizer_carry})"
 
     @torch.no_grad()
     def evaluate(self, blocks) -> float:
@@ -188,10 +191,10 @@ class PipelineEngine(Engine):
         weights), in batches of `per_device_batch_size`, each batch's token mean weighted by its blocks; every pipeline
         runs every batch (sharded stages gather their weights with their data-parallel peers), the first pipeline's
         last stage's mean is shared with every process."""
-        args, pipeline = self.args, self.pipeline
-        count = min(len(blocks), args.eval_blocks)
+        pipeline = self.pipeline
+        count = min(len(blocks), self.config.logging.eval_blocks)
         chosen = [index * len(blocks) // count for index in range(count)]
-        size = args.per_device_batch_size
+        size = self.config.compute.per_device_batch_size
         batches = [blocks[chosen[start : start + size]]["input_ids"] for start in range(0, count, size)]
         losses = pipeline.evaluate(batches)
         value = torch.zeros(1, device=self.accelerator.device)  # NCCL broadcasts no CPU tensor
@@ -219,7 +222,7 @@ class PipelineEngine(Engine):
             directory,
             dict(self.pipeline.named_parameters()),
             tokenizer=tokenizer,
-            remote_code=self.args.remote_code,
+            remote_code=self.config.checkpointing.remote_code,
             overwrite=True,
             progress=False,
         )
@@ -230,7 +233,7 @@ class PipelineEngine(Engine):
         name = f"stage-{dist.get_rank()}.pt"
 
         def write(folder: Path) -> None:
-            if self.args.checkpoint_format == "dcp":
+            if self.checkpoint_format == "dcp":
                 save_dcp(folder, dcp_state(self.pipeline, self.optimizer))
             else:
                 torch.save(training_state, folder / name)
@@ -238,10 +241,10 @@ class PipelineEngine(Engine):
         save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
 
     def title(self) -> str:
-        args = self.args
-        if args.pipeline_parallel_size == 1:  # no pipeline: the data-parallel layout
-            return f"{'FSDP2' if args.data_parallel_shard else 'replicated'} x{args.data_parallel_size}"
-        return f"{args.pipeline_schedule} x{args.pipeline_parallel_size}"
+        parallel = self.config.parallel
+        if parallel.pipeline_parallel_size == 1:  # no pipeline: the data-parallel layout
+            return f"{'FSDP2' if parallel.data_parallel_shard else 'replicated'} x{parallel.data_parallel_size}"
+        return f"{parallel.pipeline_schedule} x{parallel.pipeline_parallel_size}"
 
     def release(self) -> None:
         self.pipeline = None
