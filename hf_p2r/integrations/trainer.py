@@ -44,12 +44,11 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoint.card import render_model_card
-from ..compat import restore_forward
 from ..models.p2r.sharing_p2r import DelinkPlan
 from ..training.config import TrainArguments
-from ..training.delink import check_delink_supported, check_growth_supported, delink_in_training
+from ..training.delink import check_delink_supported, delink_in_training
 from ..training.optim import rewarm_factor
-from .callback import NUM_BLOCKS, NUM_HIDDEN_LAYERS, Grow, P2RCallback, event_plan
+from .callback import NUM_BLOCKS, NUM_HIDDEN_LAYERS, P2RCallback, event_plan
 
 CARD_NAME = "README.md"
 
@@ -132,15 +131,6 @@ class P2RTrainerMixin:
                     "to DeepSpeed, which P2RTrainer must rebuild at each delink; remove them (Trainer builds both)"
                 )
         check_delink_supported(accelerator, TrainArguments(optimizer_carry=callback.carry))
-        if accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED:
-            config = self.model.config
-            for event, plan in zip(callback.events, callback.plans(self.model)):
-                if isinstance(event, Grow) and plan is not None:
-                    try:
-                        check_growth_supported(config, plan, accelerator.distributed_type.value)
-                    except ValueError as error:
-                        raise ValueError(f"growth: step {event.step}: {error}") from None
-                    break
         new_object = accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED
         if new_object and "forward" in vars(self.model):
             raise ValueError(
@@ -192,9 +182,6 @@ class P2RTrainerMixin:
         carried by `carry`); the scheduler goes on at its step with the new optimizer."""
         accelerator, old_optimizer = self.accelerator, self.optimizer
         rates = [(group["lr"], group.get("initial_lr")) for group in old_optimizer.param_groups]
-        # Mixed precision's autocast forward off as Accelerate found the forward (one process and DDP delink in place
-        # and prepare the model again): a forward patched on the instance (TRL's fused LM head) stays.
-        restore_forward(accelerator.unwrap_model(self.model_wrapped))
 
         def trainers_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
             self.optimizer = None  # create_optimizer builds one only when there is none

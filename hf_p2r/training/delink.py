@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from ..compat import forget_preparation
+from ..compat import forget_preparation, restore_forward
 from ..distributed import delink_fully_sharded, gather_shared_once
 from ..distributed.deepspeed import delink_deepspeed
 from ..distributed.pipeline import Pipeline, delink_stages
@@ -117,6 +117,10 @@ def delink_in_training(
         accelerator.free_memory()
         return *accelerator.prepare(plain, new_optimizer_for(plain)), None
 
+    # Mixed precision's autocast forward off as Accelerate found the forward: `keep_fp32_wrapper=False` alone would
+    # follow `__wrapped__` past the model's own decorators (`can_return_tuple`) and past a forward patched on the
+    # instance (TRL's fused LM head).
+    restore_forward(accelerator.unwrap_model(model))
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     # Unwrapping took off the mixed-precision (autocast) forward, but on one device the model itself still carries
     # Accelerate's "already prepared" mark, with which `prepare` below would hand it back unwrapped: the real stage

@@ -61,13 +61,17 @@ def test_a_carry_other_than_reset_is_refused_under_deepspeed(tmp_path):
 
 
 @pytest.mark.slow
-def test_depth_growth_is_refused_under_deepspeed_in_one_line(tmp_path):
-    """DeepSpeed delinks at constant depth only (`check_growth_supported`): a schedule that grows a 2-layer model is
-    refused when train() starts, naming the engine."""
+def test_depth_growth_runs_under_deepspeed_zero3(tmp_path):
+    """A schedule that grows a 2-layer model to 4 layers under ZeRO-3 (`delink_in_training` -> `delink_deepspeed`: the
+    grown model partitioned straight from the old partitions; the optimizer restarts, `carry: reset`) trains on to
+    the end, logs the growth, and its last checkpoint holds the grown stage."""
     fields = dict(num_hidden_layers=2, pseudo_steps=4, real_steps=0, partial_delink_blocks=[], partial_delink_steps=[])
     fields |= RESET
     growth = {"callback": {"growth": [[2, 4]], "carry": "reset"}, "real_depth": 4}
-    with pytest.raises(
-        AssertionError, match=r"growth: step 2: depth growth \(2 -> 4 layers\) is not supported under DEEPSPEED"
-    ):
-        launch(tmp_path, "grow", 1, fields=fields, args={"use_cpu": False}, launcher=ZERO3, growth=growth)
+    history = launch(tmp_path, "grow", 1, fields=fields, args={"use_cpu": False}, launcher=ZERO3, growth=growth,
+                     timeout=FIRST_BUILD)  # fmt: skip
+    assert [(r["step"], r["p2r/num_hidden_layers"]) for r in history if "p2r/grow" in r] == [(2, 4)]
+    losses = [r["loss"] for r in history if "loss" in r]
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses)
+    state = json.loads((tmp_path / "grow" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["P2RCallback"]["attributes"]["num_hidden_layers"] == 4

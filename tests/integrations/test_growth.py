@@ -8,12 +8,9 @@ built concurrently.)"""
 import json
 import re
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
 from hf_p2r.integrations import Delink, Grow, P2RCallback
@@ -295,24 +292,6 @@ def test_the_model_check_refuses_what_the_model_cannot_follow():
     full = tiny_model(num_hidden_layers=4, share_layers=True, num_unique_layers=1)  # real depth 4: no growth past it
     with pytest.raises(ValueError, match=r"^growth: step 2: num_hidden_layers 8 is more than the model's real depth"):
         P2RCallback(growth={2: 8}).check(full, max_steps=10)
-
-
-@pytest.mark.parametrize(("kind", "engine"), [(DistributedType.FSDP, "FSDP"), (DistributedType.DEEPSPEED, "DEEPSPEED")])
-def test_growth_under_an_engine_that_refuses_it_is_one_line_naming_it(tmp_path, kind, engine):
-    """FSDP2 and DeepSpeed delink at constant depth only (`check_growth_supported`): a schedule with a growth is
-    refused when train() starts, before anything runs (the engine faked: Accelerate runs FSDP on GPUs only)."""
-    trainer = shallow_trainer(tmp_path, P2RCallback(growth={2: 4}, carry="reset"), fields=dict(pseudo_steps=3))
-    plugin = mock.Mock(deepspeed_config={})
-    with (
-        mock.patch.object(Accelerator, "distributed_type", new_callable=mock.PropertyMock, return_value=kind),
-        mock.patch.object(Accelerator, "is_fsdp2", new_callable=mock.PropertyMock, return_value=engine == "FSDP"),
-        mock.patch.object(type(trainer.accelerator.state), "deepspeed_plugin", plugin, create=True),
-        pytest.raises(ValueError) as error,
-    ):
-        trainer.train()
-    message = str(error.value)
-    assert message.startswith(f"growth: step 2: depth growth (2 -> 4 layers) is not supported under {kind.value};")
-    assert "\n" not in message and trainer.state.global_step == 0
 
 
 def test_a_checkpoint_deeper_than_the_model_allows_is_refused(uninterrupted, tmp_path):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from hf_p2r.training import TrainArguments, delink_in_training, delink_with_optimizer
 from hf_p2r.training.optim import build_optimizer
@@ -146,6 +147,30 @@ def test_delink_in_training_leaves_accelerate_with_only_the_new_pair():
     assert accelerator._models == [model] and accelerator._optimizers == [optimizer]
     assert len(model.model.layers) == 8
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+
+
+def test_delink_in_training_under_bf16_keeps_the_models_forward_and_autocast():
+    """Under mixed precision Accelerate wraps the forward in autocast; unwrapping it with `keep_fp32_wrapper=False`
+    alone followed `__wrapped__` past the model's own `can_return_tuple` (then `return_dict=False` raised
+    AttributeError on a tuple). After the delink the model computes in bf16 again and still returns a tuple."""
+    # Accelerate keeps one process-wide state whose mixed precision is fixed once set (as its own test case, reset
+    # before and after).
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model, optimizer, _ = _trained(num_hidden_layers=8, num_unique_layers=2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        model, optimizer, _ = delink_in_training(accelerator, model, optimizer, None, TrainArguments())
+        input_ids = torch.randint(0, model.config.vocab_size, (1, 8))
+        output = model(input_ids, return_dict=False)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert isinstance(output, tuple)
+    plain = accelerator.unwrap_model(model)
+    assert len(plain.model.layers) == 8
+    fp32 = type(plain).forward(plain, input_ids).logits  # the class's forward: no autocast
+    assert not torch.equal(output[0], fp32)  # autocast again (Accelerate hands the logits back in fp32)
+    assert torch.allclose(output[0], fp32, atol=0.1)
 
 
 # Depth growth is a delink along the depths: the same carries.
