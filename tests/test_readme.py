@@ -33,6 +33,7 @@ PYTHON_BLOCKS = {
     "num_experts=8, num_experts_per_tok=2, share_layers=True)": "here",
     'growth="interleave", function_preserving=True)': "here",
     'AutoTokenizer.from_pretrained("runs/demo/real")': "after the commands",
+    'LlamaForCausalLM.from_pretrained("runs/own-llama")': "after the commands",
     "convert_pseudo_to_real(": "tests/checkpoint/test_convert.py::test_readme_examples_run_on_what_make_demo_writes",
     "CheckpointReader(": "tests/checkpoint/test_convert.py::test_readme_examples_run_on_what_make_demo_writes",
     'from_pretrained("pseudo_dir")': "a fragment: loads a folder of the reader's (tests/models/test_save_load.py "
