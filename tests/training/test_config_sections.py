@@ -154,7 +154,7 @@ def test_the_saved_folders_carry_no_code_by_default_and_depth_mup_reaches_the_op
 # build_optimizer (optim.py) and apply_offload (offload.py).
 SECTION_READERS = {
     "model": set(),  # (read through TrainConfig.p2r_config by build_model)
-    "data": {"training/data.py"},
+    "data": {f"training/data/{name}.py" for name in ("documents", "packing", "source", "blocks", "streaming")},
     "stages": {"training/delink.py", "training/checkpointing.py", "training/optim.py", "training/offload.py"},
     "optim": {"training/optim.py", "training/delink.py", "training/offload.py"},
     "schedule": set(),  # (TrainConfig.lr_schedule)
@@ -220,6 +220,6 @@ def test_each_section_is_given_to_its_part_of_the_trainer(tmp_path):
         if where.split(":")[0] not in SECTION_READERS[name]
     }
     assert not strays, sorted(strays)
-    assert {"data"} <= received["training/data.py:build_blocks"]
+    assert {"data"} <= received["training/data/blocks.py:build_blocks"]
     assert received["training/optim.py:check_optimizer_supported"] == {"optim"}
     assert received["training/run.py:StepLog.__init__"] == {"logging"}

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hf_p2r.errors import InputError
-from hf_p2r.training import ConfigError, DataArguments, data, parse_config, train
+from hf_p2r.training import ConfigError, DataArguments, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
-from hf_p2r.training.data import BlockStream, byte_level_tokenizer, stream_blocks
+from hf_p2r.training.data import BlockStream, byte_level_tokenizer, packing, stream_blocks
 
 from ..distributed.spawn import free_port
 from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
@@ -327,7 +327,7 @@ def test_a_shard_that_breaks_mid_run_is_one_line_naming_it_and_keeps_the_checkpo
     """The first shard fills the first packed batch (1,000 one-letter documents, one chunk: with one chunk per packed
     batch, 62 blocks, 15 steps of 4); the second shard, first read at step 16, has a bad line: the run stops there
     with one line naming that shard, and the checkpoints it saved before stay."""
-    monkeypatch.setattr(data, "PACK_CHUNKS", 1)
+    monkeypatch.setattr(packing, "PACK_CHUNKS", 1)
     first, second = tmp_path / "train-00000.jsonl", tmp_path / "train-00001.jsonl"
     first.write_text((json.dumps({"text": "x"}) + "\n") * 1000)
     second.write_text('{"text": "fine"}\n{"text": \n')
