@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.data import BlockStream, byte_level_tokenizer, packing, stream_blocks
 
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, REPO, run_trainer, tiny_argv, trajectory
 
 BLOCK = 32
 
@@ -285,14 +284,7 @@ def launch_two(argv: list[str]) -> None:
     """`accelerate launch` of the trainer on two CPU processes (a data-parallel run ends its process group, which a
     spawned test worker cannot share)."""
     command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
-    result = subprocess.run(
-        [*command, str(REPO / "scripts/train.py"), *argv],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        timeout=600,
-    )
+    result = run_trainer(argv, [*command, str(REPO / "scripts/train.py")], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
