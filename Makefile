@@ -1,32 +1,52 @@
-# Two commands on a fresh machine (each installs what it needs into .venv):
-#   make demo   the P2R demo: pseudo stage -> delink -> real stage on the Python standard library's sources
-#   make test   the test suite: make install, then .venv/bin/python -m pytest
+# Two commands on a fresh machine (each installs what it needs into .venv, saying what it installs):
+#   make demo       the P2R demo: pseudo stage -> delink -> real stage on the Python standard library's sources
+#   make test       the fast tier of the test suite: every test that runs in one process (tiny models, no launcher, no
+#                   compiled op), on every core (pytest-xdist); minutes
+#   make test-all   the whole suite: the fast tier, then the tests marked `processes` (spawned workers, `accelerate
+#                   launch`, scripts, DeepSpeed) or `slow` (end-to-end runs, the README's commands), one at a time
+# tests/tiers.py marks the tiers as it collects (and fails a test that starts a process unmarked).
 PYTHON ?= python3
 VENV   ?= .venv
-# The CPU wheel of torch; on a GPU machine install your CUDA build of torch into .venv first (see README).
+# torch at the tested version, from wherever pip is configured to look: from PyPI that is its default build (with CUDA
+# on Linux x86-64). To choose the build (CPU-only, another CUDA), install it into .venv first (see README): make keeps
+# the torch it finds there.
 TORCH  ?= torch==2.13.0
 # The tested set of every other package (pip constraints); regenerate on purpose with `make lock`.
 LOCK   ?= requirements/tested.txt
-# The model-family and trainer tests, run by `make compat` on the declared floors and on the newest releases.
-# Process and signal tests, subprocess start-ups that call no version-dependent API, run in `make test` only: the
-# launcher's (test_launch.py); the train script's exit code in a subprocess (its messages come from parse_config,
-# which test_bad_values_raise_one_line_naming_the_field checks in-process for the same three bad values, and its
-# main() from test_script_prints_one_line_and_exits_2); the trainer's signal handler (_StopOnSignal: Python's signal
-# module only); and the end-to-end runs marked slow (make test runs them once: the compatibility pass keeps CI near
-# 20 minutes).
-COMPAT_TESTS ?= -m "not slow" tests/models tests/training tests/test_compat.py tests/test_import_order.py tests/distributed/test_fsdp2.py \
+# pytest-xdist workers for the in-process tests (auto: one per core). The tests that start processes run one at a
+# time: each keeps the cores busy with its own processes.
+WORKERS ?= auto
+# Each test's time limit is its tier's (tests/tiers.py) times this factor: raise it on a slow or busy machine.
+export P2R_TEST_TIME_FACTOR ?= 1
+FAST   = -m "not processes and not slow"
+REST   = -m "processes or slow"
+# The version-dependent tests, run by `make compat` on the declared floors and on the newest releases: the model
+# families, the trainer, the Trainer/TRL integration, the private reads (compat), the import order, FSDP2 and
+# DeepSpeed. Left to `make test-all` on the tested set only: the launcher's tests (test_launch.py: process and signal
+# handling, no version-dependent API); the train script's exit code in a subprocess (its messages come from
+# parse_config, which test_bad_values_raise_one_line_naming_the_field checks in-process for the same three bad
+# values); the trainer's signal handler (_StopOnSignal: Python's signal module only); and the end-to-end runs marked
+# slow, but for those marked `versions` too (the one run of an extra's library, TRL's SFTTrainer).
+COMPAT_TESTS ?= -m "not slow or versions" tests/models tests/training tests/integrations tests/test_compat.py tests/test_import_order.py \
+	tests/distributed/test_fsdp2.py \
 	tests/distributed/test_deepspeed.py tests/distributed/test_deepspeed_zero_init.py tests/distributed/test_deepspeed_dcp.py \
 	--ignore=tests/training/test_launch.py \
 	--deselect=tests/training/test_config.py::test_cli_prints_one_line_without_a_traceback_and_exits_2 \
 	--deselect=tests/training/test_train.py::test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once
 
-.PHONY: install demo test compat compat-floors compat-newest lock lint clean gpu-report
+.PHONY: install demo test test-all test-rest compat compat-install compat-floors compat-newest lock lint clean gpu-report
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
+	@echo "make: creating $(VENV) with $(PYTHON) and upgrading its pip"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	@$(VENV)/bin/python -c "import torch" 2>/dev/null \
+		&& echo "make: keeping the torch $(VENV) has: $$($(VENV)/bin/python -c 'import torch; print(torch.__version__)')" \
+		|| echo "make: installing $(TORCH) (the largest download: from PyPI with its CUDA libraries, a few minutes)"
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install --quiet "$(TORCH)"
+	@echo "make: installing hf-p2r (editable) and its dev tools at the versions in $(LOCK) (a minute or two)"
 	$(VENV)/bin/python -m pip install --quiet -c $(LOCK) -e ".[dev]"
+	@echo "make: $(VENV) is ready"
 	touch $@
 
 install: $(VENV)/.installed
@@ -38,8 +58,17 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		scripts/train.py --config configs/demo.yaml $(ARGS)
 
+# Every run lists its slowest tests (--durations), so a log keeps where the time went.
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest --durations=15
+	$(VENV)/bin/python -m pytest -n $(WORKERS) $(FAST) --durations=20
+
+test-all: $(VENV)/.installed
+	$(MAKE) test
+	$(MAKE) test-rest
+
+# The tests `make test` leaves out, one at a time (what `make test-all` runs after `make test`).
+test-rest: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -p no:xdist $(REST) --durations=30
 
 # One GPU, under fifteen minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
 # by ratio and design against FSDP2, a bf16 trainer run with offload: auto, the trainer under Accelerate's FSDP2 with
@@ -54,28 +83,36 @@ gpu-report:
 
 # Declared = tested: the floors pyproject declares (requirements/floors.txt), then the newest releases it allows.
 # `make -j2 compat` runs the two test passes side by side; the installs stay one after the other (each writes the
-# editable install's metadata into this folder).
+# editable install's metadata into this folder). They skip pip's byte-compilation of every installed file (--no-compile:
+# Python compiles what the tests import, a fraction of torch's and transformers' files).
 compat: compat-floors compat-newest
 
+compat-install: .venv-floors/.installed .venv-newest/.installed
+
 compat-floors: .venv-floors/.installed
-	.venv-floors/bin/python -m pytest -q $(COMPAT_TESTS)
+	.venv-floors/bin/python -m pytest -q -p no:xdist $(COMPAT_TESTS) --durations=15
 
 compat-newest: .venv-newest/.installed
-	.venv-newest/bin/python -m pytest -q $(COMPAT_TESTS)
+	.venv-newest/bin/python -m pytest -q -p no:xdist $(COMPAT_TESTS) --durations=15
 
 .venv-floors/.installed: pyproject.toml requirements/floors.txt
+	@echo "make: installing the declared floors (requirements/floors.txt) into .venv-floors (torch from PyPI: minutes)"
 	rm -rf .venv-floors && $(PYTHON) -m venv .venv-floors
-	.venv-floors/bin/python -m pip install --quiet -c requirements/floors.txt -e ".[dev]"
+	.venv-floors/bin/python -m pip install --quiet --no-compile -c requirements/floors.txt -e ".[dev]"
+	@echo "make: .venv-floors is ready"
 	touch $@
 
 # PIP_CONSTRAINT=/dev/null lifts a site-wide pip cap (some machines cap torch at the wheels on their disk).
 .venv-newest/.installed: pyproject.toml | .venv-floors/.installed
+	@echo "make: installing the newest releases pyproject allows into .venv-newest (torch from PyPI: minutes)"
 	rm -rf .venv-newest && $(PYTHON) -m venv .venv-newest
-	PIP_CONSTRAINT=/dev/null .venv-newest/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev]"
+	PIP_CONSTRAINT=/dev/null .venv-newest/bin/python -m pip install --quiet --no-compile --upgrade --upgrade-strategy eager -e ".[dev]"
+	@echo "make: .venv-newest is ready: $$(.venv-newest/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|accelerate|deepspeed)==' | tr '\n' ' ')"
 	touch $@
 
 # A fresh resolution of pyproject's ranges, written to $(LOCK); run `make test` on it before committing.
 lock:
+	@echo "make: installing $(TORCH) and the newest releases pyproject allows into .venv-lock, to write $(LOCK)"
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install --quiet "$(TORCH)" -e ".[dev]"
 	{ sed -n '1,2p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -viE '^(torch|hf-p2r)=='; } > $(LOCK).new

@@ -1,8 +1,10 @@
 """One command that measures hf-p2r on one GPU (issue 29): the GPU tests, throughput and MFU (eager and compiled),
-the loss path's memory, offload by ratio and design against FSDP2's CPUOffloadPolicy, a bf16 trainer run with
-`offload: auto` through the delink, and (issue 25) the trainer under Accelerate's FSDP2 config with DCP checkpoints, a
-resume and `hf-p2r export`. It writes `OUT/<part>.json` for each part and `OUT/report.md`, a page that names
-the device and says, for each of issue 29's targets, met, missed or not measured.
+the loss path's memory, offload by ratio and design against FSDP2's CPUOffloadPolicy, where the offloaded step's time
+goes (issue 40: a `torch.profiler` trace of a few steps at ratio 0.5 per design, summarised in
+`OUT/offload_profile.md`), a bf16 trainer run with `offload: auto` through the delink, and (issue 25) the trainer under
+Accelerate's FSDP2 config with DCP checkpoints, a resume and `hf-p2r export`. It writes `OUT/<part>.json` for each
+part and `OUT/report.md`, a page that names the device and says, for each of issue 29's and 40's targets, met,
+missed or not measured; a run into benchmarks/gpu also rewrites benchmarks/offload.md from its offload results.
 
     make gpu-report                                  # = python scripts/gpu_report.py: one CUDA GPU, < 15 min
     make gpu-report DRY=1                            # = --dry-run: every part at tiny size on CPU (about a minute)
@@ -32,30 +34,34 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
+from benchmarks.offload import design_of
 
 # Dense bf16 peak FLOP/s (no sparsity) of the GPUs MFU is computed for, by a name fragment of
 # torch.cuda.get_device_name(): NVIDIA's datasheets (H100 SXM and H200: 989.4 TFLOP/s; A100: 312).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
-# Issue 29's targets, as the page reports them.
+# Issue 29's targets and issue 40's offload targets (the best offload design's), as the page reports them.
 TARGETS = {
     "mfu_compiled": 0.40,
     "pseudo_vs_real": 0.98,
     "offload_0.5_vs_none": 0.85,
-    "full_offload_vs_fsdp2": 2.0,
+    "offload_1.0_vs_none": 0.6,
+    "full_offload_vs_fsdp2": 3.0,
 }
 
 # (part, time limit in seconds on the GPU, on the dry run). The GPU limits add up to 900 s: set after the two H200
 # sessions of 2026-11-26 (benchmarks/gpu/report.md, benchmarks/gpu/rerun-2026-11-26/), where the parts took tests 52 s,
-# throughput 70, loss_memory 102, offload 154, trainer 96 and fsdp2_dcp 84. The offload benchmark runs once per
-# offload design (two where it has device_chunked). The dry run's limits only guard against a hang (its parts take
-# 5-30 s each on two idle cores).
+# throughput 70, loss_memory 102, offload 154 (10 rows of ~10 s, FSDP2's ~35 s), trainer 96 and fsdp2_dcp 84. The
+# offload part times benchmarks/offload.py's REPORT_DESIGNS (4 designs x 3 ratios, no offload and FSDP2: ~15 rows,
+# ~200 s predicted); offload_profile profiles 3 designs at ratio 0.5 for 2 steps each (~60 s predicted). The dry run's
+# limits only guard against a hang (its parts take 5-30 s each on two idle cores).
 PARTS = {
     "tests": (90, 180),
-    "throughput": (150, 180),
-    "loss_memory": (150, 180),
-    "offload": (240, 180),
-    "trainer": (150, 180),
+    "throughput": (110, 180),
+    "loss_memory": (130, 180),
+    "offload_profile": (90, 180),  # issue 40: the profile first, then the designs' throughput
+    "offload": (240, 300),
+    "trainer": (120, 180),
     "fsdp2_dcp": (120, 300),
 }
 
@@ -123,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_report: {part}: {record['status']} in {record['seconds']:.0f} s", flush=True)
     report["seconds"] = time.perf_counter() - started
     report["targets"] = targets(out)
+    if not args.dry_run and out.resolve() == (REPO / "benchmarks" / "gpu").resolve() and "offload" in parts:
+        page = run([sys.executable, "scripts/bench_offload.py", "--page"], 60)  # benchmarks/offload.md: the latest
+        print(f"gpu_report: benchmarks/offload.md: {page['status']}", flush=True)
     report["fsdp2_dcp"] = ((read_json(out / "fsdp2_dcp.json") or {}).get("result") or {}) or None
     write_json(out / "report.json", report)
     page = render_markdown(report)
@@ -225,37 +234,26 @@ def part_loss_memory(out: Path, dry: bool, limit: int) -> dict:
     return record
 
 
-def offload_designs() -> tuple[str, list[str]] | None:
-    """The offload benchmark's option choosing the offload design and its values, read from its --help (helper D's
-    second design, `device_chunked`, where it exists): (option, values), or None where the benchmark has one design."""
-    done = subprocess.run(
-        [sys.executable, "scripts/bench_offload.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    found = re.search(r"(--[\w-]+) \{([^}]*device_chunked[^}]*)\}", done.stdout)
-    if found is None:
-        return None
-    values = found.group(2).split(",")
-    together = [value for value in values if value in ("all", "both")]
-    return found.group(1), together or values
-
-
 def part_offload(out: Path, dry: bool, limit: int) -> dict:
-    """`benchmarks/offload.py --part throughput` (ratios 0 / 0.25 / 0.5 / 1.0 and FSDP2's CPUOffloadPolicy), once per
-    offload design where the benchmark has a design option."""
-    base = [sys.executable, "scripts/bench_offload.py", "--part", "throughput"]
-    base += ["--device", "cpu", "--smoke"] if dry else ["--device", "cuda"]
-    designs = offload_designs()
-    runs = [("default", [])] if designs is None else [(value, [designs[0], value]) for value in designs[1]]
-    record = {"status": "ok", "seconds": 0.0, "designs": {}}
-    for name, option in runs:
-        target = out / f"offload_{name}"
-        result = run([*base, *option, "--out", str(target)], max(limit - record["seconds"], 1))
-        result["result"] = read_json(target.with_suffix(".json"))
-        record["designs"][name] = result
-        record["seconds"] += result["seconds"]
-        if result["status"] != "ok":
-            record["status"] = result["status"]
-    record["command"] = "; ".join(design["command"] for design in record["designs"].values())
+    """`benchmarks/offload.py --part throughput` over its REPORT_DESIGNS at ratios 0.25, 0.5 and 1.0 (the dry run: 0.5
+    and 1.0), beside no offload and FSDP2's CPUOffloadPolicy, in one process (one run: `designs` keeps the part's
+    former shape)."""
+    command = [sys.executable, "scripts/bench_offload.py", "--part", "throughput", "--designs", "report"]
+    command += ["--device", "cpu", "--smoke"] if dry else ["--device", "cuda"]
+    command += ["--ratios", "0.5,1.0" if dry else "0.25,0.5,1.0"]
+    target = out / "offload_report"
+    result = run([*command, "--out", str(target)], limit)
+    result["result"] = read_json(target.with_suffix(".json"))
+    return {"status": result["status"], "seconds": result["seconds"], "designs": {"report": result},
+            "command": result["command"]}  # fmt: skip
+
+
+def part_offload_profile(out: Path, dry: bool, limit: int) -> dict:
+    """`benchmarks/offload.py --part profile`: a `torch.profiler` trace of 2 steps at ratio 0.5 per design, summarised
+    into `offload_profile.md` (where each millisecond goes) and `offload_profile_trace.json` (a small trace)."""
+    command = [sys.executable, "scripts/bench_offload.py", "--part", "profile", "--out", str(out / "offload_profile")]
+    record = run([*command, *(["--device", "cpu", "--smoke"] if dry else ["--device", "cuda"])], limit)
+    record["result"] = read_json(out / "offload_profile.json")
     return record
 
 
@@ -370,6 +368,7 @@ RUNNERS = {
     "tests": part_tests,
     "throughput": part_throughput,
     "loss_memory": part_loss_memory,
+    "offload_profile": part_offload_profile,
     "offload": part_offload,
     "trainer": part_trainer,
     "fsdp2_dcp": part_fsdp2_dcp,
@@ -454,13 +453,12 @@ def targets(out: Path) -> dict:
         runs = ((design.get("result") or {}).get("throughput") or {}).get("runs") or {}
         fsdp2 = runs.get("fsdp2 CPUOffloadPolicy")
         for name, run in runs.items():
-            kind = name.removeprefix("granular ratio ").split(" ", 1)
-            which = kind[1] if len(kind) > 1 else "host"
             if not name.startswith("granular ratio "):
                 continue
-            if kind[0] == "0.5":
-                _best(found["offload_0.5_vs_none"], run["vs_no_offload"], which)
-            if kind[0] == "1.0" and fsdp2:
+            ratio, which = name.split()[2], design_of(name)
+            if ratio in ("0.5", "1.0"):
+                _best(found[f"offload_{ratio}_vs_none"], run["vs_no_offload"], which)
+            if ratio == "1.0" and fsdp2:
                 _best(found["full_offload_vs_fsdp2"], run["tokens_per_s"] / fsdp2["tokens_per_s"], which)
     for value in found.values():
         if value["measured"] is not None:
@@ -490,7 +488,7 @@ def render_markdown(report: dict) -> str:
             for name, part in report["parts"].items()
         ),
         "",
-        "| target (issue 29) | target | measured | met |",
+        "| target (issues 29, 40) | target | measured | met |",
         "|---|---:|---:|---|",
     ]
     for name, value in report["targets"].items():

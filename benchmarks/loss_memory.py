@@ -44,7 +44,7 @@ PRESETS = {
         "sizes": [(32_768, 4_096), (32_768, 16_384), (131_072, 4_096), (131_072, 16_384)],
         "repeats": 5,
     },
-    "smoke": {"hidden": 32, "sizes": [(256, 64), (1024, 64)], "repeats": 1},
+    "smoke": {"hidden": 32, "sizes": [(4096, 128), (8192, 256)], "repeats": 1},
 }
 PATHS = ("plain", "chunked")
 

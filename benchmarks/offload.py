@@ -4,7 +4,9 @@ physical limit), all measured in the same run.
 
     python scripts/bench_offload.py                          # H100/H200: writes benchmarks/offload.{json,md}
     python scripts/bench_offload.py --part throughput        # or `largest`: one half (each under ~5 min)
-    python scripts/bench_offload.py --offload-optimizer both # both designs of the offloaded blocks' optimizer step
+    python scripts/bench_offload.py --designs report         # the designs make gpu-report times (see DESIGNS)
+    python scripts/bench_offload.py --part profile           # where the step goes (benchmarks/offload_profile.py)
+    python scripts/bench_offload.py --page                   # benchmarks/offload.md from the latest GPU results
     python scripts/bench_offload.py --device cpu --smoke     # seconds on CPU: checks the script, not a result
     python scripts/bench_offload.py --device cpu --offload-optimizer both   # benchmarks/offload_cpu.{json,md}
 
@@ -13,9 +15,12 @@ autocast, AdamW with gradient clipping) as: no offload; GranularOffload at ratio
 (`compute_dtype=bfloat16`, `prefetch=1`; its own clip, `clip_grad_norm_`, as the trainer runs it); FSDP2 `fully_shard`
 with `CPUOffloadPolicy` in a 1-rank process group (`MixedPrecisionPolicy(param_dtype=bfloat16)`). Each configuration is
 built, warmed up and timed in turn in this one process; the figures are ratios to the no-offload run of the same
-process. `--offload-optimizer` picks where the offloaded blocks' optimizer step runs: `host` (the CPU, each block's step
-overlapped with the next forward: `overlap_step`, as the trainer runs it; rows "granular ratio r"), `device_chunked`
-(the GPU, `--chunk-mb` at a time, the state in pinned host memory; rows "granular ratio r device_chunked") or `both`.
+process. `--designs` picks the offload designs (`DESIGNS`, GranularOffload's options; issue 40's): `host` (the
+default: gradients summed on the host, the CPU update of each block overlapped with the next forward, as the trainer
+runs it; rows "granular ratio r"), `device_chunked` (the update on the GPU, `--chunk-mb` at a time, the state in
+pinned host memory), `device_sums` (gradients summed on the device, sent once per step), `device_sums_delayed` (and
+the update one step late), ... (rows "granular ratio r <design>"); `--offload-optimizer host|device_chunked|both` is
+the older spelling of the first two.
 
 On the CPU (`--device cpu`, throughput only) the compute device is the CPU: every copy is CPU to CPU and the two designs
 differ only in the extra copies of device_chunked. Such a run checks both designs end to end on a real size; it says
@@ -48,11 +53,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import presets
-from benchmarks.harness import free_port, machine, nbytes, utc_now, write_json, write_text
+from benchmarks.harness import REPO, free_port, machine, nbytes, utc_now, write_json, write_text
 from hf_p2r import P2RConfig, P2RForCausalLM
-from hf_p2r.training.offload import (
+from hf_p2r.distributed.offload import (
     DEFAULT_CHUNK_BYTES,
-    OPTIMIZER_STEPS,
     GranularOffload,
     decoder_layers,
     estimate_device_bytes,
@@ -63,6 +67,43 @@ from hf_p2r.training.offload import (
 
 GIB = 2**30
 RATIOS = (0.0, 0.25, 0.5, 1.0)
+# The offload designs measured (GranularOffload's options, issue 40), each row "granular ratio R <design>" ("host":
+# "granular ratio R"):
+DESIGNS = {
+    "host": {},  # the default: gradients summed on the host per micro-batch, blocks updated after the backward
+    "device_chunked": {"optimizer_step": "device_chunked"},  # the update on the GPU, a chunk at a time
+    "device_sums": {"grad_accumulation": "device"},  # summed on the device, sent once per step
+    "device_sums_delayed": {"grad_accumulation": "device", "update": "delayed"},  # one step stale
+    "device_sums_delayed_corrected": {
+        "grad_accumulation": "device",
+        "update": "delayed",
+        "delay_correction": "error_feedback",
+    },
+    "device_sums_during_backward": {"grad_accumulation": "device", "update": "during_backward"},
+    "device_sums_chunked": {"grad_accumulation": "device", "optimizer_step": "device_chunked"},
+    "device_sums_threads4": {"grad_accumulation": "device", "host_threads": 4},
+}
+# Designs run without gradient clipping: they update blocks before the whole gradient's norm exists.
+NO_CLIP = ("device_sums_during_backward",)
+# What `make gpu-report`'s offload part measures (within its time limit).
+REPORT_DESIGNS = ("host", "device_sums", "device_sums_delayed", "device_sums_chunked")
+# Issue 40's targets on a GPU: tokens/s against no offload at ratios 0.5 and 1.0, full offload against FSDP2's.
+TARGETS = {"0.5": 0.85, "1.0": 0.6, "fsdp2": 3.0}
+
+
+def clips(design: str) -> bool:
+    return design not in NO_CLIP
+
+
+class LastMicroBatch:
+    """`GranularOffload(last_micro_batch=...)` for `train_step`, which says before each forward."""
+
+    last = True
+
+    def __call__(self) -> bool:
+        return self.last
+
+
 PRESETS = {
     # A ~0.5B real model (25M parameters per layer) for one H100/H200.
     "cuda": dict(
@@ -227,14 +268,16 @@ def build_model(
     return model.train()
 
 
-def train_step(model, optimizer, batch, accumulation: int, device: str, offload=None) -> None:
-    for _ in range(accumulation):
+def train_step(model, optimizer, batch, accumulation: int, device: str, offload=None, clip: bool = True) -> None:
+    for micro_batch in range(accumulation):
+        if offload is not None and isinstance(offload.last_micro_batch, LastMicroBatch):
+            offload.last_micro_batch.last = micro_batch == accumulation - 1
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = model(input_ids=batch, labels=batch).loss
         (loss / accumulation).backward()
     # The offload's clip takes the offloaded gradients' norms recorded as they left the device (the trainer's).
-    clip = offload.clip_grad_norm_ if offload is not None else torch.nn.utils.clip_grad_norm_
-    clip(model.parameters(), 1.0)
+    if clip:
+        (offload.clip_grad_norm_ if offload is not None else torch.nn.utils.clip_grad_norm_)(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -242,6 +285,12 @@ def train_step(model, optimizer, batch, accumulation: int, device: str, offload=
 def granular_name(ratio: float, design: str) -> str:
     """A throughput row's name: "granular ratio 0.5" (host step) or "granular ratio 0.5 device_chunked"."""
     return f"granular ratio {ratio}" + ("" if design == "host" else f" {design}")
+
+
+def design_of(name: str) -> str:
+    """The design of a granular row's name (`granular_name`'s inverse)."""
+    parts = name.removeprefix("granular ratio ").split(" ", 1)
+    return parts[1] if len(parts) > 1 else "host"
 
 
 def setup(name: str, dims: dict, device: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -265,33 +314,39 @@ def setup(name: str, dims: dict, device: str, chunk_bytes: int = DEFAULT_CHUNK_B
             offload_policy=CPUOffloadPolicy(pin_memory=device == "cuda"),
         )
         return model, torch.optim.AdamW(model.parameters(), **hyper), None
-    _, _, ratio, *design = name.split()
+    ratio = float(name.split()[2])
     dtype = torch.bfloat16 if device == "cuda" else None
     offload = GranularOffload(
         model,
-        float(ratio),
+        ratio,
         device=device,
         compute_dtype=dtype,
-        optimizer_step=design[0] if design else "host",
         chunk_bytes=chunk_bytes,
         overlap_step=True,
+        last_micro_batch=LastMicroBatch(),
+        **DESIGNS[design_of(name)],
     )
     return model, offload.build_optimizer(**hyper), offload
 
 
 def throughput(
-    preset: dict, device: str, designs: tuple[str, ...] = ("host",), chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    preset: dict,
+    device: str,
+    designs: tuple[str, ...] = ("host",),
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ratios: tuple[float, ...] = RATIOS,
 ) -> dict:
     dims, batch_size, seq, accumulation = preset["dims"], preset["batch"], preset["seq"], preset["accumulation"]
     batch = torch.randint(0, dims["vocab_size"], (batch_size, seq), generator=torch.Generator().manual_seed(0))
     batch = batch.to(device)
-    granular = [granular_name(r, design) for design in designs for r in RATIOS]
+    granular = [granular_name(r, design) for design in designs for r in ratios]
     names = ["no offload", *granular, "fsdp2 CPUOffloadPolicy"]
     runs = {}
     for name in names:
         model, optimizer, offload = setup(name, dims, device, chunk_bytes)
+        clip = not name.startswith("granular") or clips(design_of(name))
         for _ in range(preset["warmup"]):
-            train_step(model, optimizer, batch, accumulation, device, offload)
+            train_step(model, optimizer, batch, accumulation, device, offload, clip)
         if offload is not None:
             offload.synchronize()
         synchronize(device)
@@ -301,7 +356,7 @@ def throughput(
         seconds = []
         for step in range(preset["steps"]):
             start = time.perf_counter()
-            train_step(model, optimizer, batch, accumulation, device, offload)
+            train_step(model, optimizer, batch, accumulation, device, offload, clip)
             if offload is not None and step == preset["steps"] - 1:
                 offload.synchronize()  # the last step's overlapped block steps count too
             synchronize(device)
@@ -310,6 +365,7 @@ def throughput(
         run = {
             "tokens_per_s": accumulation * batch.numel() / step_s,
             "step_s": seconds,
+            "clipped": clip,
             "peak_device_GiB": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
         }
         if offload:
@@ -332,6 +388,8 @@ def throughput(
         "accumulation": accumulation,
         "steps": preset["steps"],
         "designs": list(designs),
+        "design_options": {design: {k: str(v) for k, v in DESIGNS[design].items()} for design in designs},
+        "ratios": list(ratios),
         "chunk_bytes": chunk_bytes,
         "runs": runs,
     }
@@ -514,23 +572,44 @@ def _parameters(dims: dict, layers: int) -> int:
     return sum(p.numel() for p in model.parameters()) + (layers - 1) * block  # parameters() counts the block once
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script (needs --device cpu)")
-    parser.add_argument("--part", choices=["all", "throughput", "largest"], default="all")
+    parser.add_argument("--part", choices=["all", "throughput", "largest", "profile"], default="all")
     parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
     parser.add_argument(
-        "--offload-optimizer",
-        choices=[*OPTIMIZER_STEPS, "both"],
-        default="host",
-        help="where the offloaded blocks' optimizer step runs (GranularOffload's optimizer_step; the trainer's "
-        "offload_optimizer): host, device_chunked, or both (a row per ratio and design)",
+        "--designs",
+        default=None,
+        help=f"comma-separated offload designs to time at every ratio, of: {', '.join(DESIGNS)}; 'report' for "
+        f"{','.join(REPORT_DESIGNS)} (what make gpu-report measures); default host",
     )
+    parser.add_argument(
+        "--offload-optimizer",
+        choices=["host", "device_chunked", "both"],
+        default=None,
+        help="the designs host, device_chunked or both (as --designs; kept for the commands of earlier results)",
+    )
+    parser.add_argument("--ratios", default=None, help="comma-separated offload ratios (default 0,0.25,0.5,1.0)")
     parser.add_argument(
         "--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="device_chunked: MiB stepped at a time"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--page",
+        action="store_true",
+        help="measure nothing: write benchmarks/offload.md from the latest GPU results (benchmarks/offload.json, "
+        "benchmarks/gpu/offload.json: the newer), with their date and device",
+    )
+    args = parser.parse_args(argv)
+    if args.page:
+        path = write_page()
+        print(f"bench_offload: wrote {path}")
+        return 0
+    designs = parse_designs(args.designs, args.offload_optimizer)
+    ratios = parse_ratios(args.ratios)
+    if isinstance(designs, str) or isinstance(ratios, str):
+        print(f"bench_offload: {designs if isinstance(designs, str) else ratios}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_offload: needs a CUDA GPU and none is available (--device cpu --smoke checks the script)")
         return 1
@@ -540,9 +619,19 @@ def main() -> int:
     if args.chunk_mb <= 0:
         print(f"bench_offload: --chunk-mb must be positive, got {args.chunk_mb}")
         return 1
-    designs = OPTIMIZER_STEPS if args.offload_optimizer == "both" else (args.offload_optimizer,)
     chunk_bytes = max(1, int(args.chunk_mb * 2**20))
     cpu_run = args.device == "cpu" and not args.smoke
+    if args.part == "profile":
+        from benchmarks import offload_profile
+
+        out = args.out or Path("runs/offload_profile_smoke" if args.smoke else "benchmarks/gpu/offload_profile")
+        preset = PRESETS["cpu_run" if cpu_run else args.device]
+        chosen = offload_profile.PROFILE_DESIGNS if args.designs is None else designs
+        command = " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
+        steps = 1 if args.smoke else 2
+        offload_profile.run(sys.modules[__name__], preset, args.device, out, chosen, steps=steps, command=command)
+        print((out.with_suffix(".md")).read_text())
+        return 0
     out = args.out or Path(
         "runs/offload_smoke" if args.smoke else "benchmarks/offload_cpu" if cpu_run else "benchmarks/offload"
     )
@@ -563,14 +652,14 @@ def main() -> int:
             **previous,
             "date": utc_now(),
             "machine": machine(),
-            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "command": " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
             "model": preset["dims"],
             "load_average_before": os.getloadavg(),
             "bandwidth": copy_bandwidth(args.device, preset["bandwidth_bytes"]),
         }
         print(f"copy bandwidth: {result['bandwidth']}", flush=True)
         if args.part in ("all", "throughput"):
-            result["throughput"] = throughput(preset, args.device, designs, chunk_bytes)
+            result["throughput"] = throughput(preset, args.device, designs, chunk_bytes, ratios)
         result["load_average_after"] = os.getloadavg()
         if args.part == "largest" or (args.part == "all" and not cpu_run):
             result["largest"] = largest_trainable(preset, args.device)
@@ -580,6 +669,106 @@ def main() -> int:
     write_text(out.with_suffix(".md"), render_markdown(result, args.smoke))
     print(render_markdown(result, args.smoke))
     return 0
+
+
+def parse_designs(text: str | None, optimizer: str | None) -> tuple[str, ...] | str:
+    """--designs (or the older --offload-optimizer) as a tuple of `DESIGNS` names, or a one-line error."""
+    if text is None:
+        return {"both": ("host", "device_chunked"), "device_chunked": ("device_chunked",)}.get(optimizer, ("host",))
+    if optimizer is not None:
+        return "give --designs or --offload-optimizer, not both"
+    names = REPORT_DESIGNS if text == "report" else tuple(name for name in text.split(",") if name)
+    unknown = [name for name in names if name not in DESIGNS]
+    if unknown or not names:
+        return f"--designs: unknown {', '.join(unknown) or '(none given)'} (known: {', '.join(DESIGNS)}, report)"
+    return names
+
+
+def parse_ratios(text: str | None) -> tuple[float, ...] | str:
+    if text is None:
+        return RATIOS
+    try:
+        ratios = tuple(float(part) for part in text.split(",") if part)
+    except ValueError:
+        return f"--ratios: expected comma-separated numbers between 0 and 1, got {text!r}"
+    if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
+        return f"--ratios: expected comma-separated numbers between 0 and 1, got {text!r}"
+    return ratios
+
+
+def target_line(runs: dict, design: str) -> str:
+    """Issue 40's targets for one design's rows: ratio 0.5 and 1.0 against no offload, full offload against FSDP2."""
+    parts = []
+    for ratio in ("0.5", "1.0"):
+        row = runs.get(granular_name(float(ratio), design))
+        if row:
+            parts.append(f"ratio {ratio} ≥ {TARGETS[ratio]} of no offload: **{row['vs_no_offload']:.3f}**")
+    full, fsdp2 = runs.get(granular_name(1.0, design)), runs.get("fsdp2 CPUOffloadPolicy")
+    if full and fsdp2:
+        parts.append(
+            f"full offload ≥ {TARGETS['fsdp2']:g}x FSDP2 CPUOffloadPolicy: **{full['tokens_per_s']:,.0f} vs "
+            f"{fsdp2['tokens_per_s']:,.0f} tokens/s ({full['tokens_per_s'] / fsdp2['tokens_per_s']:.2f}x)**"
+        )
+    return f"Targets ({design}): " + ("; ".join(parts) or "no row measured") + "."
+
+
+GPU_RESULTS = (Path("benchmarks/offload.json"), Path("benchmarks/gpu/offload.json"))
+PAGE = Path("benchmarks/offload.md")
+
+
+def gpu_results(paths=GPU_RESULTS) -> list[tuple[Path, dict]]:
+    """The GPU throughput results on file: (path, result) for benchmarks/offload.json (this script's own CUDA run)
+    and each design run of benchmarks/gpu/offload.json (`make gpu-report`'s offload part), newest first."""
+    found = []
+    for path in paths:
+        try:
+            data = json.loads((REPO / path).read_text())
+        except (OSError, ValueError):
+            continue
+        results = [data] if "throughput" in data else [d.get("result") for d in (data.get("designs") or {}).values()]
+        found += [(path, r) for r in results if r and "gpu" in r.get("machine", {}) and "throughput" in r]
+    return sorted(found, key=lambda item: item[1]["date"], reverse=True)
+
+
+def write_page(paths=GPU_RESULTS, page: Path = PAGE) -> Path:
+    """benchmarks/offload.md: the latest GPU measurement (the newest result of `gpu_results`, with every design run
+    of the same report beside it), its date and device, and where the other offload pages are."""
+    found = gpu_results(paths)
+    lines = ["# Granular CPU offload", ""]
+    if not found:
+        lines += ["No GPU result is on file yet: `make gpu-report` (or `python scripts/bench_offload.py`) writes one."]
+    else:
+        path, newest = found[0]
+        same = [r for p, r in found if p == path and r["date"][:10] == newest["date"][:10]]
+        lines += [
+            f"Latest GPU measurement: **{newest['machine']['gpu']}**, {newest['date']}, from `{path}` "
+            f"({'`make gpu-report`' if 'gpu' in path.parts else 'scripts/bench_offload.py'}). This page is written "
+            "by `python scripts/bench_offload.py --page` from that file.",
+        ]
+        measured = set()
+        for result in same:
+            body = render_markdown(result, smoke=False).splitlines()
+            body = [("#" + line) if line.startswith("## ") else line for line in body]
+            lines += ["", "## " + body[2].removeprefix("Produced by ").rstrip("."), "", *body[3:]]
+            measured |= {design_of(name) for name in result["throughput"]["runs"] if name.startswith("granular")}
+        if missing := [design for design in DESIGNS if design not in measured]:
+            lines += ["", f"Not measured on a GPU yet: the designs {', '.join(missing)} (benchmarks/offload_host.md "
+                      "predicts them)."]  # fmt: skip
+    lines += [
+        "",
+        "## Elsewhere",
+        "",
+        "- `benchmarks/gpu/offload_profile.md`: where the offloaded step's milliseconds go on a GPU (`make "
+        "gpu-report`'s offload_profile part), when measured.",
+        "- `benchmarks/offload_host.md`: the host's phases measured on a CPU machine and the step time they predict.",
+        "- `benchmarks/offload_cpu.md`: both optimizer-step designs run end to end with the CPU as the compute device.",
+        "",
+        "To measure on one H100/H200: `make gpu-report` (all parts) or `python scripts/bench_offload.py --designs "
+        "report --part throughput`, then `python scripts/bench_offload.py --page`.",
+    ]
+    text = "\n".join(lines) + "\n"
+    write_text(REPO / page, text)
+    return REPO / page
 
 
 def render_markdown(r: dict, smoke: bool) -> str:
@@ -622,23 +811,21 @@ def render_markdown(r: dict, smoke: bool) -> str:
             )
         runs = t["runs"]
         designs = t.get("designs", ["host"])
+        if any(not run.get("clipped", True) for run in runs.values()):
+            lines += ["", "Rows of designs that update blocks during the backward run without gradient clipping."]
         if cpu_run or smoke:
-            floor = runs[granular_name(0.0, designs[0])]["vs_no_offload"]
-            lines += [
-                "",
-                "No GPU target is judged on a CPU run. Noise floor: ratio 0.0 (hooks only, nothing offloaded) ran at "
-                f"{floor:.3f} of no offload; differences within it say nothing.",
-            ]
+            floor = runs.get(granular_name(0.0, designs[0]))
+            lines += ["", "No GPU target is judged on a CPU run."]
+            if floor:
+                lines[-1] += (
+                    f" Noise floor: ratio 0.0 (hooks only, nothing offloaded) ran at {floor['vs_no_offload']:.3f} of "
+                    "no offload; differences within it say nothing."
+                )
         for design in designs if not (cpu_run or smoke) else ():
-            half, full = runs[granular_name(0.5, design)], runs[granular_name(1.0, design)]
-            lines += [
-                "",
-                f"Targets ({design} step): ratio 0.5 ≥ 0.85 of no offload: **{half['vs_no_offload']:.3f}**; full "
-                f"offload ≥ 2x FSDP2 CPUOffloadPolicy: **{full['tokens_per_s']:,.0f} vs "
-                f"{runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:,.0f} tokens/s "
-                f"({full['tokens_per_s'] / runs['fsdp2 CPUOffloadPolicy']['tokens_per_s']:.2f}x)**.",
-            ]
-        if len(designs) > 1:
+            lines += ["", target_line(runs, design)]
+        if {"host", "device_chunked"} <= set(designs) and all(
+            granular_name(r, d) in runs for r in RATIOS for d in ("host", "device_chunked")
+        ):
             chunk = f"{t['chunk_bytes'] / 2**20:g} MiB chunks"
             speed = {name: run["tokens_per_s"] for name, run in runs.items()}
             ratios = ", ".join(

@@ -8,7 +8,8 @@ By library: huggingface_hub (`parse_size_to_int`), transformers (`defer_auto_reg
 `causal_lm_tp_plan`, `active_output_collector`, `output_capture_for_compiled_code`,
 `forward_without_checkpointing`, `init_module_weights`), torch.compile (`dynamo_counters`), Accelerate
 (`prepared_models`, `forget_preparation`, `restore_forward`, `import_deepspeed_only_when_used`), torch autograd and
-tensors (`in_backward`, `tensor_version`, `local_tensor`), FSDP2 (`reshard_after_backward`),
+tensors (`in_backward`, `tensor_version`, `local_tensor`), the profiler (`profiler_config_all_threads`), FSDP2
+(`reshard_after_backward`),
 torch.distributed.pipelining (`pipeline_order`, `initialize_pipeline_stage`, `pipeline_stage_backward`),
 torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with a test.
 """
@@ -294,6 +295,18 @@ def tensor_version(tensor) -> int:
     """The tensor's version counter (`_version`), which every in-place write increments: how a copy knows whether its
     source changed since it was taken."""
     return tensor._version
+
+
+def profiler_config_all_threads():
+    """A `torch.profiler.profile(experimental_config=...)` that records every thread's operators and ranges (those of
+    threads started before the profiler too: granular offload's worker), or None where this torch's
+    `_ExperimentalConfig` has no `profile_all_threads`."""
+    from torch.profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
 
 
 def reshard_after_backward(module) -> bool:

@@ -1,4 +1,7 @@
+import hashlib
 import os
+import sys
+from pathlib import Path
 
 # Tests never touch the network: set before transformers / huggingface_hub are imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,6 +14,19 @@ import torch  # noqa: E402
 
 import hf_p2r  # noqa: E402,F401  (registers the Auto classes)
 from hf_p2r import P2RConfig, P2RForCausalLM  # noqa: E402
+
+from .tiers import load_hypothesis_profile, pytest_configure  # noqa: E402,F401  (`make test` / `make test-all`)
+
+load_hypothesis_profile()  # before the test modules build their settings (tests/tiers.py)
+
+# DeepSpeed's C++ ops (the shm op of its CPU collectives) are built by torch.utils.cpp_extension into one folder per
+# Python version whatever the torch, and a process that finds a build under way waits for it and loads it: two venvs'
+# test runs side by side (`make -j2 compat`) could load each other's build. One folder per venv and torch (the
+# processes the tests start inherit it).
+_venv = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" / f"hf-p2r-{torch.__version__}-{_venv}")
+)
 
 
 def tiny_config(**overrides) -> P2RConfig:

@@ -6,10 +6,11 @@ private reads of other libraries) and `lazy` import nothing of hf_p2r; `models` 
 checkpoints, parallelism or training) and `ops` (compute kernels in plain torch); `checkpoint` (every tensor read and
 write, and the model card); `hub` (pushes folders); `distributed` (parallelism applied to a model from outside);
 `planning` (sizes layouts from what the models and `distributed` say) and `config` (the trainer's configuration,
-torch-free, which the planner reads too); `training` (the loop and its engines); `integrations` (P2R inside
-transformers' Trainer, built on `training`'s delink and carry); the command lines (`cli`, `commands`, the trainer's
-entry point `train`). The package's `__init__` is its facade and may name anything. Every import counts, at module
-level or inside a function: a deferred import is still an arrow.
+torch-free, which the planner reads too); `training` (the loop and its engines: granular offload is
+`distributed.offload`, applied from outside the model, with a thin adapter in `training.offload`); `integrations`
+(P2R inside transformers' Trainer, built on `training`'s delink and carry); the command lines (`cli`, `commands`, the
+trainer's entry point `train`). The package's `__init__` is its facade and may name anything. Every import counts, at
+module level or inside a function: a deferred import is still an arrow.
 """
 
 import ast
@@ -28,6 +29,7 @@ LAYERS = {
     "hf_p2r.checkpoint": 2,
     "hf_p2r.hub": 3,
     "hf_p2r.distributed": 4,
+    "hf_p2r.distributed.offload": 4,  # granular offload: below the trainer, above the model (which knows nothing of it)
     "hf_p2r.planning": 5,
     "hf_p2r.config": 5,  # the trainer's configuration (torch-free; the planner reads a trainer YAML with it)
     "hf_p2r.training": 6,
@@ -84,6 +86,7 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 def test_the_package_has_the_layers_it_declares():
     assert {"hf_p2r.models", "hf_p2r.checkpoint", "hf_p2r.distributed", "hf_p2r.training"} <= MODULES.keys()
+    assert {"hf_p2r.distributed.offload", "hf_p2r.distributed.offload.granular"} <= MODULES.keys()
     assert all(_layer(module) is not None for module in MODULES)
 
 
@@ -107,6 +110,23 @@ def test_distributed_models_checkpoint_and_planning_never_import_training():
         if target.startswith("hf_p2r.training")
     }
     assert not found, "\n".join(sorted(found))
+
+
+def test_the_model_knows_nothing_of_offload_and_offload_nothing_of_the_trainer():
+    """The model files import no offload module; `distributed.offload` imports neither the trainer nor the planner
+    (the planner imports its formula from there)."""
+    found = {
+        f"{module} imports {target}"
+        for module, imports in GRAPH.items()
+        for target, _, _ in imports
+        if (module.startswith("hf_p2r.models") and target.startswith("hf_p2r.distributed.offload"))
+        or (
+            module.startswith("hf_p2r.distributed.offload")
+            and target.startswith(("hf_p2r.training", "hf_p2r.planning"))
+        )
+    }
+    assert not found, "\n".join(sorted(found))
+    assert any(t.startswith("hf_p2r.distributed.offload") for t, _, _ in GRAPH["hf_p2r.planning.memory"])
 
 
 def test_no_import_cycles():

@@ -113,8 +113,8 @@ def test_the_largest_search_is_never_oom_killed_when_the_kernel_counts_more_than
     [("granular ratio 0.5", "host", True), ("granular ratio 0.5 device_chunked", "device_chunked", False)],
 )
 def test_each_offload_design_is_a_throughput_row(name, design, overlapped):
-    """`--offload-optimizer both` adds a "... device_chunked" row per ratio; each row trains with its design and the
-    offload's own clip, as the trainer does."""
+    """`--designs host,device_chunked` adds a "... device_chunked" row per ratio; each row trains with its design and
+    the offload's own clip, as the trainer does."""
     import torch
 
     dims = bench.PRESETS["cpu"]["dims"]
@@ -164,6 +164,196 @@ def test_the_results_page_compares_the_designs():
     assert "Targets" not in page
     page = bench.render_markdown({**result, "machine": {**result["machine"], "gpu": "a GPU"}}, smoke=False)
     assert "CPU run" not in page
-    assert "Targets (host step): ratio 0.5 ≥ 0.85 of no offload: **0.800**" in page
-    assert "Targets (device_chunked step): ratio 0.5 ≥ 0.85 of no offload: **0.600**" in page
+    assert (
+        "Targets (host): ratio 0.5 ≥ 0.85 of no offload: **0.800**; ratio 1.0 ≥ 0.6 of no offload: **0.800**; full "
+        "offload ≥ 3x FSDP2 CPUOffloadPolicy: **80 vs 10 tokens/s (8.00x)**." in page
+    )
+    assert "Targets (device_chunked): ratio 0.5 ≥ 0.85 of no offload: **0.600**" in page
     assert "device_chunked (1 MiB chunks) vs host step, tokens/s by ratio: 0.0: 0.750x, 0.25: 0.750x" in page
+
+
+# ------------------------------------------------------------------------------------------- designs (issue 40)
+
+
+@pytest.mark.parametrize("design", list(bench.DESIGNS))
+def test_every_design_trains_a_row_with_its_options(design):
+    """Each design's row builds GranularOffload with its options and tells it the step's last micro-batch; its
+    offloaded blocks are stepped (clipped unless the design steps them during the backward)."""
+    import torch
+
+    dims = bench.PRESETS["cpu"]["dims"]
+    model, optimizer, offload = bench.setup(bench.granular_name(0.5, design), dims, "cpu", chunk_bytes=4096)
+    for key, value in bench.DESIGNS[design].items():
+        assert getattr(offload, key) == value, key
+    assert isinstance(offload.last_micro_batch, bench.LastMicroBatch)
+    batch = torch.randint(0, dims["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in offload.offloaded_parameters]
+    for _ in range(2):
+        bench.train_step(model, optimizer, batch, 2, "cpu", offload, clip=bench.clips(design))
+    offload.synchronize()
+    assert all(not torch.equal(p, q) for p, q in zip(offload.offloaded_parameters, before))
+    offload.remove()
+
+
+def test_the_report_designs_and_the_options_are_checked():
+    assert set(bench.REPORT_DESIGNS) <= set(bench.DESIGNS) and bench.clips("host")
+    assert bench.parse_designs("report", None) == bench.REPORT_DESIGNS
+    assert bench.parse_designs(None, "both") == ("host", "device_chunked")
+    assert bench.parse_designs("host,nope", None).startswith("--designs: unknown nope (known: host, ")
+    assert bench.parse_ratios("0.5,1") == (0.5, 1.0) and bench.parse_ratios("2").startswith("--ratios: expected")
+
+
+def _gpu_result(date: str, gpu: str = "NVIDIA H200") -> dict:
+    runs = {"no offload": 100.0, "fsdp2 CPUOffloadPolicy": 10.0, "granular ratio 0.5": 50.0, "granular ratio 1.0": 29.0}
+    return {
+        "date": date,
+        "machine": {"cpu": "x", "cpu_count": 16, "torch": "2.x", "platform": "p", "gpu": gpu},
+        "model": bench.PRESETS["cuda"]["dims"],
+        "command": "scripts/bench_offload.py --part throughput --device cuda",
+        "bandwidth": {"host_to_device_GBps": 55.0, "device_to_host_GBps": 55.0},
+        "throughput": {
+            "batch": 4,
+            "seq": 2048,
+            "accumulation": 8,
+            "steps": 4,
+            "designs": ["host"],
+            "runs": {
+                name: {"tokens_per_s": v, "vs_no_offload": v / 100, "peak_device_GiB": 1.0} for name, v in runs.items()
+            },
+        },
+    }
+
+
+def test_the_page_shows_the_latest_gpu_result_with_its_date_and_device(tmp_path, monkeypatch):
+    """`--page` writes benchmarks/offload.md from the newest GPU result on file: a gpu-report part record (designs) or
+    the script's own CUDA run; never 'pending' when one exists."""
+    import json
+
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "offload.json").write_text(
+        json.dumps({"status": "ok", "designs": {"both": {"status": "ok", "result": _gpu_result("2026-11-26T16:57")}}})
+    )
+    paths = (bench.Path("offload.json"), bench.Path("gpu/offload.json"))
+    page = bench.write_page(paths, bench.Path("offload.md")).read_text()
+    assert "Latest GPU measurement: **NVIDIA H200**, 2026-11-26T16:57, from `gpu/offload.json`" in page
+    assert "| granular ratio 0.5 | 50 | 0.500 |" in page and "pending" not in page
+    assert "full offload ≥ 3x FSDP2 CPUOffloadPolicy: **29 vs 10 tokens/s (2.90x)**" in page
+    (tmp_path / "offload.json").write_text(json.dumps(_gpu_result("2026-12-01T10:00", gpu="NVIDIA H100")))
+    page = bench.write_page(paths, bench.Path("offload.md")).read_text()
+    assert "Latest GPU measurement: **NVIDIA H100**, 2026-12-01T10:00, from `offload.json`" in page
+    monkeypatch.setattr(bench, "REPO", tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    assert "No GPU result is on file yet" in bench.write_page(paths, bench.Path("offload.md")).read_text()
+
+
+def test_the_committed_page_is_the_scripts_output():
+    """benchmarks/offload.md is what `--page` writes from the results on file (regenerate it after a GPU run)."""
+    from benchmarks.harness import REPO
+
+    committed = (REPO / "benchmarks" / "offload.md").read_text()
+    assert "pending" not in committed
+    newest = bench.gpu_results()[0][1]
+    assert f"Latest GPU measurement: **{newest['machine']['gpu']}**, {newest['date']}" in committed
+
+
+# ------------------------------------------------------------------------------------------------ the profile
+
+
+def _event(name, cat, ts, dur, tid=1):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def test_the_profile_table_splits_the_step_into_busy_copies_idle_and_waits():
+    """A step of 100 µs on the launching thread: kernels 0-40 and 30-50 (busy 50), a copy to the device 45-70 (20 of
+    it outside kernels), idle 70-100, 10 µs of which in `offload.wait_step`; the worker's host step 20-80."""
+    from benchmarks import offload_profile
+
+    trace = {
+        "traceEvents": [
+            _event(offload_profile.STEP, "user_annotation", 0, 100),
+            _event("k1", "kernel", 0, 40, tid=7),
+            _event("k2", "kernel", 30, 20, tid=7),
+            _event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 45, 25, tid=8),
+            _event("offload.wait_step", "user_annotation", 80, 10),
+            _event("offload.host_step", "user_annotation", 20, 60, tid=2),
+            _event("k3", "kernel", 200, 10, tid=7),  # outside every step: not counted
+        ]
+    }
+    summary = offload_profile.summarize(trace)
+    gpu = summary["gpu_ms"]
+    assert summary["steps"] == 1 and summary["step_ms"] == pytest.approx(0.1)
+    assert gpu["busy (kernels)"] == pytest.approx(0.05) and gpu["copies HtoD"] == pytest.approx(0.025)
+    assert gpu["copies no kernel hides"] == pytest.approx(0.02) and gpu["idle"] == pytest.approx(0.03)
+    assert gpu["idle in offload.wait_step"] == pytest.approx(0.01)
+    assert summary["host_ms"] == {
+        "offload.host_step (worker)": pytest.approx(0.06),
+        "offload.wait_step (launching thread)": pytest.approx(0.01),
+    }
+    small = offload_profile.small_trace(trace)["traceEvents"]
+    assert [e["name"] for e in small].count("gpu busy") == 2 and not any(e["name"].startswith("k") for e in small)
+    with pytest.raises(ValueError, match="has no 'offload.profile.step' range"):
+        offload_profile.summarize({"traceEvents": []})
+
+
+def test_the_profile_part_runs_on_cpu_and_writes_its_table_and_small_trace(tmp_path):
+    """`--part profile --device cpu --smoke` (the dry run's): each design profiled at ratio 0.5; on CPU no CUDA
+    activity, offload's host ranges by thread."""
+    import json
+
+    from benchmarks import offload_profile
+
+    out = tmp_path / "offload_profile"
+    assert bench.main(["--part", "profile", "--device", "cpu", "--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["designs"]) == set(offload_profile.PROFILE_DESIGNS) and result["ratio"] == 0.5
+    for design, summary in result["designs"].items():
+        assert summary["gpu_ms"] is None and summary["steps"] == 1, design
+        assert summary["host_ms"]["offload.fetch (launching thread)"] > 0
+        assert summary["host_ms"]["offload.host_step (worker)"] > 0
+    assert "offload.host_accumulate (worker)" in result["designs"]["host"]["host_ms"]
+    assert "offload.accumulate_on_device (launching thread)" in result["designs"]["device_sums"]["host_ms"]
+    page = out.with_suffix(".md").read_text()
+    assert "| GPU | no CUDA activity (a CPU run) |" in page
+    trace = json.loads((tmp_path / "offload_profile_trace.json").read_text())["designs"]["host"]["traceEvents"]
+    assert trace and all(e["name"].startswith("offload.") for e in trace)
+
+
+def test_the_host_phases_benchmark_measures_and_predicts(tmp_path):
+    """benchmarks/offload_host.py --smoke: each update and host phase measured (GB/s), and the GPU run on file
+    predicted by the step-time model for each design at ratios 0.25, 0.5 and 1.0, with this host's rates and with the
+    fitted ones, beside the measured step times."""
+    import json
+
+    from benchmarks import offload_host
+
+    out = tmp_path / "host"
+    assert offload_host.main(["--smoke", "--blocks", "2", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {"torch fused", "torch foreach", "torch for-loop"} <= set(result["update"])
+    assert any("2 blocks on 2 thread(s)" in name for name in result["update"])
+    assert all(row["GBps"] > 0 for row in [*result["update"].values(), *result["phases"].values()])
+    run = offload_host.gpu_run()
+    if run is not None:  # benchmarks/gpu/offload.json holds a GPU run of today's design
+        predicted = result["predicted"]
+        assert set(predicted["this_host"]) == set(predicted["fit"]["band"]) == set(offload_host.DESIGNS)
+        assert all(set(row) == {"0.25", "0.5", "1.0"} for row in predicted["fitted_host"].values())
+        page = out.with_suffix(".md").read_text()
+        assert f"benchmarks/gpu/offload.json of {run['date']}" in page and "| today | **measured** |" in page
+    assert "smoke run" in out.with_suffix(".md").read_text()
+
+
+def test_the_delayed_update_benchmark_runs_side_by_side(tmp_path):
+    """benchmarks/offload_delayed.py --smoke: the trainer three times (exact, delayed, delayed + error feedback) from
+    the same seed; the exact and delayed runs agree on the first step (nothing to be stale yet) and differ after."""
+    import json
+
+    from benchmarks import offload_delayed
+
+    out = tmp_path / "delayed"
+    assert offload_delayed.main(["--smoke", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert list(runs) == list(offload_delayed.RUNS)
+    exact, delayed = runs["after_backward"]["loss"], runs["delayed"]["loss"]
+    assert exact["1"] == delayed["1"] and exact != delayed
+    assert "Final validation loss against the exact update" in out.with_suffix(".md").read_text()

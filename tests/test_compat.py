@@ -355,3 +355,27 @@ def test_dcp_reader_reads_what_torchs_reader_reads_and_refuses_other_globals(tmp
     # ... unless asked (to check the metadata of a folder another library loads): the records, never loaded through it
     metadata = dcp_reader(tmp_path / "bytes", bytes_entries=True).read_metadata()
     assert metadata.state_dict_metadata == dcp.FileSystemReader(tmp_path / "bytes").read_metadata().state_dict_metadata
+
+
+def test_the_profiler_records_a_thread_started_before_it():
+    """`profiler_config_all_threads`: a range on a worker thread that existed before the profiler started is in its
+    trace (granular offload's updates run on one); without it the profiler records only its own thread's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from hf_p2r.compat import profiler_config_all_threads
+
+    def work():
+        with record_function("worker.range"):
+            torch.ones(4).add_(1)
+
+    config = profiler_config_all_threads()
+    if config is None:
+        pytest.skip(f"torch {torch.__version__}'s profiler cannot record every thread")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(lambda: None).result()  # the thread exists before the profiler
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
+            pool.submit(work).result()
+    names = {event.name for event in prof.events()}
+    assert "worker.range" in names

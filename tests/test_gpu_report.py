@@ -71,17 +71,27 @@ def test_the_parts_measure_what_the_gpu_run_measures(dry_run):
     assert "Issue 25, FSDP2" in (out / "report.md").read_text()
 
 
-def test_the_offload_design_option_is_read_from_the_benchmark_help():
-    """Helper D's second design (device_chunked) where the offload benchmark offers it; one run where it does not."""
-    done = subprocess.run(
-        [sys.executable, "scripts/bench_offload.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True
-    )
-    designs = gpu_report.offload_designs()
-    if "device_chunked" in done.stdout:
-        option, values = designs
-        assert option in done.stdout and ("device_chunked" in values or set(values) & {"all", "both"})
-    else:
-        assert designs is None
+def test_the_offload_parts_time_each_report_design_and_profile_where_the_step_goes(dry_run):
+    """The offload part has a row per design of benchmarks/offload.py's REPORT_DESIGNS at each ratio; the profile part
+    writes its table (on CPU: no CUDA activity, the host's phases by thread) and a small trace of every design."""
+    from benchmarks import offload as bench
+    from benchmarks import offload_profile
+
+    _, out = dry_run
+    runs = json.loads((out / "offload.json").read_text())["designs"]["report"]["result"]["throughput"]["runs"]
+    for design in bench.REPORT_DESIGNS:
+        assert {bench.granular_name(r, design) for r in (0.5, 1.0)} <= set(runs), design
+    profile = json.loads((out / "offload_profile.json").read_text())
+    assert profile["status"] == "ok" and set(profile["result"]["designs"]) == set(offload_profile.PROFILE_DESIGNS)
+    for summary in profile["result"]["designs"].values():
+        assert summary["gpu_ms"] is None and summary["step_ms"] > 0
+        assert any(name.startswith("offload.fetch (launching thread)") for name in summary["host_ms"])
+    assert any("offload.host_step (worker)" in s["host_ms"] for s in profile["result"]["designs"].values())
+    page = (out / "offload_profile.md").read_text()
+    assert page.startswith("# Granular offload: where the step goes (ratio 0.5)") and "| host offload.fetch" in page
+    trace = json.loads((out / "offload_profile_trace.json").read_text())
+    assert set(trace["designs"]) == set(offload_profile.PROFILE_DESIGNS)
+    assert (out / "offload_profile_trace.json").stat().st_size < 2_000_000
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")

@@ -41,6 +41,7 @@ PYTHON_BLOCKS = {
     "DistributedConfig(tp_size=8)": "needs 8 processes under torchrun (tests/distributed/test_tensor_parallel.py)",
     "callbacks=[P2RCallback(delink_at={1000: 4, 3000: None}": "tests/integrations/test_example.py::"
     "test_the_example_trains_resumes_on_either_side_of_the_delink_and_dry_runs_the_push",
+    "growth=[Grow(": "tests/integrations/test_growth.py::test_the_growth_snippet_of_the_docs_runs_as_written",
     "p2r_trainer(SFTTrainer)": "tests/integrations/test_trl.py::"
     "test_sft_trainer_delinks_keeps_trls_fused_head_and_resumes_bitwise",
 }

@@ -55,8 +55,8 @@ def save_model(
     `write_checkpoint(folder, tensors)` here (`folder`: the temporary folder; `tensors`: the names to write, in order,
     as meta tensors are enough: names, dtypes, shapes), with `converted` (its `state_dict` is already under the
     names `save_pretrained` writes: a MoE model's experts one tensor per expert). Under ZeRO-3, pass each process's
-    share of whole tensors (`hf_p2r.distributed.fsdp.zero3_owned_state`) to `save_model_from_shards`, as the trainer
-    does for dense models; or gather the full state dict on every process (a collective, e.g.
+    share of whole tensors (`hf_p2r.distributed.deepspeed.zero3_owned_state`) to `save_model_from_shards`, as the
+    trainer does for dense models; or gather the full state dict on every process (a collective, e.g.
     `accelerator.get_state_dict(model)`) and call this on the main process only with it.
 
     ```python

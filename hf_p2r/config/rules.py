@@ -104,6 +104,16 @@ def check_offload_budget(offload, compute) -> None:
         offload.check_offload_budget("cpu")
 
 
+@rule("offload", "optim")
+def check_offload_update(offload, optim) -> None:
+    if offload.offload is not None and offload.offload_update == "during_backward" and optim.max_grad_norm:
+        raise ConfigError(
+            "offload_update: during_backward steps each offloaded block before the whole gradient's norm is known, "
+            f"so it cannot clip (max_grad_norm is {optim.max_grad_norm:g}): set max_grad_norm 0, or offload_update "
+            "delayed or after_backward"
+        )
+
+
 @rule("checkpointing")
 def check_checkpoint_async(checkpointing) -> None:
     if checkpointing.checkpoint_async and checkpointing.checkpoint_format == "accelerate":

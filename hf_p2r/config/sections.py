@@ -401,6 +401,28 @@ class OffloadArguments:
         "device_chunked: MiB of parameters, gradients and optimizer state stepped at a time.",
         check=above(0.0),
     )
+    offload_grad_accumulation: Literal["host", "device"] = option(
+        "host",
+        "Where an offloaded block's gradient is summed over a step's micro-batches: host (each micro-batch's gradient "
+        "sent and added on the CPU; no device memory) or device (summed on the device in a buffer per offloaded "
+        "parameter, offload_grad_dtype bytes each, and sent once per step).",
+    )
+    offload_grad_dtype: Literal["fp32", "bf16"] = option(
+        "fp32", "offload_grad_accumulation device: dtype of the sums and of their copy to the host."
+    )
+    offload_update: Literal["after_backward", "during_backward", "delayed"] = option(
+        "after_backward",
+        "When the host updates offloaded blocks (offload_optimizer host): after_backward (each block while the next "
+        "forward runs, before its use), during_backward (each block once its last gradient has landed; needs "
+        "max_grad_norm 0) or delayed (during the next step, which sends the weights of the update before: one step "
+        "stale, as ZeRO-Offload's delayed parameter update; not exact).",
+    )
+    offload_delay_correction: Literal["none", "error_feedback"] = option(
+        "none", "offload_update delayed: correct the stale update (PipeDream-2BW's error feedback)."
+    )
+    offload_host_threads: int = option(
+        1, "Host threads updating offloaded blocks (and summing their gradients).", check=at_least(1)
+    )
 
     @property
     def offload_spec(self) -> str | float | list[int] | None:

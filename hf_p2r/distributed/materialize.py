@@ -15,10 +15,15 @@ recomputes `inv_freq` from the config), so nothing is copied from a model that w
 >>> materialize(model, seed=42, keep=stage_modules)   # a pipeline stage's modules only
 >>> fully_shard_p2r(model, mesh=mesh); model.to_empty(device="cuda"); materialize(model, seed=42)  # FSDP2 shards
 ```
+
+A delinked (or grown) model held in pieces is built on the meta device too, with `delinked_config`, and filled from
+the old model's pieces instead (`delink_fully_sharded`, `delink_deepspeed`, `delink_stages`); `copy_buffers` gives it
+the old model's buffers.
 """
 
+import copy
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
 from ..compat import init_module_weights, local_tensor
+from ..models.p2r.sharing_p2r import LAYER_KEY, DelinkPlan
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -142,6 +148,28 @@ def materialized_bytes(module: nn.Module) -> int:
     return total
 
 
+def delinked_config(config, plan: DelinkPlan):
+    """A copy of `config` as the model is after the delink `plan` (its `fields`: depth, blocks, sharing), to build the
+    delinked model on the meta device and fill it from the old one's pieces (FSDP2 shards, ZeRO-3 partitions)."""
+    new_config = copy.deepcopy(config)
+    for key, value in plan.fields.items():
+        setattr(new_config, key, value)
+    return new_config
+
+
+def copy_buffers(
+    source: nn.Module, target: nn.Module, sources: Sequence[int] | None = None, device: torch.device | str | None = None
+) -> None:
+    """Give `target` (built on the meta device) copies of `source`'s buffers (the rotary tables), by name; a layer's
+    from the block it copies when `target` is `source` delinked (`sources`: the old block of each new block)."""
+    for name, _ in target.named_buffers():
+        match = LAYER_KEY.match(name) if sources is not None else None
+        old = f"{match['prefix']}{sources[int(match['block'])]}.{match['rest']}" if match else name
+        buffer = source.get_buffer(old)
+        owner, _, leaf = name.rpartition(".")  # assigning a registered buffer's name replaces it, persistence kept
+        setattr(target.get_submodule(owner), leaf, buffer.detach().to(device or buffer.device, copy=True))
+
+
 def _join(module_name: str, key: str) -> str:
     return f"{module_name}.{key}" if module_name else key
 
@@ -150,4 +178,4 @@ def _within(name: str, prefix: str) -> bool:
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
 
-__all__ = ["materialize", "materialized_bytes", "module_seed"]
+__all__ = ["copy_buffers", "delinked_config", "materialize", "materialized_bytes", "module_seed"]

@@ -45,10 +45,11 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoint.card import render_model_card
 from ..compat import restore_forward
+from ..models.p2r.sharing_p2r import DelinkPlan
 from ..training.config import TrainArguments
-from ..training.delink import check_delink_supported, delink_in_training
+from ..training.delink import check_delink_supported, check_growth_supported, delink_in_training
 from ..training.optim import rewarm_factor
-from .callback import NUM_BLOCKS, P2RCallback
+from .callback import NUM_BLOCKS, NUM_HIDDEN_LAYERS, Grow, P2RCallback, event_plan
 
 CARD_NAME = "README.md"
 
@@ -77,12 +78,13 @@ class P2RTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         callback = self.p2r_callback()
         if callback is not None:
+            callback.events_done = None  # found again when training begins (or by the resume, below)
             self.check_p2r(callback)
             if resume_from_checkpoint:
                 if resume_from_checkpoint is True:
                     resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer says so
                 if resume_from_checkpoint is not None:
-                    self.rebuild_for_checkpoint(str(resume_from_checkpoint))
+                    self.rebuild_for_checkpoint(str(resume_from_checkpoint), callback)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def check_p2r(self, callback: P2RCallback) -> None:
@@ -107,6 +109,11 @@ class P2RTrainerMixin:
                 "prepared by Accelerate",
             ),
             (args.torch_compile, "torch_compile: not supported with P2RCallback (the model is prepared again)"),
+            (
+                args.restore_callback_states_from_checkpoint,
+                "restore_callback_states_from_checkpoint: P2RTrainer restores P2RCallback's stage from the checkpoint "
+                "itself, and a callback rebuilt by Trainer would not be bound to it; leave it False",
+            ),
         ]
         for bad, message in refused:
             if bad:
@@ -125,6 +132,15 @@ class P2RTrainerMixin:
                     "to DeepSpeed, which P2RTrainer must rebuild at each delink; remove them (Trainer builds both)"
                 )
         check_delink_supported(accelerator, TrainArguments(optimizer_carry=callback.carry))
+        if accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED:
+            config = self.model.config
+            for event, plan in zip(callback.events, callback.plans(self.model)):
+                if isinstance(event, Grow) and plan is not None:
+                    try:
+                        check_growth_supported(config, plan, accelerator.distributed_type.value)
+                    except ValueError as error:
+                        raise ValueError(f"growth: step {event.step}: {error}") from None
+                    break
         new_object = accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED
         if new_object and "forward" in vars(self.model):
             raise ValueError(
@@ -132,33 +148,48 @@ class P2RTrainerMixin:
                 f"{accelerator.distributed_type.value} each delink builds a new model object without it; run this "
                 "trainer on one process or DDP"
             )
-        if not hasattr(self.model, "delink_parameter_map"):
-            callback.check(self.model, 0)  # the one-line "not a P2R model" refusal
+        callback.check(self.model, 0)  # the one-line "not a P2R model" refusal, and the schedule against the model
 
-    def rebuild_for_checkpoint(self, checkpoint: str) -> None:
-        """Delink the model (not yet prepared) to the blocks `checkpoint` was saved at, so that Trainer loads the
-        checkpoint into a model of its shape."""
-        blocks = checkpoint_blocks(checkpoint)
+    def rebuild_for_checkpoint(self, checkpoint: str, callback: P2RCallback) -> None:
+        """Delink or grow the model (not yet prepared) to the stage `checkpoint` was saved at, so that Trainer loads
+        the checkpoint into a model of its shape: the schedule's events up to that stage, replayed (the same
+        mappings), and the callback told how many are done; a stage the schedule does not pass through (a
+        checkpoint of another run) by one delink to its depth and blocks."""
+        depth, blocks = checkpoint_stage(checkpoint)
         model, config = self.model, self.model.config
-        if blocks == config.num_blocks:
-            return
-        if blocks < config.num_blocks:
+        now = (config.num_hidden_layers, config.num_blocks)
+        if depth < now[0] or blocks < now[1]:
             raise ValueError(
-                f"resume_from_checkpoint: {checkpoint} holds a model with {blocks} blocks, this trainer's model has "
-                f"{config.num_blocks}: give the trainer the model the run started from"
+                f"resume_from_checkpoint: {checkpoint} holds a model with {depth} layers and {blocks} blocks, this "
+                f"trainer's model has {now[0]} layers and {now[1]} blocks: give the trainer the model the run started "
+                "from"
             )
+        stages = callback.stages(model)
+        done = max((n for n, stage in enumerate([now, *stages]) if stage == (depth, blocks)), default=None)
+        if (depth, blocks) == now and done is not None:
+            callback.events_done = done
+            return
         if any(hasattr(param, "ds_id") for param in model.parameters()):
             raise ValueError(
                 "resume_from_checkpoint: the model is partitioned by deepspeed.zero.Init and cannot be delinked "
                 "before DeepSpeed prepares it; build it outside zero.Init (P2RForCausalLM(config))"
             )
-        model.delink(blocks if blocks < config.num_hidden_layers else None)
+        if done is None:
+            try:
+                model.delink(blocks, num_hidden_layers=depth)
+            except ValueError as error:
+                raise ValueError(f"resume_from_checkpoint: {checkpoint}: {error}") from None
+            return
+        for event, plan in zip(callback.events[:done], callback.plans(model)):
+            if plan is not None:
+                model.delink(event_plan(event, model.config))
+        callback.events_done = done
 
     # --- the delink ------------------------------------------------------------------------------------------------
-    def delink(self, num_unique_layers: int | None, carry: str) -> None:
-        """Delink the prepared model to `num_unique_layers` blocks (None: the real model) between two optimizer steps,
-        and rebuild the optimizer (`create_optimizer`, its state carried by `carry`); the scheduler goes on at its step
-        with the new optimizer."""
+    def delink(self, num_unique_layers: int | DelinkPlan | None, carry: str) -> None:
+        """Delink the prepared model to `num_unique_layers` blocks (None: the real model; a `DelinkPlan`: that delink,
+        depth growth included) between two optimizer steps, and rebuild the optimizer (`create_optimizer`, its state
+        carried by `carry`); the scheduler goes on at its step with the new optimizer."""
         accelerator, old_optimizer = self.accelerator, self.optimizer
         rates = [(group["lr"], group.get("initial_lr")) for group in old_optimizer.param_groups]
         # Mixed precision's autocast forward off as Accelerate found the forward (one process and DDP delink in place
@@ -239,7 +270,7 @@ class P2RTrainerMixin:
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         callback = self.p2r_callback()
         if callback is not None and callback.num_blocks is not None:
-            logs = {**logs, NUM_BLOCKS: callback.num_blocks}
+            logs = {**logs, NUM_HIDDEN_LAYERS: callback.num_hidden_layers, NUM_BLOCKS: callback.num_blocks}
         return super().log(logs, *args, **kwargs)
 
     def create_model_card(self, *args, **kwargs) -> None:
@@ -274,31 +305,42 @@ def rewarmed(factor, delink_steps: list[int], rewarm_steps: int):
     return rewarmed_factor
 
 
-def checkpoint_blocks(checkpoint: str) -> int:
-    """The blocks of the model in a Trainer checkpoint: the P2RCallback state of its trainer_state.json, else its
-    config.json (`num_unique_layers` of a pseudo model, `num_hidden_layers` of a real one). `ValueError` naming the
-    checkpoint when neither says."""
+def checkpoint_stage(checkpoint: str) -> tuple[int, int]:
+    """(depth, blocks) of the model in a Trainer checkpoint: the P2RCallback state of its trainer_state.json
+    (`num_hidden_layers`, `num_blocks`), else its config.json (`num_hidden_layers`; `num_unique_layers` of a pseudo
+    model). `ValueError` naming the checkpoint when neither says."""
     state_file, config_file = os.path.join(checkpoint, "trainer_state.json"), os.path.join(checkpoint, "config.json")
+    saved, config = {}, {}
     try:
         with open(state_file, encoding="utf-8") as file:
-            saved = json.load(file).get("stateful_callbacks", {}).get(P2RCallback.__name__)
-        blocks = (saved[-1] if isinstance(saved, list) else saved)["attributes"]["num_blocks"]
-        if isinstance(blocks, int) and not isinstance(blocks, bool):
-            return blocks
+            state = json.load(file).get("stateful_callbacks", {}).get(P2RCallback.__name__)
+        saved = (state[-1] if isinstance(state, list) else state)["attributes"]
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         pass
     try:
         with open(config_file, encoding="utf-8") as file:
             config = json.load(file)
-        blocks = config["num_unique_layers"] if config.get("share_layers") else config["num_hidden_layers"]
-        if isinstance(blocks, int) and not isinstance(blocks, bool):
-            return blocks
+        config = {
+            "num_hidden_layers": config["num_hidden_layers"],
+            "num_blocks": config["num_unique_layers"] if config.get("share_layers") else config["num_hidden_layers"],
+        }
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
-    raise ValueError(
-        f"resume_from_checkpoint: {checkpoint} does not say which stage it belongs to (no P2RCallback state in "
-        "trainer_state.json, no P2R config.json)"
-    )
+        config = {}
+    stage = []
+    for name in ("num_hidden_layers", "num_blocks"):
+        value = saved.get(name) if isinstance(saved, dict) else None
+        value = value if _is_count(value) else config.get(name)  # (a checkpoint of before growth: blocks only)
+        if not _is_count(value):
+            raise ValueError(
+                f"resume_from_checkpoint: {checkpoint} does not say which stage it belongs to (no P2RCallback state "
+                "in trainer_state.json, no P2R config.json)"
+            )
+        stage.append(value)
+    return stage[0], stage[1]
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @functools.cache
@@ -329,4 +371,4 @@ class P2RTrainer(P2RTrainerMixin, Trainer):
     """
 
 
-__all__ = ["P2RTrainer", "P2RTrainerMixin", "checkpoint_blocks", "p2r_trainer", "rewarmed"]
+__all__ = ["P2RTrainer", "P2RTrainerMixin", "checkpoint_stage", "p2r_trainer", "rewarmed"]

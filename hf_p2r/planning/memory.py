@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from ..compat import causal_lm_tp_plan
+from ..distributed.offload.estimates import offload_working_set_bytes
 from ..distributed.pipeline.schedules import SCHEDULES, get_schedule
 from ..distributed.pipeline.split import balanced_split, stage_depths
 from ..models.p2r import P2RConfig, P2RMoeConfig
@@ -336,24 +337,6 @@ __all__ = [
     "offload_working_set_bytes",
     "stage_tensors",
 ]
-
-
-def offload_working_set_bytes(
-    weight_bytes: int, grad_bytes: int, *, offloaded: int, shared: int = 0, prefetch: int = 1
-) -> int:
-    """Device bytes the `offloaded` blocks of a `GranularOffload` need at once, for blocks of at most `weight_bytes`
-    of device weights and `grad_bytes` of gradients (`estimate_device_bytes` and the planner use it).
-
-    Weights: the block running and the `prefetch` blocks copied ahead of it; a released block's memory is reused by
-    the next copy (see `hf_p2r.training.offload.GranularOffload._fetch`). Gradients: a block's stay on the device
-    until their copy to the host is done, and the backward waits for the oldest copies once more than
-    `max_inflight_bytes` are in flight (default: one block's gradients), so two blocks at most; but autograd sums the
-    gradient of a block run at several depths (`shared`) in a buffer that lives from its last depth's backward to its
-    first, so each shared block holds one more.
-    """
-    if offloaded <= 0:
-        return 0
-    return min(prefetch + 1, offloaded) * weight_bytes + min(offloaded, shared + 2) * grad_bytes
 
 
 # Host memory of one process of a CPU run (gloo, fp32, AdamW) of the trainer's pipeline engine, above what the same

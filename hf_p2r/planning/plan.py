@@ -23,8 +23,9 @@ Cost model (every assumption is a field of `Hardware`, overridable from the comm
   or all-gather; a group inside a node uses `intra_node_bandwidth`, one that spans nodes `inter_node_bandwidth`
   (ranks are placed TP innermost, then DP, then PP, as in Megatron);
 - offload: weights host-to-device for every use, gradients device-to-host, at `pcie_bandwidth`, and the CPU
-  optimizer step at `cpu_adam_params_per_second` shared by a node's GPUs;
-- nothing overlaps: the step time is the sum (an upper bound, the same for every layout).
+  optimizer step at `cpu_adam_params_per_second` shared by a node's GPUs; granular offload (one GPU) counts what the
+  step-time model of `hf_p2r.distributed.offload.step_time` says is exposed beside the compute (the trainer's design);
+- nothing else overlaps: the step time is the sum (an upper bound, the same for every layout).
 """
 
 import copy
@@ -38,6 +39,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..checkpoint.convert import read_p2r_config_dict
 from ..checkpoint.io import CONFIG_NAME, read_config_dict
+from ..distributed.offload.step_time import Design, HostRates, OffloadStep, predict_step_seconds
 from ..distributed.pipeline.schedules import get_schedule
 from ..distributed.pipeline.split import allowed_cuts
 from ..errors import InputError, read_json
@@ -177,6 +179,9 @@ def _estimate(
     per_depth = tokens * a * hidden if layout.recompute else layer
     head = head_activation_bytes(config, tokens, p) + logits_bytes(config, tokens, p)
 
+    tokens_per_step = workload.global_batch * workload.seq_len
+    bubble = schedule.bubble(layout.pp, micro_batches)
+    compute = _compute_seconds(blocks.model, layout, workload.seq_len, tokens_per_step, hardware) / (1 - bubble)
     memory: Memory | None = None  # of the most loaded process
     comm = offload = 0.0  # of the slowest process: the pipeline runs at its pace
     for stage in stages:
@@ -204,7 +209,7 @@ def _estimate(
             stage_memory.activations += in_flight * (per_micro_batch + (head if index == num_stages - 1 else 0))
 
         comm = max(comm, _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardware, stage))
-        offload = max(offload, _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware))
+        offload = max(offload, _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware, compute))
         if memory is None or stage_memory.total > memory.total:
             memory = stage_memory
 
@@ -212,9 +217,6 @@ def _estimate(
     fits = memory.total + hardware.reserved_gpu_bytes <= hardware.gpu_memory and (
         hardware.cpu_memory is None or cpu_per_node <= hardware.cpu_memory
     )
-    tokens_per_step = workload.global_batch * workload.seq_len
-    bubble = schedule.bubble(layout.pp, micro_batches)
-    compute = _compute_seconds(blocks.model, layout, workload.seq_len, tokens_per_step, hardware) / (1 - bubble)
     split = [len(depths) for _, depths in sorted(part for stage in stages for part in stage.parts)]
     engine = _engine(layout, micro_batches, workload.micro_batch, workload.precision.name, split)
     if workload.optimizer == "muon" and (layout.zero >= 1 or layout.tp > 1):
@@ -513,13 +515,20 @@ def _comm_seconds(config, layout, units, uses, micro_batches, tokens, p, hardwar
     return seconds
 
 
-def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware) -> float:
+def _offload_seconds(units, layout, offloaded, uses, micro_batches, p, hardware, compute) -> float:
     rest = 0
     if layout.offloads_everything:
         offloaded = {key for key in units if isinstance(key, int)}
         rest = sum(n for key, n in units.items() if not isinstance(key, int))
     elif not offloaded:
         return 0.0
+    else:  # granular offload: what the step-time model leaves exposed beside the compute
+        blocks = sum(isinstance(key, int) for key in units)
+        step = OffloadStep(sum(units[b] for b in offloaded), micro_batches, len(offloaded), blocks, p.weight, p.grad,
+                           3 if layout.recompute else 2, sum(uses[b] for b in offloaded) / len(offloaded))  # fmt: skip
+        rates = HostRates(update_parameters_per_second=hardware.cpu_adam_params_per_second)
+        bus = hardware.pcie_bandwidth
+        return predict_step_seconds(compute, step, Design(), rates, bus, bus).seconds - compute
     shard = (lambda n: -(-n // layout.dp)) if layout.zero >= 3 else (lambda n: n)
     reads = 3 if layout.recompute else 2  # forward, backward (and the recomputed forward)
     traffic = sum(shard(units[b]) * (uses[b] * reads * p.weight + p.grad) for b in offloaded)

@@ -7,7 +7,7 @@ nothing is gathered to one process. The checkpoint holds
 - `model.<name>`: the weights under the names of the whole model's `named_parameters()` (a tied head under the
   embeddings' name), whatever holds them: one process, DDP, FSDP2 shards (DTensors), a pipeline's stages, DeepSpeed
   ZeRO-3's partitions (the fp32 master weights, each whole tensor written by one process:
-  `hf_p2r.distributed.fsdp.zero3_training_state`);
+  `hf_p2r.distributed.deepspeed.zero3_training_state`);
 - `optimizer.<name>.<key>`: each parameter's optimizer state under its name (AdamW's `exp_avg`, `exp_avg_sq`, `step`),
   sharded like its parameter. The parameter groups are not saved: they come from the configuration, which a resumed
   run shares (`read_state`), and the learning rate is set before every step;
@@ -202,7 +202,7 @@ def load_zero3_state(path: Path, engine) -> None:
     """Load DCP checkpoint `path` (saved by any layout) into a DeepSpeed ZeRO-3 `engine`: each process loads the whole
     tensors it keeps in `zero3_training_state` (`zero3_owned_names`: about 1/N of the model and its optimizer state),
     then `set_zero3_training_state` hands every process its partitions, one parameter at a time."""
-    from ..distributed.fsdp import set_zero3_training_state, zero3_owned_names, zero3_shapes
+    from ..distributed.deepspeed import set_zero3_training_state, zero3_owned_names, zero3_shapes
 
     saved = dcp_reader(path).read_metadata().state_dict_metadata
     shapes = zero3_shapes(engine)

@@ -6,9 +6,11 @@ prepared by Accelerate (one device, DDP, FSDP2, DeepSpeed) and for granular offl
 pipeline's stages (`hf_p2r.distributed.pipeline.delink_stages` changes their structure).
 
 Each takes the delink as `num_unique_layers` (an int, or None for the real model) or as a `DelinkPlan`
-(`model.delink_plan(k, num_hidden_layers=..., growth=..., function_preserving=...)`), which also grows the depth. Depth
-growth runs where the model is whole on each process (one device, DDP, granular offload); FSDP2, DeepSpeed and
-pipelines refuse it in one line (`check_growth_supported`).
+(`model.delink_plan(k, num_hidden_layers=..., growth=..., function_preserving=...)`), which also grows the depth, under
+every engine: one device, DDP and granular offload in place; FSDP2 and DeepSpeed ZeRO-3 shard by shard, no process
+gathering the model (`delink_fully_sharded`, `delink_deepspeed`); pipelines where each stage can grow its own layers
+("interleave" growth, or the whole model as one stage; otherwise refused in one line before anything changes:
+`hf_p2r.distributed.pipeline.split.grown_split`).
 """
 
 from collections.abc import Callable
@@ -20,7 +22,7 @@ from torch import nn
 
 from ..compat import forget_preparation
 from ..distributed import delink_fully_sharded, gather_shared_once
-from ..distributed.fsdp import delink_deepspeed
+from ..distributed.deepspeed import delink_deepspeed
 from ..distributed.pipeline import Pipeline, delink_stages
 from ..models.p2r import P2RForCausalLM
 from ..models.p2r.sharing_p2r import DelinkPlan
@@ -64,7 +66,7 @@ def delink_in_training(
     accelerator: Accelerator,
     model: nn.Module,
     optimizer,
-    num_unique_layers: int | None,
+    num_unique_layers: int | DelinkPlan | None,
     args: TrainArguments,
     offload: GranularOffload | None = None,
     activation_bytes: int = 0,
@@ -98,10 +100,6 @@ def delink_in_training(
         return optimizer_factory(model) if optimizer_factory is not None else build_optimizer(model, args, offload)
 
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
-    if accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED:
-        num_unique_layers = check_growth_supported(
-            accelerator.unwrap_model(model).config, num_unique_layers, accelerator.distributed_type.value
-        )
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -138,21 +136,6 @@ def delink_in_training(
     return *accelerator.prepare(unwrapped, new_optimizer, device_placement=placement), offload
 
 
-def check_growth_supported(config, num_unique_layers: int | DelinkPlan | None, engine: str) -> int | None:
-    """`num_unique_layers` as the block count (None: the real model) for an engine that delinks at constant depth
-    (FSDP2, DeepSpeed, pipelines); `ValueError` in one line if it is a `DelinkPlan` that grows the depth."""
-    if not isinstance(num_unique_layers, DelinkPlan):
-        return num_unique_layers
-    plan = num_unique_layers
-    if plan.num_hidden_layers != config.num_hidden_layers or plan.fresh or plan.output_scale != 1.0:
-        raise ValueError(
-            f"depth growth ({config.num_hidden_layers} -> {plan.num_hidden_layers} layers) is not supported under "
-            f"{engine}; grow on one device, DDP or with granular offload, or convert the checkpoint (hf-p2r convert "
-            "--num-hidden-layers) and train the grown model"
-        )
-    return None if plan.num_unique_layers == config.num_hidden_layers else plan.num_unique_layers
-
-
 def delink_pipeline(
     pipeline: Pipeline,
     optimizer: torch.optim.Optimizer,
@@ -164,8 +147,8 @@ def delink_pipeline(
     a new optimizer over their parameters (also `pipeline.optimizer`), its state carried from `optimizer` as for a
     whole model (`carry_optimizer_state`: scale's ratio n'/n counts every depth of the whole model that runs the new
     block and ran the old one). Call it on every process of every pipeline at the same step, between optimizer
-    steps. (A schedule that keeps a second weight version, 2BW, is drained first and delinks it alike.)"""
-    num_unique_layers = check_growth_supported(pipeline.config, num_unique_layers, "pipeline parallelism")
+    steps. (A schedule that keeps a second weight version, 2BW, is drained first and delinks it alike.) A depth growth
+    the stages cannot do in place is refused in one line before any weight changes (`delink_stages`)."""
     pipeline.drain()  # the optimizer's last update lands in the weights the snapshot holds
     before = ParameterSnapshot.of(pipeline)
     mapping = delink_stages(pipeline, num_unique_layers)
@@ -177,7 +160,6 @@ def delink_pipeline(
 
 __all__ = [
     "check_delink_supported",
-    "check_growth_supported",
     "delink_in_training",
     "delink_pipeline",
     "delink_with_optimizer",

@@ -2,8 +2,10 @@
 
 import gc
 import json
+import multiprocessing
 import os
 import socket
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,16 +31,33 @@ def free_port() -> int:
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def run(body: Callable[[int, int], dict], world_size: int, tmp_path: Path) -> dict:
-    """Call `body(rank, world_size)` in `world_size` spawned CPU processes (`CPU_ONLY`); return what rank 0's body
-    returned (JSON).
+# The workers are forked from one server process that imported these once (multiprocessing's forkserver), not each
+# started as a fresh interpreter that imports torch, transformers, Accelerate and the trainer again (spawn): that
+# import cost 10-12 CPU seconds per worker, most of a small test's time (test_spawn.py's three two-process tests:
+# 1.4-1.5 CPU s each after the first, against 23-25 spawned). Each worker then takes this process's environment,
+# working folder and module path as they are at the call, as a spawned one would; what the modules below read from
+# the environment as they are imported, they read from the first call's.
+PRELOAD = ["torch", "torch.distributed", "transformers", "accelerate", "hf_p2r.training.train", "hf_p2r.distributed"]
 
-    `body` must be a module-level function (spawn pickles it by name). A failure in any process fails the test with
-    that process's traceback.
+
+def run(body: Callable[[int, int], dict], world_size: int, tmp_path: Path) -> dict:
+    """Call `body(rank, world_size)` in `world_size` CPU processes (`CPU_ONLY`); return what rank 0's body returned
+    (JSON).
+
+    `body` must be a module-level function (it is pickled by name). A failure in any process fails the test with that
+    process's traceback.
     """
     result = tmp_path / "rank0.json"
-    with _environment(CPU_ONLY):  # spawned processes start with this process's environment
-        mp.spawn(_worker, args=(body, world_size, free_port(), str(result)), nprocs=world_size, join=True)
+    with _environment(CPU_ONLY):
+        start = dict(environment=dict(os.environ), cwd=os.getcwd(), path=list(sys.path))
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        mp.start_processes(
+            _worker,
+            args=(body, world_size, free_port(), str(result), start),
+            nprocs=world_size,
+            join=True,
+            start_method="forkserver",
+        )
     return json.loads(result.read_text())
 
 
@@ -56,7 +75,11 @@ def _environment(values: dict[str, str]):
                 os.environ[name] = value
 
 
-def _worker(rank: int, body, world_size: int, port: int, result: str) -> None:
+def _worker(rank: int, body, world_size: int, port: int, result: str, start: dict) -> None:
+    os.environ.clear()
+    os.environ.update(start["environment"])
+    os.chdir(start["cwd"])
+    sys.path[:] = start["path"]
     os.environ.update(
         HF_HUB_OFFLINE="1", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

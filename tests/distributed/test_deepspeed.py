@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO-1/2/3, and ZeRO-Offload at stages 2 and 3 (deepspeed.initialize, gloo, two CPU processes) on a
-pseudo model, through delink (`delink_deepspeed`, as the trainer's).
+pseudo model, through delink (`delink_deepspeed`, as the trainer's); and depth growth of a shallow model under ZeRO-2
+and ZeRO-3 (into the new partitions): the grown weights bitwise the one-process `delink(plan)` of the same weights, and
+function-preserving growth's loss at the growth step the shallow model's.
 
 Accelerate's DeepSpeed plugin drives this same engine; on CPU it does not set up several processes, so the
 Accelerate path (`configs/accelerate/deepspeed_*.yaml`) runs here in one process (test_deepspeed_zero_init.py) and
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from hf_p2r.distributed import gather_deepspeed_model
-from hf_p2r.distributed.fsdp import delink_deepspeed
+from hf_p2r.distributed.deepspeed import delink_deepspeed
 
 from ..conftest import tiny_model
 from . import spawn
@@ -85,14 +87,78 @@ def zero_stages(rank: int, world_size: int) -> dict:
     return output
 
 
+# name -> (ZeRO stage, the shallow model, the growth): unshared stacked, shared with biases interleaved, Depth-µP (its
+# kept outputs scaled), and ZeRO-2 (through the gathered copy).
+SHALLOW = dict(num_hidden_layers=2, real_num_hidden_layers=4)
+SHARED = dict(num_hidden_layers=4, share_layers=True, num_unique_layers=2, real_num_hidden_layers=8, mlp_bias=True)
+GROWTH = {
+    "3-stack": (3, SHALLOW, dict(num_hidden_layers=4, function_preserving=True)),
+    "3-shared-interleave": (3, SHARED, dict(num_hidden_layers=8, growth="interleave", function_preserving=True)),
+    "3-depth-mup": (3, {**SHALLOW, "depth_mup": True}, dict(num_hidden_layers=4, function_preserving=True)),
+    "2-stack": (2, SHALLOW, dict(num_hidden_layers=4, function_preserving=True)),
+}
+
+
+def growth(rank: int, world_size: int) -> dict:
+    """Each GROWTH case trained two steps, then grown by `delink_deepspeed` (a new engine on the grown model) against
+    `gather_deepspeed_model(engine).delink(plan)`: the one-process delink of the same weights."""
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randint(3, 101, (4, 12), generator=generator) for _ in range(3)]
+    local = slice(rank * 2, rank * 2 + 2)
+    output = {}
+    for name, (stage, layout, grow) in GROWTH.items():
+        model = tiny_model(**layout).train()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model), config=engine_config(stage, {}))
+        for input_ids in data[:2]:
+            engine.backward(engine(input_ids=input_ids[local], labels=input_ids[local]).loss)
+            engine.step()
+        plan = engine.module.delink_plan(**grow)
+        expected = dict(gather_deepspeed_model(engine).delink(plan).named_parameters())
+        probe = data[2][local]
+        with torch.no_grad():
+            shallow = engine(input_ids=probe, labels=probe).loss.item()
+        grown = delink_deepspeed(engine, plan)
+        partitioned = all(hasattr(p, "ds_id") for p in grown.parameters())
+        engine, *_ = deepspeed.initialize(model=grown, optimizer=optimizer(grown), config=engine_config(stage, {}))
+        with torch.no_grad():
+            after = engine(input_ids=probe, labels=probe).loss.item()
+        final = dict(gather_deepspeed_model(engine).named_parameters())
+        output[name] = {
+            "names": sorted(final) == sorted(expected),
+            "differ": [n for n, p in expected.items() if not torch.equal(final[n], p)],
+            "layers": [engine.module.config.num_hidden_layers, plan.num_hidden_layers],
+            "partitioned": partitioned,
+            "losses": [shallow, after],
+        }
+    return output
+
+
+def stages_and_growth(rank: int, world_size: int) -> dict:
+    return {"stages": zero_stages(rank, world_size), "growth": growth(rank, world_size)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    return spawn.run(zero_stages, 2, tmp_path_factory.mktemp("deepspeed"))
+    """One two-process run for the whole file (process start-up and DeepSpeed's set-up dominate the time)."""
+    return spawn.run(stages_and_growth, 2, tmp_path_factory.mktemp("deepspeed"))
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_stage_on_pseudo_model_through_delink_matches_one_process(runs, stage):
-    result = runs[stage]
+    result = runs["stages"][stage]
     assert result["real"]
     assert result["moved"] > 100 * ATOL  # control: training moved the weights far beyond the tolerance
     assert result["max_diff"] < ATOL
+
+
+@pytest.mark.parametrize("case", GROWTH)
+def test_growth_under_zero_equals_the_one_process_delink_bitwise_and_keeps_the_loss(runs, case):
+    result = runs["growth"][case]
+    assert result["names"] and result["differ"] == []
+    assert result["layers"][0] == result["layers"][1] > GROWTH[case][1]["num_hidden_layers"]
+    assert result["partitioned"] == (GROWTH[case][0] == 3)  # ZeRO-3: straight into the new partitions
+    shallow, grown = result["losses"]
+    if "mup" in case:  # Depth-µP: the kept outputs times sqrt(L'/d), equal to rounding
+        assert grown == pytest.approx(shallow, rel=1e-6)
+    else:
+        assert grown == shallow

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_p2r.compat import dcp_reader
-from hf_p2r.distributed.fsdp import materialize_zero3, zero3_training_state
+from hf_p2r.distributed.deepspeed import materialize_zero3, zero3_training_state
 from hf_p2r.training.dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
 from hf_p2r.training.dcp import save as save_dcp
 

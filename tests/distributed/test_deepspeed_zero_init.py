@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from hf_p2r.checkpoint import save_model
 from hf_p2r.checkpoint.sharded_write import save_model_from_shards
 from hf_p2r.compat import zero3_full
-from hf_p2r.distributed.fsdp import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
+from hf_p2r.distributed.deepspeed import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
 from hf_p2r.distributed.materialize import materialize
 from hf_p2r.training import parse_config
 from hf_p2r.training.checkpointing import save_model as save_model_gathered
@@ -185,7 +185,7 @@ def delink_trains(rank: int, world_size: int) -> dict:
     for step, input_ids in enumerate(data):
         if step in DELINKS:
             peak = PeakOfPartition()
-            with mock.patch("hf_p2r.distributed.fsdp.partition_zero3", peak):
+            with mock.patch("hf_p2r.distributed.deepspeed.partition_zero3", peak):
                 new = delink_deepspeed(engine, DELINKS[step])
             out["blocks"].append(len(new.model.layers))
             out["partitioned"].append(all(hasattr(p, "ds_id") for p in new.parameters()))
@@ -372,10 +372,23 @@ def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_pro
     tmp_path,
 ):
     """The trainer under `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` (one process,
-    `cpu: false`) against the plain one-process run: the same losses, gradient norms and rates, bitwise, through the
-    pseudo stage and the first step after the delink (so the delinked weights are the same too). After that step
-    they part by design: DeepSpeed restarts the whole optimizer state at the delink, while `optimizer_carry: reset`
-    keeps the state of the parameters outside the blocks in one process."""
+    `cpu: false`) against the plain one-process run, through the pseudo stage and the first step after the delink: the
+    same steps, stages, delink and learning rates, bitwise; the same gradient norms to 1e-6 (relative); the same
+    losses, bitwise while every earlier gradient norm agreed bitwise, to 1e-6 after one did not. After that step they
+    part by design: DeepSpeed restarts the whole optimizer state at the delink, while `optimizer_carry: reset` keeps
+    the state of the parameters outside the blocks in one process.
+
+    Why the norms carry a tolerance: the gradients are the same, but the two runs take their norm in different ways.
+    torch's `clip_grad_norm_` (the plain run) takes each parameter's norm in fp32 and then the fp32 norm of those;
+    DeepSpeed ZeRO-3 with an offloaded optimizer sums the squared per-parameter norms in fp64, per parameter group,
+    rounds the sum to fp32 and takes its root there, then combines the groups' norms. Each is within about an fp32 ulp
+    (1.2e-7) of the exact norm, and they agree bitwise only by chance. Measured on the plain run's own gradients (AVX2,
+    one thread, both formulas side by side): steps 1-3 agree bitwise, step 4 (the first after the delink, two parameter
+    groups instead of four) gives 1.471272587776184 (torch) against 1.4712724685668945 (DeepSpeed's formula; exactly
+    the ZeRO-3 run's logged norm), the exact fp64 norm being 1.47127249525: DeepSpeed's is the fp32 nearest, torch's
+    one ulp off. With another vector width (ATEN_CPU_CAPABILITY=default) step 1 already differs by one ulp. A norm that
+    differs changes the clipping factor 1/(norm + 1e-6) in its last bit, so the losses after it agree to rounding;
+    while the norms agree, both runs clip and step (AdamW, elementwise) the same numbers, and the losses are bitwise."""
     fields = {"seed": SEED, "mixed_precision": "no", "optimizer_carry": "reset", "pseudo_steps": 3, "real_steps": 3}
     fields["eval_steps"] = 0
     config = str(REPO / "configs/accelerate/deepspeed_zero3_offload.yaml")
@@ -391,7 +404,20 @@ def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_pro
     steps = [record["step"] for record in zero3 if "loss" in record]
     assert steps == [1, 2, 3, 4, 5, 6] and (tmp_path / "zero3" / "real" / "config.json").is_file()
     first_after_delink = [index for index, record in enumerate(plain) if record.get("step") == 4][0]
-    assert zero3[: first_after_delink + 1] == plain[: first_after_delink + 1]
+    plain, zero3 = plain[: first_after_delink + 1], zero3[: first_after_delink + 1]
+    rounded = ("loss", "grad_norm")
+    assert [{k: v for k, v in r.items() if k not in rounded} for r in zero3] == [
+        {k: v for k, v in r.items() if k not in rounded} for r in plain
+    ]  # steps, stages, the delink event and every learning rate, bitwise
+    assert [r.keys() & set(rounded) for r in zero3] == [r.keys() & set(rounded) for r in plain]
+    same_updates = True  # every earlier norm bitwise: the same clipped AdamW steps, so the same weights
+    for step, (ours, theirs) in enumerate(zip(zero3, plain, strict=True)):
+        if "loss" in theirs:
+            expected = theirs["loss"] if same_updates else pytest.approx(theirs["loss"], rel=1e-6)
+            assert ours["loss"] == expected, (step, ours, theirs, same_updates)
+        if "grad_norm" in theirs:
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6), (step, ours, theirs)
+            same_updates = same_updates and ours["grad_norm"] == theirs["grad_norm"]
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@ same model (`build_model`: the same initial weights), the same blocks in the sam
 the same optimizer settings and the same schedule (`P2RCallback.from_config`).
 
 Run as a module (`accelerate launch -m tests.integrations.helpers SPEC.json`) it trains one `P2RTrainer` run described
-by SPEC.json ({"output_dir", "fields": tiny_argv overrides, "args": TrainingArguments overrides, "resume"}) and writes
-its log history to output_dir/history.json (the main process).
+by SPEC.json ({"output_dir", "fields": tiny_argv overrides, "args": TrainingArguments overrides, "resume", and for a
+growth run "callback": P2RCallback's arguments and "real_depth"}) and writes its log history to
+output_dir/history.json (the main process).
 """
 
 import json
@@ -21,7 +22,17 @@ from hf_p2r.training.data import BlockOrder, build_blocks, load_tokenizer
 from ..training.helpers import tiny_argv
 
 # What a resumed or distributed run must reproduce in Trainer's log history (the rest is timing).
-DETERMINISTIC = ("step", "loss", "grad_norm", "learning_rate", "eval_loss", "p2r/num_blocks", "p2r/delink")
+DETERMINISTIC = (
+    "step",
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "eval_loss",
+    "p2r/num_hidden_layers",
+    "p2r/num_blocks",
+    "p2r/delink",
+    "p2r/grow",
+)
 
 
 def p2r_config(output_dir, **fields) -> TrainConfig:
@@ -32,12 +43,19 @@ def p2r_config(output_dir, **fields) -> TrainConfig:
 
 
 def trainer_for(
-    config: TrainConfig, *, trainer_class: type[Trainer] = P2RTrainer, world_size: int = 1, callback=True, **args
+    config: TrainConfig,
+    *,
+    trainer_class: type[Trainer] = P2RTrainer,
+    world_size: int = 1,
+    callback: bool | P2RCallback = True,
+    real_depth: int | None = None,
+    **args,
 ) -> Trainer:
     """A trainer for the run `config` describes on `world_size` processes: its model, its training blocks in hf-p2r's
     order (each process takes its `per_device_batch_size` slice of every global batch, as Accelerate shards a
-    sequential sampler and as hf-p2r's loop does), its optimizer settings and its schedule; `args` override the
-    TrainingArguments."""
+    sequential sampler and as hf-p2r's loop does), its optimizer settings and its schedule (or `callback`'s, if it is
+    one); `args` override the TrainingArguments. `real_depth`: the model is a shallow one (its `num_hidden_layers`
+    from `config`) that may grow to that depth."""
     t = config.train
     tokenizer = load_tokenizer(config.data.tokenizer_name)
     with PartialState().main_process_first():  # the main process tokenizes, the others read its cache file
@@ -47,6 +65,8 @@ def trainer_for(
     validation = validation.select(range(min(len(validation), t.eval_blocks))).map(with_labels, batched=True)
     model = build_model(config, tokenizer, config.initial_blocks())
     model.config.use_cache = False
+    if real_depth is not None:
+        model.config.real_num_hidden_layers = real_depth
     fields = dict(
         output_dir=t.output_dir,
         max_steps=t.total_steps,
@@ -72,7 +92,10 @@ def trainer_for(
         dataloader_num_workers=0,
     )
     fields.update(args)
-    callbacks = [P2RCallback.from_config(config)] if callback else []
+    if isinstance(callback, P2RCallback):
+        callbacks = [callback]
+    else:
+        callbacks = [P2RCallback.from_config(config)] if callback else []
     return trainer_class(
         model=model,
         args=TrainingArguments(**fields),
@@ -91,7 +114,7 @@ def with_labels(batch: dict) -> dict:
 def deterministic(history: list[dict]) -> list[dict]:
     """The records of a log history, each with only what a repeated run must reproduce."""
     kept = [{key: record[key] for key in DETERMINISTIC if key in record} for record in history]
-    return [record for record in kept if set(record) - {"step", "p2r/num_blocks"}]
+    return [record for record in kept if set(record) - {"step", "p2r/num_hidden_layers", "p2r/num_blocks"}]
 
 
 def history(output_dir) -> list[dict]:
@@ -101,7 +124,11 @@ def history(output_dir) -> list[dict]:
 def main(spec_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     world_size = spec.get("world_size", 1)
-    trainer = trainer_for(p2r_config(spec["output_dir"], **spec["fields"]), world_size=world_size, **spec["args"])
+    callback = P2RCallback(**spec["callback"]) if "callback" in spec else True
+    config = p2r_config(spec["output_dir"], **spec["fields"])
+    trainer = trainer_for(
+        config, world_size=world_size, callback=callback, real_depth=spec.get("real_depth"), **spec["args"]
+    )
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     if trainer.is_world_process_zero():
         (Path(spec["output_dir"]) / "history.json").write_text(json.dumps(trainer.state.log_history))

@@ -8,7 +8,7 @@ from transformers.trainer_callback import ExportableState
 
 from hf_p2r.integrations import Delink, P2RCallback, P2RTrainer, p2r_trainer
 from hf_p2r.integrations.callback import schedule_events
-from hf_p2r.integrations.trainer import checkpoint_blocks, rewarmed
+from hf_p2r.integrations.trainer import checkpoint_stage, rewarmed
 from hf_p2r.training.optim import learning_rate_at
 
 from ..conftest import tiny_model
@@ -101,16 +101,20 @@ def test_the_checkpoint_state_rebuilds_the_callback():
 
 def test_a_checkpoints_stage_comes_from_its_trainer_state_else_its_config(tmp_path):
     state = {"stateful_callbacks": {"P2RCallback": {"args": {}, "attributes": {"num_blocks": 2}}}}
-    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))  # saved before growth: blocks only
     (tmp_path / "config.json").write_text(json.dumps({"share_layers": False, "num_hidden_layers": 8}))
-    assert checkpoint_blocks(str(tmp_path)) == 2
+    assert checkpoint_stage(str(tmp_path)) == (8, 2)
+    state["stateful_callbacks"]["P2RCallback"]["attributes"] = {"num_hidden_layers": 4, "num_blocks": 2}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    assert checkpoint_stage(str(tmp_path)) == (4, 2)
     (tmp_path / "trainer_state.json").write_text("{}")  # a run without the callback
-    assert checkpoint_blocks(str(tmp_path)) == 8
-    (tmp_path / "config.json").write_text(json.dumps({"share_layers": True, "num_unique_layers": 4}))
-    assert checkpoint_blocks(str(tmp_path)) == 4
+    assert checkpoint_stage(str(tmp_path)) == (8, 8)
+    config = {"share_layers": True, "num_hidden_layers": 8, "num_unique_layers": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert checkpoint_stage(str(tmp_path)) == (8, 4)
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match=r"^resume_from_checkpoint: .* does not say which stage it belongs to"):
-        checkpoint_blocks(str(tmp_path))
+        checkpoint_stage(str(tmp_path))
 
 
 def test_rewarm_is_hf_p2rs_rule_on_top_of_the_schedule(tmp_path):

@@ -47,7 +47,7 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
     checkpoint = tmp_path / "zero3" / "checkpoint-6"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["P2RCallback"][
         "attributes"
-    ] == {"num_blocks": 4}
+    ] == {"num_hidden_layers": 4, "num_blocks": 4}
     resumed = launch(
         tmp_path, "resumed", processes=1, resume=str(checkpoint), fields=RESET, args={"use_cpu": False}, launcher=ZERO3
     )
@@ -58,3 +58,16 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
 def test_a_carry_other_than_reset_is_refused_under_deepspeed(tmp_path):
     with pytest.raises(AssertionError, match=r"carry: under DeepSpeed the optimizer state lives in flat ZeRO"):
         launch(tmp_path, "scale", 1, fields={"optimizer_carry": "scale"}, args={"use_cpu": False}, launcher=ZERO3)
+
+
+@pytest.mark.slow
+def test_depth_growth_is_refused_under_deepspeed_in_one_line(tmp_path):
+    """DeepSpeed delinks at constant depth only (`check_growth_supported`): a schedule that grows a 2-layer model is
+    refused when train() starts, naming the engine."""
+    fields = dict(num_hidden_layers=2, pseudo_steps=4, real_steps=0, partial_delink_blocks=[], partial_delink_steps=[])
+    fields |= RESET
+    growth = {"callback": {"growth": [[2, 4]], "carry": "reset"}, "real_depth": 4}
+    with pytest.raises(
+        AssertionError, match=r"growth: step 2: depth growth \(2 -> 4 layers\) is not supported under DEEPSPEED"
+    ):
+        launch(tmp_path, "grow", 1, fields=fields, args={"use_cpu": False}, launcher=ZERO3, growth=growth)

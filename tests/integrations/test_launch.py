@@ -1,5 +1,6 @@
 """P2RTrainer under `accelerate launch`: two gloo CPU processes (DDP, wrapped again at each delink) against one process
-at the same global batch, and a resume of the two-process run from a checkpoint of its real stage."""
+at the same global batch, and a resume of the two-process run from a checkpoint of its real stage; the same for a run
+that grows in depth."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import socket
 import subprocess
 
 import pytest
+
+from hf_p2r.integrations import P2RCallback
 
 from ..training.helpers import ACCELERATE, REPO, subprocess_env
 from .helpers import deterministic, history, p2r_config, trainer_for
@@ -25,10 +28,19 @@ def free_port() -> int:
 
 
 def launch(
-    tmp_path, name: str, processes: int, resume=None, fields=None, args=None, launcher=(), timeout: int = 900
+    tmp_path,
+    name: str,
+    processes: int,
+    resume=None,
+    fields=None,
+    args=None,
+    launcher=(),
+    timeout: int = 900,
+    growth: dict | None = None,
 ) -> list[dict]:
     """One run of `tests.integrations.helpers` under `accelerate launch` (`launcher`: its extra flags) with
-    `processes` CPU processes, each taking an equal slice of the same global batch; its log history."""
+    `processes` CPU processes, each taking an equal slice of the same global batch; its log history. `growth`:
+    {"callback": P2RCallback's arguments, "real_depth": ...} for a run that grows."""
     fields = {**FIELDS, **(fields or {})}
     spec = {
         "output_dir": str(tmp_path / name),
@@ -36,6 +48,7 @@ def launch(
         "args": {"save_strategy": "steps", "save_steps": 2, **(args or {})},
         "world_size": processes,
         "resume": resume,
+        **(growth or {}),
     }
     spec_file = tmp_path / f"{name}.json"
     spec_file.write_text(json.dumps(spec))
@@ -75,4 +88,30 @@ def test_two_processes_match_one_and_resume_from_the_real_stage_bitwise(tmp_path
     checkpoint = tmp_path / "two" / "checkpoint-6"
     assert json.loads((checkpoint / "config.json").read_text())["share_layers"] is False  # the real model
     resumed = launch(tmp_path, "resumed", processes=2, resume=str(checkpoint))  # built pseudo, delinked, loaded
+    assert deterministic(resumed) == double
+
+
+@pytest.mark.slow
+def test_two_processes_grow_like_one_and_resume_from_the_grown_stage_bitwise(tmp_path):
+    """A 2-layer model sharing 1 block (real depth 4) grown to 4 layers with 2 blocks at step 2 (DDP wrapped again
+    around the grown model), delinked at 4: the two-process run matches one process within 1e-5 relative as above,
+    and resumes bitwise from its grown checkpoint-4 (the script's 2-layer model grown again to that stage)."""
+    fields = dict(num_hidden_layers=2, pseudo_steps=6, real_steps=0, partial_delink_blocks=[], partial_delink_steps=[])
+    fields |= dict(gradient_accumulation_steps=2, per_device_batch_size=4)
+    growth = {"callback": {"growth": [[2, 4, 2]], "delink_at": [[4, None]]}, "real_depth": 4}
+    one = trainer_for(p2r_config(tmp_path / "one", **fields), callback=P2RCallback(**growth["callback"]), real_depth=4)
+    one.train()
+    two = launch(tmp_path, "two", processes=2, fields=fields, growth=growth)
+    single, double = deterministic(one.state.log_history), deterministic(two)
+    assert [sorted(r) for r in single] == [sorted(r) for r in double]
+    stages = [(r["p2r/num_hidden_layers"], r["p2r/num_blocks"]) for r in double if "loss" in r]
+    assert stages == [(2, 1), (2, 1), (4, 2), (4, 2), (4, 4), (4, 4)]
+    for a, b in zip(single, double):
+        for key in ("loss", "grad_norm"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    checkpoint = tmp_path / "two" / "checkpoint-4"
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_unique_layers"]) == (4, 2)
+    resumed = launch(tmp_path, "resumed", processes=2, resume=str(checkpoint), fields=fields, growth=growth)
     assert deterministic(resumed) == double

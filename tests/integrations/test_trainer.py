@@ -74,7 +74,10 @@ def test_a_model_past_the_checkpoints_stage_is_refused(uninterrupted, tmp_path):
     _, output_dir = uninterrupted
     resumed = trainer_for(p2r_config(tmp_path, **SCHEDULE))
     resumed.model.delink()
-    with pytest.raises(ValueError, match=r"checkpoint-2 holds a model with 1 blocks, this trainer's model has 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-2 holds a model with 4 layers and 1 blocks, this trainer.s model has 4 layers and 4 b",
+    ):
         resumed.train(resume_from_checkpoint=str(output_dir / "checkpoint-2"))
 
 

@@ -41,6 +41,7 @@ def sft_trainer(output_dir, **args):
 
 
 @pytest.mark.slow
+@pytest.mark.versions  # trl's floor and newest release: make compat
 def test_sft_trainer_delinks_keeps_trls_fused_head_and_resumes_bitwise(tmp_path):
     trainer = sft_trainer(tmp_path / "run")
     assert type(trainer).__name__ == "P2RSFTTrainer" and trainer.args.bf16

@@ -86,6 +86,7 @@ def test_a_shared_block_compiles_once_for_every_depth_and_step():
     assert graphs.delta("graph_break") == {} and graphs.delta("recompiles") == {}
 
 
+@pytest.mark.processes  # inductor runs a C++ compiler
 def test_inductor_compiles_the_blocks_once_and_matches_eager():
     model, ids = tiny_model(depth=3, blocks=3), torch.randint(0, 64, (2, 8))
     eager = copy.deepcopy(model)

@@ -364,3 +364,22 @@ def test_absurd_sizes_end_parsing_at_once(preset, field):
         _without_hanging(lambda: parse_config(argv))
     except ConfigError as error:
         assert "\n" not in str(error)
+
+
+@pytest.mark.parametrize(
+    "flags, field",
+    [
+        (["--offload", "0.5", "--offload_update", "during_backward", "--max_grad_norm", "1.0"], "offload_update"),
+        (["--offload", "0.5", "--offload_host_threads", "0"], "offload_host_threads"),
+        (["--offload", "0.5", "--offload_grad_accumulation", "gpu"], "argument --offload_grad_accumulation"),
+    ],
+)
+def test_offload_designs_are_checked_where_declared(flags, field):
+    """The offload designs' fields are refused in one line naming the field before any torch work: a step during the
+    backward cannot clip, host threads are at least 1, a choice outside its list."""
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        parse_config(["--cpu", "true", *flags])
+    config = parse_config(
+        ["--cpu", "true", "--offload", "0.5", "--offload_update", "during_backward", "--max_grad_norm", "0"]
+    )
+    assert config.offload.offload_update == "during_backward" and config.optim.max_grad_norm == 0

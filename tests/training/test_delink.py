@@ -5,7 +5,6 @@ import torch
 from accelerate import Accelerator
 
 from hf_p2r.training import TrainArguments, delink_in_training, delink_with_optimizer
-from hf_p2r.training.delink import check_growth_supported
 from hf_p2r.training.optim import build_optimizer
 
 from ..conftest import tiny_model
@@ -220,12 +219,3 @@ def test_delink_in_training_grows_a_model_prepared_by_accelerate():
     assert torch.equal(
         optimizer.optimizer.state[weight]["exp_avg"], before["model.layers.0.mlp.up_proj.weight"]["exp_avg"]
     )
-
-
-def test_engines_that_delink_at_constant_depth_refuse_growth_in_one_line():
-    model = tiny_model(num_hidden_layers=4, real_num_hidden_layers=8, share_layers=True, num_unique_layers=1)
-    assert check_growth_supported(model.config, 2, "fsdp") == 2  # a block count passes
-    assert check_growth_supported(model.config, model.delink_plan(2), "fsdp") == 2  # so does a plan at this depth
-    assert check_growth_supported(model.config, model.delink_plan(4), "fsdp") is None  # a block per depth
-    with pytest.raises(ValueError, match=r"^depth growth \(4 -> 8 layers\) is not supported under fsdp; "):
-        check_growth_supported(model.config, model.delink_plan(), "fsdp")

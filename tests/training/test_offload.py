@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_p2r.compat import tensor_version
-from hf_p2r.training.offload import (
+from hf_p2r.distributed.offload import (
     GranularOffload,
     decoder_layers,
     estimate_device_bytes,
@@ -1066,7 +1066,23 @@ CUDA_DESIGNS = {
     # As the trainer runs it: each block's CPU step overlapped with the next forward, the offload's clip.
     "host-overlapped": dict(overlap_step=True, offload_clip=True),
     "device_chunked": dict(optimizer_step="device_chunked", chunk_bytes=2**20, offload_clip=True),
+    # Issue 40: the gradients summed on the device and sent by the step's last micro-batch (of 2).
+    "device-sums": dict(grad_accumulation="device", overlap_step=True, offload_clip=True, micro_batches=2),
+    "device-sums-chunked": dict(
+        grad_accumulation="device", optimizer_step="device_chunked", offload_clip=True, micro_batches=2
+    ),
 }
+
+
+class _Every:
+    """`last_micro_batch` for `n` micro-batches per step."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls % self.n == 0
 
 
 @requires_cuda
@@ -1083,6 +1099,9 @@ def test_cuda_training_with_offload_matches_training_without(overrides, checkpoi
     expected, _ = _train(
         _cuda_model(**overrides), device="cuda", checkpointing=checkpointing, accumulation=2, first_grads=expected_grads
     )
+    options = dict(CUDA_DESIGNS[design])
+    if "micro_batches" in options:
+        options["last_micro_batch"] = _Every(options.pop("micro_batches"))
     got, offload = _train(
         _cuda_model(**overrides),
         0.5,
@@ -1090,7 +1109,7 @@ def test_cuda_training_with_offload_matches_training_without(overrides, checkpoi
         checkpointing=checkpointing,
         accumulation=2,
         first_grads=got_grads,
-        **CUDA_DESIGNS[design],
+        **options,
     )
     assert offload.copied_bytes["to_host"] > 0
     for p in offload.offloaded_parameters:

@@ -90,6 +90,65 @@ def test_each_offload_design_resumes_exactly(design_runs, tmp_path, design, resu
     assert trajectory(output_dir) == trajectory(full)
 
 
+# Issue 40's designs in the trainer, over 2 micro-batches per step (Accelerate's `sync_gradients` says which is last).
+# One checkpoint in the middle of the real stage: a checkpoint drains the delayed update (the step after it is
+# exact), so checkpoints at every step would make the delayed run plain training's.
+MICRO = dict(**SCHEDULE, gradient_accumulation_steps=2, save_steps=5)
+
+
+@pytest.fixture(scope="module")
+def micro_runs(tmp_path_factory):
+    """{name: output folder}, each run on first use: plain, offload 0.5 with the gradients summed on the device, and
+    offload 0.5 with the delayed update (summed on the device too); 2 micro-batches per step, a checkpoint each."""
+    done = {}
+    fields = {
+        "plain": {},
+        "device_sums": dict(offload="0.5", offload_grad_accumulation="device"),
+        "delayed": dict(offload="0.5", offload_grad_accumulation="device", offload_update="delayed"),
+    }
+
+    def run(name: str):
+        if name not in done:
+            output_dir = tmp_path_factory.mktemp(name) / "run"
+            assert train(parse_config(tiny_argv(output_dir, **MICRO, **fields[name]))) == 0
+            done[name] = output_dir
+        return done[name], fields[name]
+
+    return run
+
+
+def test_gradients_summed_on_the_device_train_like_plain_training(micro_runs):
+    """Sent once per step, by the micro-batch Accelerate marks as the last: every loss, learning rate and gradient
+    norm, and the final weights, bit for bit as without offload."""
+    (summed, _), (plain, _) = micro_runs("device_sums"), micro_runs("plain")
+    assert trajectory(summed) == trajectory(plain)
+    got, expected = _final_weights(summed), _final_weights(plain)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("name", ["device_sums", "delayed"])
+def test_the_designs_resume_exactly(micro_runs, tmp_path, name):
+    """A resume after the real delink continues as the uninterrupted run (the delayed update drains at every
+    checkpoint, so both runs send the same weights after it); the delayed run is not plain training's (control)."""
+    full, fields = micro_runs(name)
+    output_dir = tmp_path / "run"
+    shutil.copytree(full, output_dir)
+    checkpoint = output_dir / "checkpoints" / "checkpoint-5"
+    assert train(parse_config(tiny_argv(output_dir, **MICRO, **fields, resume_from_checkpoint=checkpoint))) == 0
+    assert trajectory(output_dir) == trajectory(full)
+    if name == "delayed":
+        assert trajectory(full) != trajectory(micro_runs("plain")[0])
+
+
+def test_the_update_during_backward_refuses_a_clip(tmp_path):
+    from hf_p2r.training.config import ConfigError
+
+    """Refused while the configuration is parsed (hf_p2r.config.rules), before the run starts."""
+    with pytest.raises(ConfigError, match="^offload_update: during_backward steps each offloaded block before"):
+        parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, offload="0.5", offload_update="during_backward"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_offload_optimizer_names_the_field(tmp_path):
     with pytest.raises(
         ValueError, match=r"offload_optimizer.*invalid choice: 'gpu' \(choose from 'host', 'device_chunked'\)"

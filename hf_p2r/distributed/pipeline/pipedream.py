@@ -51,6 +51,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from ...compat import initialize_pipeline_stage, pipeline_stage_stashed_graphs
+from ..delay import DELAY_CORRECTIONS, feed_back_error_
 from .schedules import get_schedule
 
 
@@ -214,13 +215,8 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
 
     def _feed_back_error(self, updated: dict[str, nn.Parameter], before: dict[str, nn.Parameter]) -> None:
         """Add e(t-1) = d(t) - d(t-1) to the update just applied, d(t) = updated - before (see the module docstring)."""
-        with torch.no_grad():
-            for name, param in updated.items():
-                update = param - before[name]
-                previous = self.previous_update.get(name)
-                if previous is not None:
-                    param.add_(update - previous)
-                self.previous_update[name] = update
+        for name, param in updated.items():
+            self.previous_update[name] = feed_back_error_(param, before[name], self.previous_update.get(name))
 
     def _point_optimizer_at(self, index: int) -> None:
         """The optimizer steps set `index`: its parameter slots and per-parameter state move there."""
@@ -253,20 +249,25 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
         return -(-len(tensors) // len(self.versions[0]))
 
     # --- the delink and checkpoints ----------------------------------------------------------------------------
-    def delinked(self, mapping: dict[str, str]) -> None:
+    def delinked(self, mapping: dict[str, str], start: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
         """After the delink changed the module (drained first): both sets follow the new layout (`mapping`: {new stage
         name: old stage name}). The installed set is the module's; the other is delinked alike (each new weight a copy
-        of the weight its depth ran). The optimizer to come is made over the module's parameters."""
+        of the weight its depth ran, started as the module's was: `start(new stage name, copy)`, the plan's
+        `DelinkPlan.start_copy`, which zeroes and scales function-preserving growth's residual outputs in place). The
+        optimizer to come is made over the module's parameters."""
         installed = self.installed  # after `drain()`, the newest weights (the last update went there)
         other = self.versions[1 - installed]
         self.versions[installed] = dict(self.stage.submod.named_parameters())
+        with torch.no_grad():
+            copies = {name: start(name, other[source].detach().clone()) for name, source in mapping.items()}
         self.versions[1 - installed] = {
-            name: nn.Parameter(other[source].detach().clone(), requires_grad=other[source].requires_grad)
-            for name, source in mapping.items()
+            name: nn.Parameter(copy, requires_grad=other[mapping[name]].requires_grad) for name, copy in copies.items()
         }
         self.optimizer_set = installed
-        if self.previous_update:  # each copy received its block's last update
-            self.previous_update = {name: self.previous_update[source].clone() for name, source in mapping.items()}
+        if self.previous_update:  # each copy received its block's last update (the difference of the two versions)
+            self.previous_update = {
+                name: start(name, self.previous_update[source].clone()) for name, source in mapping.items()
+            }
 
     def state_dict(self, name_of: Callable[[str], str]) -> dict:
         """What a checkpoint keeps of the schedule beside the module's weights (after `drain()`): the other weight
@@ -299,9 +300,6 @@ class SchedulePipeDream2BW(PipelineScheduleSingle):
                 for name, param in self.versions[newest].items()
                 if name_of(name) in saved
             }
-
-
-DELAY_CORRECTIONS = ("none", "error_feedback")
 
 
 def _clone(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:

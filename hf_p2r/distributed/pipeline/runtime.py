@@ -64,6 +64,9 @@ from .split import balanced_split, check_split, explain_split, stage_depths
 from .stage import P2RPipelineStage, ShardedPipelineStage, causal_lm_loss, check_shardable, model_name, shard_stage
 
 logger = logging.getLogger(__name__)
+# The config fields a delink changes (`DelinkPlan.fields`; pipelines run no MoE model, whose growth also changes
+# `mlp_only_layers`): the stages' layout, which `pipeline_model_config` gives the model.
+LAYOUT_FIELDS = ("num_hidden_layers", "num_unique_layers", "share_layers", "real_num_hidden_layers")
 
 
 class Pipeline:
@@ -299,7 +302,7 @@ class FlushSchedule:
     def drain(self) -> None:
         """Nothing is in flight after a flush."""
 
-    def delinked(self, mapping: dict[str, str]) -> None:
+    def delinked(self, mapping: dict[str, str], start: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
         """One weight version: the module's, which the delink changed itself."""
 
     def state_dict(self, name_of: Callable[[str], str]) -> dict:
@@ -598,9 +601,10 @@ def gather_state_dict(pipeline: Pipeline) -> dict[str, torch.Tensor] | None:
 
 
 def pipeline_model_config(pipeline: Pipeline):
-    """The model config of the pipelined model as it is now (real after the delink)."""
+    """The model config of the pipelined model as it is now (real after the delink, deeper after a growth)."""
     config = copy.deepcopy(pipeline.model_config)
-    config.share_layers, config.num_unique_layers = pipeline.config.share_layers, pipeline.config.num_unique_layers
+    for key in LAYOUT_FIELDS:
+        setattr(config, key, getattr(pipeline.config, key))
     return config
 
 

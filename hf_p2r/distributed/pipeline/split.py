@@ -1,5 +1,5 @@
 """Where a pipelined P2R model is cut into stages: the cost of a stage, the cuts a model allows, the balanced split
-the trainer runs, a manual split's checks and the one-line explanation of a split.
+the trainer runs, a manual split's checks, the one-line explanation of a split, and the split after a depth growth.
 
 Plain Python on a P2R config (no torch): the planner sizes the split the trainer runs from the same functions.
 
@@ -19,6 +19,7 @@ every stage runs the shared blocks: each stage holds the blocks its depths use.
 from collections.abc import Sequence
 
 from ...models.p2r.inventory_p2r import Inventory, inventory
+from ...models.p2r.sharing_p2r import DelinkPlan, block_of_depth
 
 BYTES_PER_PARAMETER = 16  # training state of an fp32 parameter: weight, gradient, Adam's two moments
 
@@ -139,6 +140,34 @@ def explain_split(config, split: Sequence[int], seq_len: int, manual: bool) -> s
     return f"pipeline split {list(split)} ({how}): {stages}"
 
 
+def grown_split(config, split: Sequence[int], plan: DelinkPlan) -> list[int]:
+    """The layers per stage after the delink `plan` of the pipelined model `config` describes (split `split`), done
+    where the model is (`delink_stages`): without growth, the split. Growing d -> L' layers, stage [a, b) runs new
+    layers [ceil(a L' / d), ceil(b L' / d)) (at least one each, the split's proportions kept; the whole model as one
+    stage runs them all), so that with "interleave" growth (new layer i copies floor(i d / L')) every stage runs the
+    copies of its own layers. Each new layer's block must copy a block the stage holds, since no weight moves between
+    processes: "stack" growth (layer i copies i mod d) over several stages gives a stage copies of other stages'
+    blocks (a cycle model's shared blocks excepted: every stage holds them), refused in one line naming the ways out.
+    """
+    depth, new_depth = sum(split), plan.num_hidden_layers
+    if new_depth == depth:
+        return list(split)
+    bounds = [-(-start * new_depth // depth) for start in (sum(split[:stage]) for stage in range(len(split) + 1))]
+    new_split = [end - begin for begin, end in zip(bounds, bounds[1:])]
+    old_map = config.block_of_depth
+    new_map = block_of_depth(new_depth, plan.num_unique_layers, config.sharing_pattern)
+    for stage, (old, new) in enumerate(zip(stage_depths(split), stage_depths(new_split), strict=True)):
+        held = {old_map[layer] for layer in old}
+        if missing := [layer for layer in new if plan.sources[new_map[layer]] not in held]:
+            raise ValueError(
+                f"pipeline parallelism: growing {depth} -> {new_depth} layers gives stage {stage} layer {missing[0]}, "
+                f"a copy of block {plan.sources[new_map[missing[0]]]}, which another stage holds; grow by "
+                "'interleave' (each stage repeats its own layers), on one stage (pipeline_parallel_size 1), or "
+                f"convert the checkpoint (hf-p2r convert --num-hidden-layers {new_depth}) and train the grown model"
+            )
+    return new_split
+
+
 def stage_depths(split: Sequence[int]) -> list[range]:
     """The depths each stage runs, from the layers per stage."""
     bounds = [sum(split[:stage]) for stage in range(len(split) + 1)]
@@ -151,6 +180,7 @@ __all__ = [
     "balanced_split",
     "check_split",
     "explain_split",
+    "grown_split",
     "stage_cost",
     "stage_depths",
 ]

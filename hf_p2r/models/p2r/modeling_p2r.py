@@ -44,7 +44,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_p2r import LAYOUT_FIELDS, P2RConfig, validate_layout
-from .sharing_p2r import LAYER_KEY, RESIDUAL_OUTPUT, DelinkPlan, delink_names, plan_delink
+from .sharing_p2r import LAYER_KEY, DelinkPlan, delink_names, plan_delink
 
 logger = logging.get_logger(__name__)
 
@@ -367,13 +367,8 @@ class P2RPreTrainedModel(PreTrainedModel):
             blocks.append(block)
         with torch.no_grad():
             for new_block, block in enumerate(blocks):
-                outputs = [p for name, p in block.named_parameters() if RESIDUAL_OUTPUT.match(name)]
-                if new_block in plan.fresh:
-                    for parameter in outputs:
-                        parameter.zero_()
-                elif plan.output_scale != 1.0:
-                    for parameter in outputs:
-                        parameter.mul_(plan.output_scale)
+                for name, parameter in block.named_parameters():
+                    plan.start_copy(f"layers.{new_block}.{name}", parameter)
         base.layers = nn.ModuleList(blocks)
         for key, value in plan.fields.items():
             setattr(config, key, value)

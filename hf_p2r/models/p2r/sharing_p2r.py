@@ -143,6 +143,19 @@ class DelinkPlan:
     def num_unique_layers(self) -> int:
         return self.fields["num_unique_layers"]
 
+    def start_copy(self, name: str, tensor):
+        """Make `tensor`, in place, what the parameter `name` of the model after the delink (`...layers.<new block>.
+        <rest>`) starts as, given the values of the parameter it copies: zeros for a fresh block's residual outputs
+        (`RESIDUAL_OUTPUT`), times `output_scale` for the other blocks' residual outputs, unchanged otherwise; returns
+        it. Elementwise, so a shard of the copy (FSDP2, ZeRO-3, a pipeline stage) is started alike: one rule for
+        `delink` and every engine that delinks a model held in pieces."""
+        match = LAYER_KEY.match(name)
+        if match is None or not RESIDUAL_OUTPUT.match(match["rest"]):
+            return tensor
+        if int(match["block"]) in self.fresh:
+            return tensor.zero_()
+        return tensor.mul_(self.output_scale) if self.output_scale != 1.0 else tensor
+
 
 def plan_delink(
     config,

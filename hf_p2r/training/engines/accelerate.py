@@ -17,7 +17,7 @@ from ...checkpoint.sharded_write import save_model_from_shards
 from ...compat import import_deepspeed_only_when_used
 from ...config import TrainArguments, TrainConfig
 from ...distributed import gather_shared_once
-from ...distributed.fsdp import materialize_zero3, zero3_owned_state, zero3_training_state
+from ...distributed.deepspeed import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
 from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
