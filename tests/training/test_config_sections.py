@@ -155,7 +155,7 @@ def test_the_saved_folders_carry_no_code_by_default_and_depth_mup_reaches_the_op
 SECTION_READERS = {
     "model": set(),  # (read through TrainConfig.p2r_config by build_model)
     "data": {f"training/data/{name}.py" for name in ("documents", "packing", "source", "blocks", "streaming")},
-    "stages": {"training/delink.py", "training/checkpointing.py", "training/optim.py", "training/offload.py"},
+    "stages": {"training/delink.py", "training/resume/checkpoints.py", "training/optim.py", "training/offload.py"},
     "optim": {"training/optim.py", "training/delink.py", "training/offload.py"},
     "schedule": set(),  # (TrainConfig.lr_schedule)
     "offload": {"training/offload.py", "training/delink.py", "training/optim.py"},
@@ -173,8 +173,8 @@ WHOLE_CONFIG = {
     "training/engines/base.py:Engine.__init__",
     "training/engines/accelerate.py:AccelerateEngine.__init__",
     "training/engines/pipeline.py:PipelineEngine.__init__",
-    "training/checkpointing.py:save_checkpoint",
-    "training/checkpointing.py:read_state",
+    "training/resume/checkpoints.py:save_checkpoint",
+    "training/resume/checkpoints.py:read_state",
     "training/run.py:check_output_dir",
     "training/run.py:prepare_output_dir",
 }
