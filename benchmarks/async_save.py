@@ -2,8 +2,8 @@
 (`checkpoint_async`: `dcp.async_save`, the state copied to CPU memory, the shards written by a background thread).
 
 One CPU process saves a ~100 MB model (fp32 weights) with its AdamW state (two moments: a ~300 MB checkpoint) through
-the trainer's own save protocol (`hf_p2r.training.checkpointing.save_checkpoint` with the Accelerate engine's
-`model_state` and `hf_p2r.training.dcp.save`), in interleaved rounds. For each save it times what the loop waits
+the trainer's own save protocol (`hf_p2r.training.resume.checkpoints.save_checkpoint` with the Accelerate engine's
+`model_state` and `hf_p2r.training.resume.dcp.save`), in interleaved rounds. For each save it times what the loop waits
 for: the synchronous save whole; the asynchronous save's return (the copy to CPU memory), then training steps run
 while the background thread writes (their time against steps with no write: what the write takes from them), then
 what is left to wait for at the next save (`finish_checkpoint`).
@@ -24,10 +24,10 @@ import torch
 from accelerate import Accelerator
 
 from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
-from hf_p2r.training.checkpointing import TrainState, checkpoint_writing, finish_checkpoint, save_checkpoint
 from hf_p2r.training.config import parse_config
-from hf_p2r.training.dcp import model_state
-from hf_p2r.training.dcp import save as save_dcp
+from hf_p2r.training.resume.checkpoints import TrainState, checkpoint_writing, finish_checkpoint, save_checkpoint
+from hf_p2r.training.resume.dcp import model_state
+from hf_p2r.training.resume.dcp import save as save_dcp
 
 COMMAND = "python scripts/bench_async_save.py"
 

@@ -12,12 +12,12 @@ import pytest
 from benchmarks import loss_memory as bench
 from benchmarks.harness import REPO
 
+from .bench_report import bench_report
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "loss_memory"
-    assert bench.main(["--smoke", "--out", str(out)]) == 0
-    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+    return bench_report(bench, tmp_path_factory, "loss_memory", ["--smoke"])
 
 
 def test_every_size_has_both_paths_and_the_ratios_follow_from_them(report):

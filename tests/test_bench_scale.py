@@ -13,12 +13,12 @@ import pytest
 from benchmarks import scale as bench
 from benchmarks.harness import REPO
 
+from .bench_report import bench_report
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "scale"
-    assert bench.main(["--quick", "--out", str(out)]) == 0
-    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+    return bench_report(bench, tmp_path_factory, "scale", ["--quick"])
 
 
 @pytest.mark.slow

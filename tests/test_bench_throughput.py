@@ -11,13 +11,12 @@ import pytest
 from benchmarks import throughput as bench
 from benchmarks.harness import REPO
 
+from .bench_report import TINY_THROUGHPUT, bench_report
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "throughput"
-    argv = ["--preset", "tiny", "--rounds", "2", "--steps", "1", "--warmup", "0", "--num-unique-layers", "2"]
-    assert bench.main([*argv, "--out", str(out)]) == 0
-    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+    return bench_report(bench, tmp_path_factory, "throughput", TINY_THROUGHPUT)
 
 
 def test_ratios_and_medians_follow_from_the_measured_rates(report):

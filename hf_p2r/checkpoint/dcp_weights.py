@@ -1,7 +1,7 @@
 """A DCP training checkpoint's weights (`checkpoint_format: dcp`) written as safetensors, one tensor at a time.
 
 A DCP checkpoint holds the model's weights as `model.<name>` under the whole model's parameter names, in pieces
-that the processes of the run wrote (`hf_p2r.training.dcp`). `write_dcp_weights` is the `write_weights` of
+that the processes of the run wrote (`hf_p2r.training.resume.dcp`). `write_dcp_weights` is the `write_weights` of
 `save_model`: it plans the shards as `write_checkpoint` does (same files, same headers, same bytes), then fills them
 tensor by tensor, each one read whole from its pieces by DCP's own reader (`dcp.load` of that one tensor, without a
 process group) and written, before the next is read. Memory: a few copies of the largest tensor (DCP unpickles a
@@ -36,7 +36,7 @@ from .dcp_metadata import METADATA, CoveringLoadPlanner, read_dcp_metadata
 from .headers import DTYPE_CODE_OF, NAME_LIMIT, parse_size, plan_shards, write_index
 from .writer import create_file, write_tensor
 
-MODEL = "model."  # the prefix of the weights' entries (`hf_p2r.training.dcp`)
+MODEL = "model."  # the prefix of the weights' entries (`hf_p2r.training.resume.dcp`)
 # A sparse layer's tensors as `save_pretrained` writes them, and as the model (and DCP) holds them.
 _EXPERT = re.compile(
     r"^(?P<layer>(?:.*\.)?layers\.\d+\.)block_sparse_moe\.(?:experts\.(?P<e>\d+)\.(?P<w>w[123])|gate)\."

@@ -1,5 +1,5 @@
 """`hf-p2r export CHECKPOINT DST`: a DCP training checkpoint as a Hugging Face folder (P2R, Llama or Mixtral), read
-one tensor at a time; see `hf_p2r.training.export.export_checkpoint`."""
+one tensor at a time; see `hf_p2r.training.resume.export.export_checkpoint`."""
 
 import argparse
 
@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training.export import export_checkpoint
+    from ..training.resume.export import export_checkpoint
 
     with notes_on_stderr(args.command):
         out = export_checkpoint(

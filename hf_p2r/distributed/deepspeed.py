@@ -7,7 +7,7 @@ does for a model built inside it), `materialize_zero3` with the layout-independe
 new model's partitions), `gather_deepspeed_model` copies it whole; `zero3_owned_state` gives each process its share of
 the whole tensors, one gathered parameter at a time, for `save_model_from_shards`; `zero3_training_state` /
 `set_zero3_training_state` do the same with the fp32 master weights and the optimizer state, for DCP resume
-checkpoints any layout reads (`hf_p2r.training.dcp`).
+checkpoints any layout reads (`hf_p2r.training.resume.dcp`).
 
 DeepSpeed itself is imported inside the functions that use it, never by importing this module: its import logs
 "Setting accelerator to CPU" on a machine without a GPU and takes seconds, which a run that does not use it should not
@@ -238,7 +238,7 @@ def _owners(sizes: dict, size: int) -> dict:
 
 def zero3_training_state(engine, group=None) -> dict:
     """This process's share of a DeepSpeed ZeRO-3 engine's training state under the model's names, for a DCP
-    checkpoint that any layout resumes (`hf_p2r.training.dcp`): {"model": {name: fp32 master weights}, "optimizer":
+    checkpoint that any layout resumes (`training.resume.dcp`): {"model": {name: fp32 master weights}, "optimizer":
     {name: {"step", and the optimizer's state keys (AdamW's exp_avg, exp_avg_sq)}}}, each whole tensor kept (a CPU
     copy) by one process of `group` (`_owners`, balanced by size), as one process's torch AdamW holds it. The
     processes gather one parameter's values at a time (DeepSpeed's `safe_get_full_fp32_param` /

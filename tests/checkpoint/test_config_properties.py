@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hf_p2r.checkpoint.convert import read_p2r_config, read_p2r_config_dict
 from hf_p2r.models.p2r.inventory_p2r import MOE_DEFAULTS
+from hf_p2r.models.p2r.sharing_p2r import SIZE_FIELDS
 
 from ..conftest import tiny_config
 from ..models.test_modeling_p2r_moe import moe_config
@@ -17,12 +18,7 @@ from ..models.test_modeling_p2r_moe import moe_config
 # The fields the converter reads (and the model's validators check), and values a config.json may hold for them.
 FIELDS = [
     "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
+    *SIZE_FIELDS,
     "num_hidden_layers",
     "share_layers",
     "num_unique_layers",

@@ -27,6 +27,7 @@ from hf_p2r.checkpoint import writer as writer_module
 from hf_p2r.cli import main
 
 from ..conftest import tiny_model
+from ..models.helpers import MODEL_FILES_WITH_CODE
 
 
 def _pseudo(tmp_path, name="pseudo", seed=0, **overrides):
@@ -156,12 +157,7 @@ def test_tokenizer_generation_config_and_remote_code_are_carried(tmp_path):
         "README.md",
         "additional_chat_templates",
         "chat_template.jinja",
-        "config.json",
-        "configuration_p2r.py",
-        "generation_config.json",
-        "model.safetensors",
-        "modeling_p2r.py",
-        "sharing_p2r.py",
+        *MODEL_FILES_WITH_CODE,
         "special_tokens_map.json",
         "tokenizer.json",
         "tokenizer_config.json",

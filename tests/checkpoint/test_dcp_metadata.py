@@ -24,6 +24,8 @@ from hf_p2r.checkpoint.dcp_metadata import CoveringLoadPlanner, read_dcp_metadat
 from hf_p2r.compat import dcp_reader
 from hf_p2r.errors import InputError
 
+from ..security.payload import CraftedPickle
+
 FULL = torch.arange(24.0).reshape(6, 4)
 
 
@@ -159,14 +161,6 @@ def test_a_metadata_file_that_is_a_link_out_of_the_folder_is_not_read(pieces, tm
         read_dcp_metadata(pieces)
 
 
-class _Payload:
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def test_pickled_values_another_library_loads_must_load_with_weights_only(tmp_path):
     """Accelerate's FSDP optimizer folders hold pickled values (parameter groups), which DCP loads with
     `torch.load(weights_only=False)`: checked with `weights_only=True` first, so a crafted one never runs."""
@@ -177,7 +171,7 @@ def test_pickled_values_another_library_loads_must_load_with_weights_only(tmp_pa
     read_dcp_metadata(folder, bytes_entries=True)  # plain values: fine
 
     buffer = io.BytesIO()
-    torch.save(_Payload(tmp_path / "ran"), buffer)
+    torch.save(CraftedPickle(tmp_path / "ran"), buffer)
     metadata = dcp_reader(folder, bytes_entries=True).read_metadata()
     info = next(info for index, info in metadata.storage_data.items() if index.offset is None)  # a pickled value
     shard = folder / info.relative_path

@@ -8,6 +8,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from hf_p2r.checkpoint.mixtral import export_mixtral, mixtral_config
 from hf_p2r.models.p2r.modeling_p2r_moe import P2RMoeForCausalLM
 
+from ..models.helpers import assert_export_matches
 from ..models.test_modeling_p2r_moe import moe_model
 
 
@@ -32,17 +33,9 @@ def test_export_mixtral_loads_in_vanilla_transformers(tmp_path, input_ids):
     # The names transformers itself writes for a Mixtral of these dims.
     MixtralForCausalLM(MixtralConfig.from_dict(config)).save_pretrained(tmp_path / "vanilla")
     assert _keys(out) == _keys(tmp_path / "vanilla")
-    for impl in ("eager", "sdpa"):
-        mixtral = MixtralForCausalLM.from_pretrained(out, attn_implementation=impl)
-        p2r = P2RMoeForCausalLM.from_pretrained(tmp_path / "p2r", attn_implementation=impl)
+    loaded = assert_export_matches(MixtralForCausalLM, P2RMoeForCausalLM, out, tmp_path / "p2r", real, input_ids)
+    for mixtral, p2r in loaded:
         assert mixtral.config._experts_implementation == p2r.config._experts_implementation == "grouped_mm"
-        assert torch.equal(_logits(mixtral, input_ids), _logits(p2r, input_ids))
-        real.set_attn_implementation(impl)
-        torch.testing.assert_close(_logits(mixtral, input_ids), _logits(real, input_ids), rtol=1e-5, atol=1e-6)
-    assert torch.equal(
-        mixtral.generate(input_ids[:, :4], max_new_tokens=8, do_sample=False),
-        real.generate(input_ids[:, :4], max_new_tokens=8, do_sample=False),
-    )
     aux = mixtral(input_ids, output_router_logits=True).aux_loss
     torch.testing.assert_close(aux, real(input_ids, output_router_logits=True).aux_loss)
 

@@ -39,7 +39,7 @@ from hf_p2r.training.delink import delink_pipeline
 from hf_p2r.training.metrics import read_metrics
 
 from ..conftest import tiny_config
-from ..training.helpers import tiny_argv
+from ..training.helpers import TWO_STAGES, tiny_argv
 from . import spawn
 
 SEQ, LR = 16, 1e-2
@@ -55,11 +55,8 @@ PATTERNS = {
 }
 FLUSH_PATTERNS = ("real", "sequence", "cycle", "tied")
 TRAINER = dict(
-    pipeline_parallel_size=2,
+    TWO_STAGES,
     pipeline_schedule="2bw",
-    num_microbatches=2,
-    shared_lr_scale="none",
-    num_unique_layers=2,
     pseudo_steps=2,
     real_steps=2,
     save_steps=1,

@@ -18,7 +18,7 @@ from hf_p2r.training import parse_config, train
 from hf_p2r.training.engines.pipeline import PipelineEngine
 from hf_p2r.training.metrics import read_metrics
 
-from ..training.helpers import tiny_argv
+from ..training.helpers import TWO_STAGES, tiny_argv
 from . import spawn
 from .test_pipeline import ATOL, SEQ, adamw, batches, delayed_reference, last_stage_value, model_of, worst_difference
 
@@ -28,11 +28,7 @@ EVAL_TOLERANCE = 1e-6
 CASES = [("1f1b", "real"), ("1f1b", "cycle"), ("1f1b", "tied"), ("interleaved_1f1b", "cycle"), ("2bw", "real"),
          ("2bw", "cycle")]  # fmt: skip
 TRAINER = dict(
-    pipeline_parallel_size=2,
-    pipeline_schedule="1f1b",
-    num_microbatches=2,
-    shared_lr_scale="none",
-    num_unique_layers=2,
+    TWO_STAGES,
     pseudo_steps=2,
     real_steps=2,
     eval_steps=1,

@@ -1,9 +1,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -24,6 +21,8 @@ from hf_p2r.models.p2r.modeling_p2r_moe import (
     expert_load,
     router_aux_loss,
 )
+
+from .helpers import load_as_remote_code
 
 
 def moe_config(**overrides) -> P2RMoeConfig:
@@ -330,24 +329,8 @@ def test_remote_code_folder_loads_without_hf_p2r(tmp_path, input_ids):
         "AutoConfig": "configuration_p2r_moe.P2RMoeConfig",
         "AutoModelForCausalLM": "modeling_p2r_moe.P2RMoeForCausalLM",
     }
-    torch.save({"input_ids": input_ids, "logits": _logits(model, input_ids)}, tmp_path / "reference.pt")
-    script = textwrap.dedent(f"""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        ref = torch.load({str(tmp_path / "reference.pt")!r}, weights_only=True)
-        pseudo = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
-        real = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, share_layers=False)
-        assert "hf_p2r" not in sys.modules, "the folder must not need hf_p2r"
-        with torch.no_grad():
-            assert torch.equal(pseudo(ref["input_ids"]).logits, ref["logits"])
-            assert torch.equal(real(ref["input_ids"]).logits, ref["logits"])
-        print(type(pseudo).__module__, len(pseudo.model.layers), len(real.model.layers))
-    """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    module, pseudo_blocks, real_blocks = result.stdout.split()
-    assert module.startswith("transformers_modules.") and (pseudo_blocks, real_blocks) == ("2", "8")
+    module, pseudo_layers, real_layers = load_as_remote_code(model, folder, input_ids, tmp_path)
+    assert module.startswith("transformers_modules.") and (pseudo_layers, real_layers) == (2, 8)
 
 
 def test_base_model_forward_shows_the_dense_signature():

@@ -2,9 +2,6 @@ import copy
 import json
 import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from hf_p2r import P2RConfig, P2RForCausalLM, P2RModel, export_llama
 from hf_p2r.models.p2r import modeling_p2r
 
 from ..conftest import tiny_config, tiny_model
+from .helpers import assert_export_matches, load_as_remote_code
 
 
 @pytest.fixture
@@ -282,18 +280,7 @@ def test_export_llama_loads_in_vanilla_transformers(tmp_path, input_ids):
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     assert not {"share_layers", "num_unique_layers", "sharing_pattern"} & config.keys()
     assert not list(tmp_path.glob(".llama.tmp-*")), "the temporary folder is renamed into place"
-    for impl in ("eager", "sdpa"):
-        llama = LlamaForCausalLM.from_pretrained(out, attn_implementation=impl)
-        p2r = P2RForCausalLM.from_pretrained(tmp_path / "p2r", attn_implementation=impl)
-        # Bitwise against P2R over the same bytes. Against the in-memory model only to rounding: mmapped weights sit
-        # at another memory alignment, which can change the CPU GEMM kernel's last bit.
-        assert torch.equal(_logits(llama, input_ids), _logits(p2r, input_ids))
-        real.set_attn_implementation(impl)
-        torch.testing.assert_close(_logits(llama, input_ids), _logits(real, input_ids), rtol=1e-5, atol=1e-6)
-    assert torch.equal(
-        llama.generate(input_ids[:, :4], max_new_tokens=8, do_sample=False),
-        real.generate(input_ids[:, :4], max_new_tokens=8, do_sample=False),
-    )
+    assert_export_matches(LlamaForCausalLM, P2RForCausalLM, out, tmp_path / "p2r", real, input_ids)
 
 
 def test_export_llama_with_tied_embeddings(tmp_path, input_ids):
@@ -326,24 +313,8 @@ def test_remote_code_folder_loads_without_hf_p2r(tmp_path, input_ids):
     model.save_pretrained(plain)
     assert "auto_map" not in json.loads((plain / "config.json").read_text()), "remote code is per save, not global"
 
-    torch.save({"input_ids": input_ids, "logits": _logits(model, input_ids)}, tmp_path / "reference.pt")
-    script = textwrap.dedent(f"""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        ref = torch.load({str(tmp_path / "reference.pt")!r}, weights_only=True)
-        pseudo = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
-        real = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, share_layers=False)
-        assert "hf_p2r" not in sys.modules, "the folder must not need hf_p2r"
-        with torch.no_grad():
-            assert torch.equal(pseudo(ref["input_ids"]).logits, ref["logits"])
-            assert torch.equal(real(ref["input_ids"]).logits, ref["logits"])
-        print(type(pseudo).__module__, len(pseudo.model.layers), len(real.model.layers))
-    """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    module, pseudo_blocks, real_blocks = result.stdout.split()
-    assert module.startswith("transformers_modules.") and (pseudo_blocks, real_blocks) == ("2", "8")
+    module, pseudo_layers, real_layers = load_as_remote_code(model, folder, input_ids, tmp_path)
+    assert module.startswith("transformers_modules.") and (pseudo_layers, real_layers) == (2, 8)
 
 
 def test_delink_on_load_refuses_tensor_parallel_loading(pseudo_dir):

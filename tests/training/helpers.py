@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +35,15 @@ TINY = {
     "cpu": "true",
 }
 
+# A two-stage pipeline (1F1B, two microbatches) of the tiny model with two blocks, their learning rate unscaled.
+TWO_STAGES = dict(
+    pipeline_parallel_size=2,
+    pipeline_schedule="1f1b",
+    num_microbatches=2,
+    shared_lr_scale="none",
+    num_unique_layers=2,
+)
+
 
 def tiny_argv(output_dir, **overrides) -> list[str]:
     """Command-line arguments for a tiny run into `output_dir` (values as strings, the way a shell passes them)."""
@@ -42,6 +52,24 @@ def tiny_argv(output_dir, **overrides) -> list[str]:
     for key, value in fields.items():
         argv += [f"--{key}", *(str(v) for v in value)] if isinstance(value, list) else [f"--{key}", str(value)]
     return argv
+
+
+def run_trainer(argv: list[str], command: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The trainer (`command`, default `python -m hf_p2r.train`) run on `argv` in a process of its own, from the
+    repository root with `subprocess_env()`, its output captured as text."""
+    command = command or [PYTHON, "-m", "hf_p2r.train"]
+    return subprocess.run(
+        [*command, *argv], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=timeout
+    )
+
+
+def loss_and_grads(model, ids, **kwargs):
+    """One training forward and backward on `ids`; the outputs and the gradients by parameter name (then zeroed)."""
+    outputs = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
+    outputs.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return outputs, grads
 
 
 def subprocess_env() -> dict[str, str]:

@@ -21,6 +21,7 @@ from hf_p2r.training.data import byte_level_tokenizer
 
 from ..conftest import tiny_model
 from ..distributed import spawn
+from ..models.helpers import MODEL_FILES_WITH_CODE
 
 
 def _logits(model, input_ids):
@@ -51,16 +52,7 @@ def test_save_model_one_process(tmp_path, monkeypatch, tied):
     save_model(accelerator, accelerator.unwrap_model(model), byte_level_tokenizer(), tmp_path / "pseudo", True)
     assert [call.args[0].name for call in write_file.call_args_list] == ["model.safetensors"], "hf-p2r's writer"
     files = sorted(p.name for p in (tmp_path / "pseudo").iterdir())
-    assert files == [
-        "config.json",
-        "configuration_p2r.py",
-        "generation_config.json",
-        "model.safetensors",
-        "modeling_p2r.py",
-        "sharing_p2r.py",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ]
+    assert files == [*MODEL_FILES_WITH_CODE, "tokenizer.json", "tokenizer_config.json"]
     loaded, info = _load(tmp_path / "pseudo")
     assert info == {"missing_keys": [], "mismatched_keys": [], "unexpected_keys": []}
     assert torch.equal(_logits(loaded, _input_ids()), _logits(reference, _input_ids()))

@@ -25,7 +25,7 @@ from hf_p2r.training.metrics import read_metrics
 
 from ..distributed import spawn
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, REPO, loss_and_grads, subprocess_env, tiny_argv, trajectory
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2)
 EXACT = dict(rtol=1e-5, atol=1e-6)
@@ -46,15 +46,6 @@ def tiny_model(depth=6, blocks=1, moe=False, checkpointing=False, seed=0):
     if checkpointing:
         model.activation_checkpointing_enable()
     return model
-
-
-def step(model, ids, **kwargs):
-    """One training forward and backward; the outputs and the gradients (then zeroed)."""
-    outputs = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
-    outputs.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return outputs, grads
 
 
 class Graphs:
@@ -90,7 +81,7 @@ def test_a_shared_block_compiles_once_for_every_depth_and_step():
     graphs = Graphs()
     compile_blocks(model, backend="aot_eager")
     for _ in range(3):
-        assert_same(step(model, ids), step(eager, ids))
+        assert_same(loss_and_grads(model, ids), loss_and_grads(eager, ids))
     assert graphs.unique == 1
     assert graphs.delta("graph_break") == {} and graphs.delta("recompiles") == {}
 
@@ -102,7 +93,7 @@ def test_inductor_compiles_the_blocks_once_and_matches_eager():
     graphs = Graphs()
     compile_blocks(model)  # inductor
     for _ in range(2):
-        assert_same(step(model, ids), step(eager, ids), dict(rtol=1e-4, atol=1e-5))
+        assert_same(loss_and_grads(model, ids), loss_and_grads(eager, ids), dict(rtol=1e-4, atol=1e-5))
     assert graphs.unique == 1 and graphs.delta("graph_break") == {}
 
 
@@ -115,8 +106,8 @@ def test_moe_with_activation_checkpointing_keeps_router_logits_and_hidden_states
     graphs = Graphs()
     compile_blocks(model, backend="aot_eager")
     for _ in range(2):
-        compiled = step(model, ids, output_router_logits=True, output_hidden_states=True)
-        expected = step(eager, ids, output_router_logits=True, output_hidden_states=True)
+        compiled = loss_and_grads(model, ids, output_router_logits=True, output_hidden_states=True)
+        expected = loss_and_grads(eager, ids, output_router_logits=True, output_hidden_states=True)
         assert_same(compiled, expected)
         torch.testing.assert_close(compiled[0].aux_loss, expected[0].aux_loss, **EXACT)
         assert len(compiled[0].router_logits) == len(expected[0].router_logits) == 4
@@ -133,7 +124,7 @@ def test_mixed_precision_compiles_once_under_autocast():
     compile_blocks(model, backend="aot_eager")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for _ in range(2):
-            assert_same(step(model, ids), step(eager, ids), BF16)
+            assert_same(loss_and_grads(model, ids), loss_and_grads(eager, ids), BF16)
     assert graphs.unique == 1 and graphs.delta("graph_break") == {}
 
 
@@ -147,7 +138,7 @@ def test_a_delink_reuses_the_compiled_graph():
         if blocks != 1:
             model.delink(blocks), eager.delink(blocks)
             compile_blocks(model, backend="aot_eager")  # what the engines do after a delink
-        assert_same(step(model, ids), step(eager, ids))
+        assert_same(loss_and_grads(model, ids), loss_and_grads(eager, ids))
     assert len(model.model.layers) == 4
     assert graphs.unique == 1 and graphs.delta("recompiles") == {}
 

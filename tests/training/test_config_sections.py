@@ -154,8 +154,8 @@ def test_the_saved_folders_carry_no_code_by_default_and_depth_mup_reaches_the_op
 # build_optimizer (optim.py) and apply_offload (offload.py).
 SECTION_READERS = {
     "model": set(),  # (read through TrainConfig.p2r_config by build_model)
-    "data": {"training/data.py"},
-    "stages": {"training/delink.py", "training/checkpointing.py", "training/optim.py", "training/offload.py"},
+    "data": {f"training/data/{name}.py" for name in ("documents", "packing", "source", "blocks", "streaming")},
+    "stages": {"training/delink.py", "training/resume/checkpoints.py", "training/optim.py", "training/offload.py"},
     "optim": {"training/optim.py", "training/delink.py", "training/offload.py"},
     "schedule": set(),  # (TrainConfig.lr_schedule)
     "offload": {"training/offload.py", "training/delink.py", "training/optim.py"},
@@ -173,8 +173,8 @@ WHOLE_CONFIG = {
     "training/engines/base.py:Engine.__init__",
     "training/engines/accelerate.py:AccelerateEngine.__init__",
     "training/engines/pipeline.py:PipelineEngine.__init__",
-    "training/checkpointing.py:save_checkpoint",
-    "training/checkpointing.py:read_state",
+    "training/resume/checkpoints.py:save_checkpoint",
+    "training/resume/checkpoints.py:read_state",
     "training/run.py:check_output_dir",
     "training/run.py:prepare_output_dir",
 }
@@ -220,6 +220,6 @@ def test_each_section_is_given_to_its_part_of_the_trainer(tmp_path):
         if where.split(":")[0] not in SECTION_READERS[name]
     }
     assert not strays, sorted(strays)
-    assert {"data"} <= received["training/data.py:build_blocks"]
+    assert {"data"} <= received["training/data/blocks.py:build_blocks"]
     assert received["training/optim.py:check_optimizer_supported"] == {"optim"}
     assert received["training/run.py:StepLog.__init__"] == {"logging"}

@@ -5,7 +5,6 @@ run's: bitwise where the layout keeps the arithmetic, within the tolerance each 
 damaged or missing shard is one line naming the file, before anything changes."""
 
 import functools
-import os
 import pickle
 import shutil
 import subprocess
@@ -21,7 +20,18 @@ from hf_p2r.training.checkpointing import list_checkpoints
 
 from ..distributed import spawn
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, PYTHON, REPO, losses, run_on_every_process, subprocess_env, tiny_argv, trajectory
+from ..security.payload import CraftedPickle
+from .helpers import (
+    ACCELERATE,
+    REPO,
+    TWO_STAGES,
+    losses,
+    run_on_every_process,
+    run_trainer,
+    subprocess_env,
+    tiny_argv,
+    trajectory,
+)
 from .test_resume import snapshot, truncate
 
 # L=4, k=1: delinked to the real model at step 2; a checkpoint every step (1, 2 pseudo; 3, 4 real).
@@ -72,18 +82,8 @@ def _delete(path):
     path.unlink()
 
 
-class _Payload:
-    """What a crafted `.metadata` would hold: a call made when the pickle loads."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def _crafted(path):
-    path.write_bytes(pickle.dumps(_Payload(path.parent / "ran")))
+    path.write_bytes(pickle.dumps(CraftedPickle(path.parent / "ran")))
 
 
 DAMAGE = {
@@ -146,16 +146,7 @@ def test_two_data_parallel_processes_resume_on_one(data_parallel, tmp_path, chec
 
 # --- pipelines -------------------------------------------------------------------------------------------------------
 # pseudo (2 blocks) steps 1-2, the delink, real steps 3-6. 2BW saves every 3 steps only: a save drains the schedule.
-PIPELINE = dict(
-    SCHEDULE,
-    pipeline_parallel_size=2,
-    pipeline_schedule="1f1b",
-    num_microbatches=2,
-    shared_lr_scale="none",
-    num_unique_layers=2,
-    real_steps=4,
-    eval_steps=0,
-)
+PIPELINE = dict(SCHEDULE, **TWO_STAGES, real_steps=4, eval_steps=0)
 TWO_BW = dict(pipeline_schedule="2bw", save_steps=3)
 
 
@@ -483,14 +474,7 @@ def test_resuming_from_another_checkpoints_shard_as_users_run_it_prunes_nothing(
     NAMED_ELSEWHERE["another checkpoint's shard"][0](run / "checkpoints/checkpoint-3")
     before = snapshot(run)
     argv = tiny_argv(run, **SCHEDULE, save_total_limit=1, resume_from_checkpoint=run / "checkpoints/checkpoint-3")
-    result = subprocess.run(
-        [PYTHON, "-m", "hf_p2r.train", *argv],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        timeout=300,
-    )
+    result = run_trainer(argv)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "a path out of the checkpoint's folder" in errors[0], result.stderr[-3000:]

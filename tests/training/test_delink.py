@@ -17,16 +17,20 @@ def _trained(steps=2, **model_overrides):
     """A pseudo model after a few AdamW steps, and a snapshot of the optimizer state by parameter name."""
     model = tiny_model(share_layers=True, **model_overrides).train()
     optimizer = build_optimizer(model, TrainArguments())
+    return model, optimizer, _steps(model, optimizer, steps)
+
+
+def _steps(model, optimizer, steps: int) -> dict:
+    """`steps` optimizer steps on a fixed batch; then the optimizer state by parameter name, cloned."""
     ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         model(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    snapshot = {
+    return {
         name: {key: value.clone() for key, value in optimizer.state[param].items()}
         for name, param in model.named_parameters()
     }
-    return model, optimizer, snapshot
 
 
 def _source(name: str, block_of_new: dict[int, int]) -> str:
@@ -181,16 +185,7 @@ def _trained_shallow(optimizer="adamw", steps=2, **model_overrides):
     args = TrainArguments(optimizer=optimizer, learning_rate=1e-2)
     model = tiny_model(real_num_hidden_layers=4, **model_overrides).train()
     optimizer = build_optimizer(model, args)
-    ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
-    for _ in range(steps):
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    snapshot = {
-        name: {key: value.clone() for key, value in optimizer.state[param].items()}
-        for name, param in model.named_parameters()
-    }
-    return model, optimizer, snapshot, args
+    return model, optimizer, _steps(model, optimizer, steps), args
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

@@ -16,7 +16,6 @@ from transformers import PreTrainedTokenizerFast
 
 from hf_p2r.errors import InputError
 from hf_p2r.training import DataArguments
-from hf_p2r.training import data as data_module
 from hf_p2r.training.data import (
     BLANK_LINES,
     BlockOrder,
@@ -28,6 +27,7 @@ from hf_p2r.training.data import (
     packer,
     text_documents,
 )
+from hf_p2r.training.data import documents as documents_module
 
 from .helpers import PYTHON, REPO, subprocess_env, tiny_argv
 
@@ -35,7 +35,7 @@ PROSE = "The first paragraph,\nwrapped.\n\nThe second one.\n \t\n\n\nThird: afte
 
 
 def _documents(path, separator=None, read_chars=None) -> list[str]:
-    with mock.patch.object(data_module, "READ_CHARS", read_chars or data_module.READ_CHARS):
+    with mock.patch.object(documents_module, "READ_CHARS", read_chars or documents_module.READ_CHARS):
         return [row["text"] for row in text_documents([str(path)], [None], separator=separator)]
 
 

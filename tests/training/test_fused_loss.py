@@ -18,7 +18,7 @@ from hf_p2r.training import parse_config, train
 from hf_p2r.training.metrics import read_metrics
 
 from ..distributed import spawn
-from .helpers import tiny_argv
+from .helpers import loss_and_grads, tiny_argv
 
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2)
 CLOSE = dict(rtol=1e-5, atol=1e-6)
@@ -29,14 +29,6 @@ def tiny_model(moe=False, tied=False, seed=0):
     config_class = P2RMoeConfig if moe else P2RConfig
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {}
     return AutoModelForCausalLM.from_config(config_class(**SHAPE, **extra, tie_word_embeddings=tied)).train()
-
-
-def loss_and_grads(model, ids, **kwargs):
-    outputs = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
-    outputs.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return outputs, grads
 
 
 def assert_same(fused, plain):

@@ -17,7 +17,7 @@ from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.metrics import read_metrics
 from hf_p2r.training.run import LOCK_FILE, OutputDirLock
 
-from .helpers import PYTHON, REPO, subprocess_env, tiny_argv
+from .helpers import PYTHON, REPO, run_trainer, subprocess_env, tiny_argv
 
 
 def test_a_second_lock_is_refused_naming_the_holder_and_the_first_is_released(tmp_path):
@@ -78,14 +78,7 @@ def test_a_second_trainer_on_the_same_output_dir_is_refused_naming_the_first(tmp
     )
     try:
         _wait_for(lambda: (output_dir / "metrics.jsonl").is_file(), first, timeout=300)  # it trains
-        second = subprocess.run(
-            [PYTHON, "-m", "hf_p2r.train", *tiny_argv(output_dir, pseudo_steps=2, real_steps=2)],
-            capture_output=True,
-            text=True,
-            env=subprocess_env(),
-            cwd=REPO,
-            timeout=300,
-        )
+        second = run_trainer(tiny_argv(output_dir, pseudo_steps=2, real_steps=2))
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if "error" in line]
         assert errors == [

@@ -15,15 +15,11 @@ import torch.distributed as dist
 from hf_p2r.training import NonFiniteLossError, parse_config, train
 
 from ..distributed import spawn
-from .helpers import tiny_argv
+from .helpers import TWO_STAGES, tiny_argv
 from .test_resume import snapshot, truncate
 
 SCHEDULE = dict(
-    pipeline_parallel_size=2,
-    pipeline_schedule="1f1b",
-    num_microbatches=2,
-    shared_lr_scale="none",
-    num_unique_layers=2,
+    TWO_STAGES,
     pseudo_steps=2,
     real_steps=2,
     save_steps=1,

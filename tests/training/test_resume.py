@@ -16,7 +16,8 @@ from hf_p2r.errors import InputError
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 
-from .helpers import PYTHON, REPO, subprocess_env, tiny_argv, trajectory
+from ..security.payload import CraftedPickle
+from .helpers import PYTHON, REPO, run_trainer, subprocess_env, tiny_argv, trajectory
 
 # L=4, k=1: delinked to the real model at step 2; a checkpoint every step (1, 2 pseudo; 3, 4 real).
 SCHEDULE = dict(pseudo_steps=2, real_steps=2, save_steps=1)
@@ -97,13 +98,20 @@ DAMAGE = {
 
 @pytest.mark.parametrize("case", DAMAGE)
 def test_a_damaged_checkpoint_is_one_line_naming_its_file_and_changes_nothing(run, case):
-    name, damage, message = DAMAGE[case]
+    error = _refused(run, *DAMAGE[case])
+    assert str(run / "checkpoints/checkpoint-3") in error
+
+
+def _refused(run, name: str, damage, message: str, **overrides) -> str:
+    """A resume from checkpoint-3 of `run`, its file `name` damaged by `damage`, fails with one line matching
+    `message`, changing nothing in the run's folder: that line."""
     damage(run / "checkpoints/checkpoint-3" / name)
     before = snapshot(run)
     with pytest.raises(InputError, match=message) as raised:
-        resume(run, "checkpoints/checkpoint-3")
-    assert str(run / "checkpoints/checkpoint-3") in str(raised.value) and "\n" not in str(raised.value)
+        resume(run, "checkpoints/checkpoint-3", **overrides)
+    assert "\n" not in str(raised.value)
     assert snapshot(run) == before
+    return str(raised.value)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin"])
@@ -174,14 +182,7 @@ def test_the_script_says_one_line_and_exits_2_for_a_damaged_checkpoint(run, case
     damage(run / "checkpoints/checkpoint-3" / name)
     before = snapshot(run)
     argv = tiny_argv(run, **SCHEDULE, resume_from_checkpoint=run / "checkpoints/checkpoint-3")
-    result = subprocess.run(
-        [PYTHON, str(REPO / "scripts/train.py"), *argv],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        timeout=300,
-    )
+    result = run_trainer(argv, [PYTHON, str(REPO / "scripts/train.py")])
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("train.py: error: ") and "checkpoint-3" in errors[0], errors
@@ -198,22 +199,12 @@ def _link_to_checkpoint_4(name):
     return link
 
 
-class _Payload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return os.system, (f"touch {self.marker}",)
-
-
 def _crafted_engine_folder(path):
     """An engine's DCP folder (Accelerate's FSDP state: `pytorch_model_fsdp_0/`) whose `.metadata` runs code when
     torch's own reader unpickles it."""
     folder = path.parent / "pytorch_model_fsdp_0"
     folder.mkdir()
-    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(path.parent / "ran")))
+    (folder / ".metadata").write_bytes(pickle.dumps(CraftedPickle(path.parent / "ran")))
 
 
 NOT_ITS_OWN = {
@@ -243,13 +234,7 @@ NOT_ITS_OWN = {
 
 @pytest.mark.parametrize("case", NOT_ITS_OWN)
 def test_a_checkpoint_naming_files_not_its_own_is_refused_before_anything_changes(run, case):
-    name, damage, message = NOT_ITS_OWN[case]
-    damage(run / "checkpoints/checkpoint-3" / name)
-    before = snapshot(run)
-    with pytest.raises(InputError, match=message) as raised:
-        resume(run, "checkpoints/checkpoint-3", save_total_limit=1)
-    assert "\n" not in str(raised.value)
-    assert snapshot(run) == before
+    _refused(run, *NOT_ITS_OWN[case], save_total_limit=1)
     assert not (run / "checkpoints/checkpoint-3/ran").exists()
 
 

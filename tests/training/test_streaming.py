@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -17,12 +16,12 @@ import pytest
 import torch
 
 from hf_p2r.errors import InputError
-from hf_p2r.training import ConfigError, DataArguments, data, parse_config, train
+from hf_p2r.training import ConfigError, DataArguments, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
-from hf_p2r.training.data import BlockStream, byte_level_tokenizer, stream_blocks
+from hf_p2r.training.data import BlockStream, byte_level_tokenizer, packing, stream_blocks
 
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, REPO, run_trainer, tiny_argv, trajectory
 
 BLOCK = 32
 
@@ -285,14 +284,7 @@ def launch_two(argv: list[str]) -> None:
     """`accelerate launch` of the trainer on two CPU processes (a data-parallel run ends its process group, which a
     spawned test worker cannot share)."""
     command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
-    result = subprocess.run(
-        [*command, str(REPO / "scripts/train.py"), *argv],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=REPO,
-        timeout=600,
-    )
+    result = run_trainer(argv, [*command, str(REPO / "scripts/train.py")], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -327,7 +319,7 @@ def test_a_shard_that_breaks_mid_run_is_one_line_naming_it_and_keeps_the_checkpo
     """The first shard fills the first packed batch (1,000 one-letter documents, one chunk: with one chunk per packed
     batch, 62 blocks, 15 steps of 4); the second shard, first read at step 16, has a bad line: the run stops there
     with one line naming that shard, and the checkpoints it saved before stay."""
-    monkeypatch.setattr(data, "PACK_CHUNKS", 1)
+    monkeypatch.setattr(packing, "PACK_CHUNKS", 1)
     first, second = tmp_path / "train-00000.jsonl", tmp_path / "train-00001.jsonl"
     first.write_text((json.dumps({"text": "x"}) + "\n") * 1000)
     second.write_text('{"text": "fine"}\n{"text": \n')

@@ -20,14 +20,14 @@ from ...distributed import gather_shared_once
 from ...distributed.deepspeed import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
 from ...ops import HeadLoss
-from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint, save_model
 from ..compile import check_backend, compile_blocks
-from ..dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
-from ..dcp import save as save_dcp
 from ..delink import check_delink_supported, delink_in_training
 from ..moe import RouterLoad
 from ..offload import apply_offload, measure_offload_activations
 from ..optim import build_optimizer, check_optimizer_supported
+from ..resume.checkpoints import TrainState, loading_checkpoint, save_checkpoint, save_model
+from ..resume.dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
+from ..resume.dcp import save as save_dcp
 from ..run import say
 from .base import Engine
 
@@ -159,7 +159,7 @@ class AccelerateEngine(Engine):
         return "dcp" if runs and wanted else "accelerate"
 
     def check_dcp(self) -> None:
-        """DCP checkpoints (`hf_p2r.training.dcp`) hold a torch optimizer's state by parameter name: one process, DDP,
+        """DCP checkpoints (`resume.dcp`) hold a torch optimizer's state by parameter name: one process, DDP,
         FSDP2 and DeepSpeed ZeRO-3 (whose partitions are saved and loaded one whole parameter at a time); granular
         offload's and ZeRO-1/2's optimizers keep Accelerate's format."""
         deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED

@@ -15,8 +15,8 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 from ...config import TrainConfig
-from ..checkpointing import TrainState
-from ..dcp import release_background_group
+from ..resume.checkpoints import TrainState
+from ..resume.dcp import release_background_group
 
 
 class Engine:
@@ -112,7 +112,7 @@ class Engine:
         raise NotImplementedError
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
-        """`checkpoint-{step}/` (atomically, `hf_p2r.training.checkpointing.save_checkpoint`): `training_state`,
+        """`checkpoint-{step}/` (atomically, `hf_p2r.training.resume.checkpoints.save_checkpoint`): `training_state`,
         already checked, and `trainer_state.json`."""
         raise NotImplementedError
 

@@ -40,13 +40,13 @@ from ...distributed.pipeline import (
     pipeline_model_config,
     pipeline_state,
 )
-from ..checkpointing import TrainState, loading_checkpoint, save_checkpoint
-from ..dcp import is_dcp_checkpoint, saved_schedule
-from ..dcp import load_pipeline_state as load_dcp_state
-from ..dcp import pipeline_state as dcp_state
-from ..dcp import save as save_dcp
 from ..delink import delink_pipeline
 from ..optim import build_optimizer, shared_lr_scales
+from ..resume.checkpoints import TrainState, loading_checkpoint, save_checkpoint
+from ..resume.dcp import is_dcp_checkpoint, saved_schedule
+from ..resume.dcp import load_pipeline_state as load_dcp_state
+from ..resume.dcp import pipeline_state as dcp_state
+from ..resume.dcp import save as save_dcp
 from ..run import say
 from .base import Engine
 
@@ -229,7 +229,7 @@ class PipelineEngine(Engine):
 
     def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
         """`stage-{rank}.pt` per process (`training_state`: its `pipeline_state`), or with `checkpoint_format: dcp`
-        every process's shards under the model's names (`hf_p2r.training.dcp`); and `trainer_state.json`."""
+        every process's shards under the model's names (`hf_p2r.training.resume.dcp`); and `trainer_state.json`."""
         name = f"stage-{dist.get_rank()}.pt"
 
         def write(folder: Path) -> None:
