@@ -151,12 +151,12 @@ def test_the_saved_folders_carry_no_code_by_default_and_depth_mup_reaches_the_op
 # Where each section may go, as hf_p2r/config/sections.py's table promises: the files (under hf_p2r/) whose functions
 # take it as an argument, besides the configuration package itself. delink.py and offload.py take a flat view of the
 # sections they read (`TrainArguments.of`), counted here as each of them; delink.py hands its view on to
-# build_optimizer (optim.py).
+# build_optimizer (optim.py) and apply_offload (offload.py).
 SECTION_READERS = {
     "model": set(),  # (read through TrainConfig.p2r_config by build_model)
     "data": {"training/data.py"},
-    "stages": {"training/delink.py", "training/checkpointing.py", "training/optim.py"},
-    "optim": {"training/optim.py", "training/delink.py"},
+    "stages": {"training/delink.py", "training/checkpointing.py", "training/optim.py", "training/offload.py"},
+    "optim": {"training/optim.py", "training/delink.py", "training/offload.py"},
     "schedule": set(),  # (TrainConfig.lr_schedule)
     "offload": {"training/offload.py", "training/delink.py", "training/optim.py"},
     "parallel": set(),  # (the pipeline engine, from its config)
