@@ -11,6 +11,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.p2r.sharing_p2r import plan_delink
 from .fields import ConfigError, build
 from .flat import TRAIN_SECTIONS, TrainArguments
 from .rules import check_run
@@ -151,6 +152,29 @@ class TrainConfig:
             if delink_step <= step:
                 blocks = new_blocks
         return blocks
+
+    def delink_to(self, depth: int, num_blocks: int, new_depth: int, new_blocks: int):
+        """What the trainer's delink takes to go from a model of `depth` layers and `num_blocks` blocks to `new_depth`
+        and `new_blocks`: the block count at the same depth (None: the real model), or the `DelinkPlan` of a depth
+        growth (`plan_delink` with `growth` and `function_preserving`)."""
+        if new_depth == depth:
+            return new_blocks if new_blocks < self.model.num_hidden_layers else None
+        t = self.stages
+        return plan_delink(
+            self.model_layout(num_blocks, depth=depth),
+            new_blocks,
+            num_hidden_layers=new_depth,
+            growth=t.growth,
+            function_preserving=t.function_preserving,
+        )
+
+    def model_vocab_size(self, tokenizer_size: int) -> int:
+        """The model's embedding rows for a tokenizer of `tokenizer_size` tokens: `vocab_size`, or the tokenizer's size
+        rounded up to 64 (friendlier matrix shapes); `ConfigError` if `vocab_size` is smaller than the tokenizer."""
+        vocab_size = self.model.vocab_size or -(-tokenizer_size // 64) * 64
+        if vocab_size < tokenizer_size:
+            raise ConfigError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({tokenizer_size} tokens)")
+        return vocab_size
 
     def model_fields(self, vocab_size: int, num_blocks: int, depth: int | None = None) -> dict[str, Any]:
         """The model's config fields with `num_blocks` blocks (k < L: pseudo; L: real) at `depth` layers (default L;

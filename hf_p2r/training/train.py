@@ -30,7 +30,6 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from ..config import TrainConfig
 from ..distributed.materialize import materialize
-from ..models.p2r.sharing_p2r import DelinkPlan, plan_delink
 from .checkpointing import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
 from .data import BlockOrder, BlockStream, build_blocks, check_output_dir_outside_data, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
@@ -50,15 +49,6 @@ from .run import (
 )
 
 
-def model_vocab_size(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> int:
-    """The model's embedding rows: `vocab_size`, or the tokenizer's size rounded up to 64 (friendlier matrix
-    shapes)."""
-    vocab_size = config.model.vocab_size or -(-len(tokenizer) // 64) * 64
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    return vocab_size
-
-
 def build_model(
     config: TrainConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -75,7 +65,7 @@ def build_model(
     (`hf_p2r.distributed.materialize`: each module by the model's `_init_weights` under a seed derived from `seed` and
     its name). With `meta` it is left on the meta device: the run's engine materialises only what its process holds
     (its stages, its FSDP2 shards), to the same values."""
-    vocab_size = model_vocab_size(config, tokenizer)
+    vocab_size = config.model_vocab_size(len(tokenizer))
     special_tokens = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -152,8 +142,14 @@ def run(config: TrainConfig, engine: Engine) -> int:
     log = StepLog(
         accelerator, state, logging, stages.total_steps, engine.tokens_per_step, depth, output_dir / METRICS_FILE
     )
-    # Training FLOPs per step of the model as it is now (changes at each growth).
-    step_flops = flops_per_step(config, tokenizer, state, engine.tokens_per_step)
+
+    def flops_per_step() -> float:
+        """Training FLOPs of one step of the model as it is now (changes at each growth)."""
+        model_config = config.p2r_config(vocab_size, state.num_blocks, {}, state.num_hidden_layers)
+        return engine.tokens_per_step * training_flops_per_token(model_config, config.data.block_size)
+
+    vocab_size = config.model_vocab_size(len(tokenizer))
+    step_flops = flops_per_step()
     if checkpoint is None and logging.eval_steps:
         log.record(val_loss=engine.evaluate(validation_blocks))
 
@@ -166,10 +162,10 @@ def run(config: TrainConfig, engine: Engine) -> int:
                 if target == depth:  # the pseudo stage ends: its model is kept as pseudo/
                     check_finite(accelerator, output_dir, state, depth, "pseudo/", engine.weights())
                     engine.save_model(output_dir / "pseudo", tokenizer)
-                extra = engine.delink(delink_target(config, state, target_depth, target))
+                extra = engine.delink(config.delink_to(state.num_hidden_layers, state.num_blocks, target_depth, target))
                 before, state.num_blocks = state.num_blocks, target
                 before_depth, state.num_hidden_layers = state.num_hidden_layers, target_depth
-                step_flops = flops_per_step(config, tokenizer, state, engine.tokens_per_step)
+                step_flops = flops_per_step()
                 log.record(event="delink", num_blocks_before=before, num_hidden_layers_before=before_depth, **extra)
                 grew = f"grew {before_depth} -> {target_depth} layers ({stages.growth}), " * (
                     target_depth > before_depth
@@ -228,25 +224,6 @@ def run(config: TrainConfig, engine: Engine) -> int:
     return 0
 
 
-def delink_target(config: TrainConfig, state: TrainState, depth: int, num_blocks: int) -> int | DelinkPlan | None:
-    """What the engine's delink takes to go from the model `state` holds to `num_blocks` blocks at `depth` layers: the
-    block count at the same depth (None: the real model), or the `DelinkPlan` of a depth growth (`growth`,
-    `function_preserving`: `plan_delink` on the model as it is)."""
-    if depth == state.num_hidden_layers:
-        return num_blocks if num_blocks < config.model.num_hidden_layers else None
-    layout = config.model_layout(state.num_blocks, depth=state.num_hidden_layers)
-    t = config.stages
-    return plan_delink(
-        layout, num_blocks, num_hidden_layers=depth, growth=t.growth, function_preserving=t.function_preserving
-    )
-
-
-def flops_per_step(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, state: TrainState, tokens: int) -> float:
-    """Training FLOPs of one step of `tokens` tokens on the model `state` holds (`training_flops_per_token`)."""
-    model_config = config.p2r_config(model_vocab_size(config, tokenizer), state.num_blocks, {}, state.num_hidden_layers)
-    return tokens * training_flops_per_token(model_config, config.data.block_size)
-
-
 def next_batch(blocks, order: BlockOrder | None, state: TrainState, engine: Engine) -> torch.Tensor:
     """This process's slice of the next global micro-batch (`engine.data_rank` of `engine.data_size`; a stream is
     already this process's share); advances the data position by the global batch."""
@@ -260,4 +237,4 @@ def next_batch(blocks, order: BlockOrder | None, state: TrainState, engine: Engi
     return batch.to(engine.accelerator.device)
 
 
-__all__ = ["NonFiniteLossError", "build_model", "model_vocab_size", "next_batch", "train"]
+__all__ = ["NonFiniteLossError", "build_model", "next_batch", "train"]
