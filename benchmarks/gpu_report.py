@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_convergence import part_convergence
 from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
 
 # Dense bf16 peak FLOP/s (no sparsity) of the GPUs MFU is computed for, by a name fragment of
@@ -57,6 +58,7 @@ PARTS = {
     "offload": (240, 180),
     "trainer": (150, 180),
     "fsdp2_dcp": (120, 300),
+    "convergence": (360, 300),  # issue 39: benchmarks/gpu_convergence.py (not run on a GPU yet)
 }
 
 TINY_TRAINER = dict(
@@ -373,6 +375,7 @@ RUNNERS = {
     "offload": part_offload,
     "trainer": part_trainer,
     "fsdp2_dcp": part_fsdp2_dcp,
+    "convergence": part_convergence,
 }
 
 
