@@ -361,7 +361,6 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
             f"{args.pseudo_steps} + real_steps {args.real_steps} = {args.total_steps} steps): raise real_steps to at "
             f"least {state.step - args.pseudo_steps}, or resume from an earlier checkpoint"
         )
-    state.num_hidden_layers = state.num_hidden_layers or depth
     possible = {config.initial_blocks(), *(blocks for _, blocks in config.delink_schedule())}
     if state.num_blocks not in possible or state.num_blocks > config.blocks_at(state.step):
         raise InputError(
@@ -371,9 +370,10 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
         )
     stages = [(config.initial_depth(), config.initial_blocks()), *((d, k) for _, d, k in config.stage_schedule())]
     now = config.stage_at(state.step)
-    if (state.num_hidden_layers, state.num_blocks) not in stages[: stages.index(now) + 1]:
+    saved_depth = state.num_hidden_layers or depth
+    if (saved_depth, state.num_blocks) not in stages[: stages.index(now) + 1]:
         raise InputError(
-            f"resume_from_checkpoint: {path} holds a model of {state.num_hidden_layers} layers and {state.num_blocks} "
+            f"resume_from_checkpoint: {path} holds a model of {saved_depth} layers and {state.num_blocks} "
             f"blocks at step {state.step}, but this configuration has {now[0]} layers and {now[1]} blocks then "
             "(pseudo_num_hidden_layers, partial_delink_depths, pseudo_steps, partial_delink_steps)"
         )

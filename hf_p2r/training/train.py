@@ -110,6 +110,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
     checkpoint = resolve_checkpoint(output_dir, resume) if resume else None
     first = TrainState(num_blocks=config.initial_blocks(), num_hidden_layers=config.initial_depth())
     state = read_state(checkpoint, config) if checkpoint else first
+    state.num_hidden_layers = state.num_hidden_layers or depth  # (a checkpoint written before depth growth: L)
     resumed = dataclasses.replace(state) if checkpoint else None  # where this invocation starts (for the summary)
     existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
     check_output_dir_outside_data(config.data, output_dir)
