@@ -68,7 +68,7 @@ def recommended(depth: int) -> str:
 
 def part_convergence(out: Path, dry: bool, limit: int) -> dict:
     """Scratch, then the recommended recipe, each for the same steps (`GPU_STEPS`; dry: `DRY_STEPS` of a tiny model),
-    each under half of `limit`; the record of `benchmarks.gpu_report.run` with the result."""
+    both within `limit` seconds; the record of `benchmarks.gpu_report.run` with the result."""
     from benchmarks.gpu_report import run
 
     fields, steps = (DRY_FIELDS, DRY_STEPS) if dry else (GPU_FIELDS, GPU_STEPS)
@@ -81,7 +81,8 @@ def part_convergence(out: Path, dry: bool, limit: int) -> dict:
         output_dir = out / "convergence_runs" / run_name
         argv_fields = {**fields, **SHARED, **schedule_of(recipe, steps), "output_dir": str(output_dir)}
         argv = [item for key, value in argv_fields.items() for item in _flag(key, value)]
-        done = run([sys.executable, "-m", "hf_p2r.train", *argv], max(30, limit // 2), env)
+        left = limit - sum(o["seconds"] for o in outputs.values())
+        done = run([sys.executable, "-m", "hf_p2r.train", *argv], max(30, round(left)), env)
         outputs[run_name] = {key: done[key] for key in ("status", "seconds", "command", "output_tail")}
         record = done if record is None or done["status"] != "ok" else record
         if done["status"] != "ok":
