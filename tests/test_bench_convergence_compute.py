@@ -71,11 +71,14 @@ def test_compare_measures_compute_to_scratchs_final_loss():
     scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)  # 400 FLOPs in all, ends at 2.0
     # cheap steps (1 FLOP) for 200 steps then 4: reaches 2.0 at step 200 (200 FLOPs), ends at 1.8
     grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], [1.0] * 200 + [4.0] * 50)
+    for record in grow:
+        record["num_hidden_layers"] = 2 if record["step"] < 200 else 8  # grown at step 200
     result = compute.compare({"scratch": scratch, "grow": grow})
     assert result["target"] == 2.0 and result["scratch"] == {"flops": 400.0, "tokens": 1000, "steps": 100}
     base, row = result["runs"]
     assert base["speedup_flops"] == 1.0 and base["budget_ratio"] == 1.0
     assert row["flops_to_target"] == 200.0 and row["speedup_flops"] == 2.0
+    assert row["depth_at_target"] == 8  # reached by the grown model
     assert (row["tokens_to_target"], row["steps_to_target"]) == (2000, 200)
     assert row["budget_ratio"] == 1.0 and row["delta_vs_scratch"] == pytest.approx(-0.2)
     assert row["loss_at_scratch_tokens"] == 3.0  # after scratch's 1000 tokens, mid-run
@@ -135,7 +138,7 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
     assert "Not run (no scratch run, so nothing to compare): stdlib-L8-adamw seed 1," in page
     assert "prose-L8-muon seed 2." in page
     assert "Recipes not run in any group: bu-1to8-at60," in page
-    assert "| gstack-2to8-at50 | 0 | 1.8000 | -0.2000 | 1.00 | 250 | 2,500 | 400 | 200 | 2.00x | +1.0000 |" in page
+    assert "| gstack-2to8-at50 | 0 | 1.8000 | -0.2000 | 1.00 | 250 | 2,500 | 400 | 200 | 2.00x | - | +1.0000 |" in page
     assert "**gstack-2to8-at50**, worst 2.00x over 1 group(s) and seed(s) [0]: it meets the 2x target" in page
     assert "the target is not shown met for them" in page
     group["speedups"]["gstack-2to8-at50"] = [1.5]

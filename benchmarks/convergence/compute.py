@@ -223,6 +223,7 @@ def compare(records: dict[str, list[dict]]) -> dict:
         end = evaluations[-1]
         to_target = {x: crossing(curve(run, x), target) for x in ("flops", "tokens", "step")}
         flops = to_target["flops"]
+        reached = next((r for r in evaluations if r["val_loss"] <= target), None)
         rows.append(
             {
                 "name": name,
@@ -236,6 +237,8 @@ def compare(records: dict[str, list[dict]]) -> dict:
                 "tokens_to_target": to_target["tokens"],
                 "steps_to_target": to_target["step"],
                 "speedup_flops": None if not flops else budget["flops"] / flops,
+                # the depth of the model at the first evaluation at or below the target (shallow: before the growth)
+                "depth_at_target": None if reached is None else reached.get("num_hidden_layers"),
                 # the loss where it has seen scratch's tokens in all (mid-schedule when it runs more tokens)
                 "loss_at_scratch_tokens": value_at(curve(run, "tokens"), budget["tokens"]),
                 "flops_curve": curve(run, "flops"),
@@ -420,14 +423,16 @@ def markdown(result: dict) -> str:
     lines.append(
         "Speed-up = scratch's FLOPs / the run's FLOPs to reach scratch's final validation loss. Budget = the run's "
         "FLOPs / scratch's. Loss at scratch's tokens: the run's validation loss after as many tokens as scratch saw "
-        "in all (mid-schedule for a run with more tokens), minus scratch's final loss."
+        "in all (mid-schedule for a run with more tokens), minus scratch's final loss. Depth there: the depth of the "
+        "model at the first evaluation at or below scratch's final loss (below L: the shallow model reached it before "
+        "the growth, so scratch's budget is short of what its depth needs)."
     )
     for group in groups:
         lines += ["", f"### {group['name']}", ""]
         lines += [
             "| run | seed | final val loss | Δ vs scratch | budget | steps | tokens | FLOPs | FLOPs to target "
-            "| speed-up | Δ at scratch's tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| speed-up | depth there | Δ at scratch's tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for seed in group["per_seed"]:
             for row in seed["runs"]:
@@ -435,7 +440,8 @@ def markdown(result: dict) -> str:
                     f"| {row['name']} | {seed['seed']} | {row['final_val_loss']:.4f} | "
                     f"{row['delta_vs_scratch']:+.4f} | {row['budget_ratio']:.2f} | {row['steps']} | "
                     f"{row['tokens']:,} | {_e(row['flops'])} | {_e(row['flops_to_target'])} | "
-                    f"{_x(row['speedup_flops'])} | {row['loss_at_scratch_tokens'] - seed['target']:+.4f} |"
+                    f"{_x(row['speedup_flops'])} | {row.get('depth_at_target') or '-'} | "
+                    f"{row['loss_at_scratch_tokens'] - seed['target']:+.4f} |"
                 )
     lines += ["", "## Verdict", ""]
     best = result["recommended"]
