@@ -290,7 +290,7 @@ class StageArguments:
     )
     partial_delink_depths: list[int] = option(
         [],
-        "Depth after each partial delink, one per partial_delink_blocks entry, increasing and at most L (default: "
+        "Depth after each partial delink, one per partial_delink_blocks entry, never decreasing, at most L (default: "
         "the depth does not change); a deeper one grows the model (growth).",
     )
     growth: Literal["stack", "interleave"] = option(
