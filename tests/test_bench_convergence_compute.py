@@ -141,6 +141,11 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
     assert "| gstack-2to8-at50 | 0 | 1.8000 | -0.2000 | 1.00 | 250 | 2,500 | 400 | 200 | 2.00x | - | +1.0000 |" in page
     assert "**gstack-2to8-at50**, worst 2.00x over 1 group(s) and seed(s) [0]: it meets the 2x target" in page
     assert "the target is not shown met for them" in page
+    assert "before its growth" not in page  # reached at depth 8 (or, here, no depth recorded)
+    seed["runs"][1]["depth_at_target"] = 2
+    assert "gstack-2to8-at50 reached scratch's final loss before its growth, with its shallow model, in " in (
+        compute.markdown(result)
+    )
     group["speedups"]["gstack-2to8-at50"] = [1.5]
     result["recommended"] = compute.recommend([group])
     assert "misses the 2x target by 0.50x at its worst" in compute.markdown(result)
