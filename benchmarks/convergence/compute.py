@@ -491,7 +491,7 @@ def markdown(result: dict) -> str:
                 table.setdefault(name, []).extend(speedups)
         for name, speedups in sorted(table.items(), key=lambda item: -worst(item[1])):
             if name != "scratch":
-                lines.append(f"- {name}: worst {_x(worst(speedups))} ({len(speedups)} group-seeds)")
+                lines.append(f"- {name}: worst {_x(worst(speedups) or None)} ({len(speedups)} group-seeds)")
     return "\n".join(lines) + "\n"
 
 
