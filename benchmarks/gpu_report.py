@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_convergence import part_convergence
 from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
 from benchmarks.offload import design_of
 
@@ -63,6 +64,7 @@ PARTS = {
     "offload": (240, 300),
     "trainer": (120, 180),
     "fsdp2_dcp": (120, 300),
+    "convergence": (360, 600),  # issue 39: benchmarks/gpu_convergence.py (not run on a GPU yet)
 }
 
 TINY_TRAINER = dict(
@@ -372,6 +374,7 @@ RUNNERS = {
     "offload": part_offload,
     "trainer": part_trainer,
     "fsdp2_dcp": part_fsdp2_dcp,
+    "convergence": part_convergence,
 }
 
 

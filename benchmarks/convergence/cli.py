@@ -16,6 +16,7 @@ speed-ups per P2R run:
 
     python scripts/bench_convergence.py --preset cpu     # 3 seeds x 11 runs, 2 at a time: about 13 min on 2 cores
     python scripts/bench_convergence.py --preset gpu     # the same runs, 600 steps of a 16-layer model (not run yet)
+    python scripts/bench_convergence.py --compute        # growth at equal compute (benchmarks/convergence/compute.py)
 
 Every seed repeats all runs (the seed sets the initial weights, the validation split and the data order) and has its
 own scratch reference; P2R runs are compared with scratch seed by seed (paired), then summarized over seeds.
@@ -33,6 +34,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.convergence import compute
 from benchmarks.convergence.analysis import aggregate
 from benchmarks.convergence.report import markdown, report_stem, write_report
 from benchmarks.convergence.runs import (
@@ -64,8 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         "--deep-depth", type=int, default=32, help="sweep: see --seeds-deep (default 32: 4x L=8's cost)"
     )
     parser.add_argument("--only", nargs="+", help="sweep: only these P2R runs (and scratch), e.g. k1-grow-at100")
+    parser.add_argument(
+        "--compute", action="store_true", help="the compute-to-loss study of growth (issue 39): convergence_compute.*"
+    )
+    parser.add_argument(
+        "--optimizers", nargs="+", choices=compute.OPTIMIZERS, default=list(compute.OPTIMIZERS), help="--compute"
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    if args.compute:
+        return compute.main(args, scaled(PRESETS[args.preset], args.steps, dict(args.set)))
     if args.report:
         print(f"wrote {write_sweep_report(Path(args.out))}")
         return 0

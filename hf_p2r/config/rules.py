@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from ..distributed.pipeline.schedules import get_schedule
 from ..distributed.pipeline.split import check_split
-from ..models.p2r.sharing_p2r import block_of_depth, delink_sources, validate_layout, validate_moe
+from ..models.p2r.sharing_p2r import block_of_depth, delink_sources, plan_delink, validate_layout, validate_moe
 from .fields import ConfigError, short
 from .sections import LearningRateSchedule, even_delink_steps
 
@@ -177,7 +177,7 @@ def check_model(config) -> types.SimpleNamespace:
     """The model's shape by the model's own validators (`validate_layout`, `validate_moe`: sizes bounded, heads
     dividing the width, sparse depths agreeing with the sharing), as its config class would check it, without
     transformers; returns the first model's layout (its `block_of_depth` filled in)."""
-    layout = config.model_layout(config.initial_blocks())
+    layout = config.model_layout(config.initial_blocks(), depth=config.initial_depth())
     try:
         validate_layout(layout)
         if config.model.num_experts:
@@ -208,15 +208,24 @@ def check_delinks(config) -> None:
                 "--partial_delink_steps none"
             )
         return
-    if not m.num_unique_layers < depth:
+    first = config.initial_depth()
+    if first > depth:
         raise ConfigError(
-            f"num_unique_layers: the pseudo model needs fewer blocks than layers ({depth}), got {m.num_unique_layers}"
+            f"pseudo_num_hidden_layers: the pseudo stage's depth is at most the real model's ({depth}), got {first}"
         )
+    if not m.num_unique_layers < depth or m.num_unique_layers > first:
+        least = "fewer blocks than layers" if first == depth else "at most as many blocks as its layers"
+        raise ConfigError(f"num_unique_layers: the pseudo model needs {least} ({first}), got {m.num_unique_layers}")
     count = len(t.partial_delink_blocks)
     if t.partial_delink_steps and len(t.partial_delink_steps) != count:
         raise ConfigError(
             f"partial_delink_blocks: one entry per partial_delink_steps entry ({len(t.partial_delink_steps)}), "
             f"got {count}"
+        )
+    if t.partial_delink_depths and len(t.partial_delink_depths) != count:
+        raise ConfigError(
+            f"partial_delink_depths: one entry per partial_delink_blocks entry ({count}), got "
+            f"{len(t.partial_delink_depths)}"
         )
     if count >= t.pseudo_steps:
         raise ConfigError(
@@ -233,18 +242,72 @@ def check_delinks(config) -> None:
                 f"({short(even_delink_steps(t.pseudo_steps, count))}) or give steps in that range"
             )
         previous = step
-    blocks = m.num_unique_layers
-    for new_blocks in t.partial_delink_blocks:
-        # The final delink (to L blocks) is always valid once every partial stage keeps fewer than L blocks.
-        if new_blocks >= depth:
+    check_growth(config)
+
+
+def check_growth(config) -> None:
+    """Each delink of the run's stages (`stage_schedule`: d -> d' depths, k -> k' blocks) is one the model can make
+    (`plan_delink`'s rules: the same function at constant depth, copies of the old layers when growing, a
+    function-preserving growth's new blocks all new). The field a broken one names: `partial_delink_blocks` for a
+    delink at constant depth, `partial_delink_depths` for a partial growth, `pseudo_num_hidden_layers` (or
+    `function_preserving`) for the growth to the real model."""
+    m, t = config.model, config.stages
+    depth, blocks, real = config.initial_depth(), config.initial_blocks(), m.num_hidden_layers
+    schedule = config.stage_schedule()
+    grows = any(new_depth > old for (_, new_depth, _), old in zip(schedule, [depth, *(d for _, d, _ in schedule)]))
+    if grows and m.num_experts:
+        raise ConfigError(
+            "pseudo_num_hidden_layers: depth growth of a mixture-of-experts model is not supported by the trainer; "
+            "convert a trained shallow checkpoint instead (hf-p2r convert --num-hidden-layers)"
+        )
+    parallel = config.parallel
+    if grows and (parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1):
+        raise ConfigError(
+            "pseudo_num_hidden_layers: the pipeline engine (pipeline_parallel_size > 1 or data_parallel_size > 1) "
+            "delinks at constant depth; grow on one device, DDP or with granular offload"
+        )
+    for index, (_, new_depth, new_blocks) in enumerate(schedule):
+        last = index == len(schedule) - 1
+        if not last and new_depth == real and new_blocks >= real:
             raise ConfigError(
-                f"partial_delink_blocks: a partial delink keeps fewer blocks than layers ({depth}), got {new_blocks}"
+                f"partial_delink_blocks: a partial delink keeps fewer blocks than layers ({real}), got {new_blocks}"
             )
-        try:
-            delink_sources(depth, blocks, new_blocks, m.sharing_pattern)
-        except ValueError as error:
-            raise ConfigError(f"partial_delink_blocks: {error}") from None
-        blocks = new_blocks
+        if not depth <= new_depth <= real:
+            raise ConfigError(
+                f"partial_delink_depths: depths must not decrease and stay at most num_hidden_layers ({real}), got "
+                f"{short(t.partial_delink_depths)}"
+            )
+        if new_blocks > new_depth:
+            raise ConfigError(
+                f"partial_delink_blocks: a stage has at most as many blocks as its layers, got {new_blocks} blocks at "
+                f"depth {new_depth}"
+            )
+        if new_depth == depth:
+            # The final delink (to L blocks) is always valid once every partial stage keeps fewer than L blocks.
+            name, problem = "partial_delink_blocks", None
+            if not last:
+                try:
+                    delink_sources(depth, blocks, new_blocks, m.sharing_pattern)
+                except ValueError as error:
+                    problem = error
+        else:
+            name = "partial_delink_depths" if not last else "pseudo_num_hidden_layers"
+            try:
+                plan_delink(
+                    config.model_layout(blocks, depth=depth),
+                    new_blocks,
+                    num_hidden_layers=new_depth,
+                    growth=t.growth,
+                    function_preserving=t.function_preserving,
+                )
+                problem = None
+            except ValueError as error:
+                problem = error
+                if t.function_preserving and "function-preserving" in str(error):
+                    name = "function_preserving"
+        if problem is not None:
+            raise ConfigError(f"{name}: {problem}")
+        depth, blocks = new_depth, new_blocks
 
 
 @rule("config")

@@ -11,6 +11,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.p2r.sharing_p2r import plan_delink
 from .fields import ConfigError, build
 from .flat import TRAIN_SECTIONS, TrainArguments
 from .rules import check_run
@@ -112,9 +113,37 @@ class TrainConfig:
         steps = t.partial_delink_steps or even_delink_steps(t.pseudo_steps, len(t.partial_delink_blocks))
         return [*zip(steps, t.partial_delink_blocks), (t.pseudo_steps, self.model.num_hidden_layers)]
 
+    def stage_schedule(self) -> list[tuple[int, int, int]]:
+        """[(step, depth, blocks after the delink at that step)]: `delink_schedule` with the depth of each stage, ending
+        with (pseudo_steps, L, L); empty for a scratch run. A delink to a deeper model grows it (`growth`): the
+        partial delinks' depths are `partial_delink_depths` (left out: the depth stays), the pseudo stage's first
+        depth `pseudo_num_hidden_layers` (`initial_depth`)."""
+        schedule, depths = self.delink_schedule(), self.stages.partial_delink_depths
+        stages, depth = [], self.initial_depth()
+        for index, (step, blocks) in enumerate(schedule):
+            if index == len(schedule) - 1:
+                depth = self.model.num_hidden_layers
+            elif depths:
+                depth = depths[index]
+            stages.append((step, depth, blocks))
+        return stages
+
     def initial_blocks(self) -> int:
         """Blocks of the model at step 0: k for a P2R run, L for a real model trained from scratch."""
         return self.model.num_unique_layers if self.stages.pseudo_steps else self.model.num_hidden_layers
+
+    def initial_depth(self) -> int:
+        """Depth of the model at step 0: `pseudo_num_hidden_layers` (default L) for a P2R run, L from scratch."""
+        depth = self.model.num_hidden_layers
+        return (self.stages.pseudo_num_hidden_layers or depth) if self.stages.pseudo_steps else depth
+
+    def stage_at(self, step: int) -> tuple[int, int]:
+        """(depth, blocks) of the model once every delink due at `step` (or before) is done."""
+        stage = (self.initial_depth(), self.initial_blocks())
+        for delink_step, depth, blocks in self.stage_schedule():
+            if delink_step <= step:
+                stage = (depth, blocks)
+        return stage
 
     def blocks_at(self, step: int) -> int:
         """Blocks the model must have once every delink due at `step` (or before) is done."""
@@ -124,10 +153,35 @@ class TrainConfig:
                 blocks = new_blocks
         return blocks
 
-    def model_fields(self, vocab_size: int, num_blocks: int) -> dict[str, Any]:
-        """The model's config fields with `num_blocks` blocks (k < L: pseudo; L: real), as `p2r_config` passes them
-        (without the tokenizer's special tokens)."""
-        m, depth = self.model, self.model.num_hidden_layers
+    def delink_to(self, depth: int, num_blocks: int, new_depth: int, new_blocks: int):
+        """What the trainer's delink takes to go from a model of `depth` layers and `num_blocks` blocks to `new_depth`
+        and `new_blocks`: the block count at the same depth (None: the real model), or the `DelinkPlan` of a depth
+        growth (`plan_delink` with `growth` and `function_preserving`)."""
+        if new_depth == depth:
+            return new_blocks if new_blocks < self.model.num_hidden_layers else None
+        t = self.stages
+        return plan_delink(
+            self.model_layout(num_blocks, depth=depth),
+            new_blocks,
+            num_hidden_layers=new_depth,
+            growth=t.growth,
+            function_preserving=t.function_preserving,
+        )
+
+    def model_vocab_size(self, tokenizer_size: int) -> int:
+        """The model's embedding rows for a tokenizer of `tokenizer_size` tokens: `vocab_size`, or the tokenizer's size
+        rounded up to 64 (friendlier matrix shapes); `ConfigError` if `vocab_size` is smaller than the tokenizer."""
+        vocab_size = self.model.vocab_size or -(-tokenizer_size // 64) * 64
+        if vocab_size < tokenizer_size:
+            raise ConfigError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({tokenizer_size} tokens)")
+        return vocab_size
+
+    def model_fields(self, vocab_size: int, num_blocks: int, depth: int | None = None) -> dict[str, Any]:
+        """The model's config fields with `num_blocks` blocks (k < L: pseudo; L: real) at `depth` layers (default L;
+        fewer: a shallow stage, which records L as `real_num_hidden_layers`), as `p2r_config` passes them (without the
+        tokenizer's special tokens)."""
+        m, real = self.model, self.model.num_hidden_layers
+        depth = depth or real
         moe = {name: getattr(m, name) for name in MOE_FIELDS} if m.num_experts else {}
         return dict(
             vocab_size=vocab_size,
@@ -146,28 +200,32 @@ class TrainConfig:
             attention_bias=m.attention_bias,
             attention_dropout=m.attention_dropout,
             mlp_bias=m.mlp_bias,
-            depth_mup=m.depth_mup,
             share_layers=num_blocks < depth,
             num_unique_layers=num_blocks if num_blocks < depth else None,
             sharing_pattern=m.sharing_pattern,
+            real_num_hidden_layers=real if depth < real else None,
+            depth_mup=m.depth_mup,
             **moe,
         )
 
-    def model_layout(self, num_blocks: int, vocab_size: int | None = None) -> types.SimpleNamespace:
-        """The model's fields as the model's own torch-free validators (`validate_layout`, `validate_moe`) and the
-        pipeline split read them: what `p2r_config` would build, without transformers (the defaults P2RConfig fills
-        in filled the same way)."""
-        fields = {"real_num_hidden_layers": None} | self.model_fields(
-            vocab_size or self.model.vocab_size or 256, num_blocks
-        )
+    def model_layout(
+        self, num_blocks: int, vocab_size: int | None = None, depth: int | None = None
+    ) -> types.SimpleNamespace:
+        """The model's fields as the model's own torch-free validators (`validate_layout`, `validate_moe`), the delink
+        planner (`plan_delink`) and the pipeline split read them: what `p2r_config` would build, without transformers
+        (the defaults P2RConfig fills in filled the same way)."""
+        fields = self.model_fields(vocab_size or self.model.vocab_size or 256, num_blocks, depth)
         if self.model.num_experts:
             fields.update(output_router_logits=False)
             fields["moe_intermediate_size"] = fields["moe_intermediate_size"] or fields["intermediate_size"]
         return types.SimpleNamespace(**fields)
 
-    def p2r_config(self, vocab_size: int, num_blocks: int, special_tokens: dict[str, int | None]):
-        """The model's P2RConfig with `num_blocks` blocks (k < L: pseudo; L: real); a P2RMoeConfig if `num_experts`.
-        (Imports transformers: the trainer and the planner call it once the configuration is known to be valid.)"""
+    def p2r_config(
+        self, vocab_size: int, num_blocks: int, special_tokens: dict[str, int | None], depth: int | None = None
+    ):
+        """The model's P2RConfig with `num_blocks` blocks (k < L: pseudo; L: real) at `depth` layers (default L); a
+        P2RMoeConfig if `num_experts`. (Imports transformers: the trainer and the planner call it once the configuration
+        is known to be valid.)"""
         from huggingface_hub.errors import StrictDataclassError
         from transformers.activations import ACT2FN
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -185,7 +243,7 @@ class TrainConfig:
         config_class = P2RMoeConfig if m.num_experts else P2RConfig
         try:
             return config_class(
-                **self.model_fields(vocab_size, num_blocks),
+                **self.model_fields(vocab_size, num_blocks, depth),
                 attn_implementation=m.attn_implementation,
                 **special_tokens,
             )

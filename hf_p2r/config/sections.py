@@ -103,7 +103,7 @@ class ModelArguments:
     intermediate_size: int = option(512, "Width of the SwiGLU MLP.", check=at_least(1), resume="fixed")
     num_hidden_layers: int = option(
         8,
-        "Depth L (of the pseudo and of the real model).",
+        "Depth L of the real model (and of the pseudo model, unless pseudo_num_hidden_layers makes it shallower).",
         check=at_least(1),
         resume="fixed",
     )
@@ -280,6 +280,28 @@ class StageArguments:
         [],
         "Blocks after each partial delink in the pseudo stage, e.g. 2 4 (1 -> 2 -> 4 -> L); unused when "
         "pseudo_steps is 0.",
+    )
+    pseudo_num_hidden_layers: int | None = option(
+        None,
+        "Depth d of the pseudo stage, 1 <= d <= L (default L: a full-depth pseudo model). d < L trains a shallow "
+        "model (num_unique_layers blocks, at most d) that grows to L at a delink (growth).",
+        check=at_least(1),
+        resume="fixed",
+    )
+    partial_delink_depths: list[int] = option(
+        [],
+        "Depth after each partial delink, one per partial_delink_blocks entry, never decreasing, at most L (default: "
+        "the depth does not change); a deeper one grows the model (growth).",
+    )
+    growth: Literal["stack", "interleave"] = option(
+        "stack",
+        "How a delink that grows the depth d -> d' maps the new layers: stack (layer i copies i mod d, G_stack) or "
+        "interleave (layer i copies floor(i*d/d')).",
+    )
+    function_preserving: bool = option(
+        False,
+        "A growth's new layers start with zero output projections (o_proj, down_proj): the grown model computes the "
+        "shallow one's function (and loss).",
     )
     optimizer_carry: Literal["reset", "copy", "scale"] = option(
         "scale",

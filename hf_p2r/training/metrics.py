@@ -1,9 +1,12 @@
 """Metrics: `metrics.jsonl` (one JSON record per logged step) and the loss-curve PNG drawn from it.
 
-A record has `step`, `stage` ("pseudo" or "real"), `num_blocks`, and, when measured at that step, `loss` (mean
-training loss since the previous record), `lr`, `grad_norm`, `tokens_per_s`, `train_time_s`, `memory_gb` (peak GPU
-memory allocated by torch, or the process's peak RSS on CPU) and `val_loss`. A delink adds a record with
-`"event": "delink"`, `num_blocks_before` and the new `num_blocks`, at the step after which it happened.
+A record has `step`, `stage` ("pseudo" or "real"), `num_blocks`, `num_hidden_layers` (the depth the model runs),
+`tokens` and `flops` (cumulative: the training tokens and the model's training FLOPs so far, forward + backward of the
+depth each step ran, `training_flops_per_token`), and, when measured at that step, `loss` (mean training loss since
+the previous record), `lr`, `grad_norm`, `tokens_per_s`, `train_time_s`, `memory_gb` (peak GPU memory allocated by
+torch, or the process's peak RSS on CPU) and `val_loss`. A delink adds a record with `"event": "delink"`,
+`num_blocks_before`, `num_hidden_layers_before` and the new `num_blocks` and `num_hidden_layers`, at the step after
+which it happened (a depth growth is a delink).
 """
 
 import json
@@ -15,9 +18,17 @@ from typing import Any
 import torch
 
 from ..errors import InputError, parse_json
+from ..models.p2r.inventory_p2r import inventory
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+
+
+def training_flops_per_token(model_config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of the model `model_config` describes (a `P2RConfig`, or its
+    fields as a dict) on sequences of `seq_len` tokens: `inventory(config).flops(seq_len)`, the one formula the planner
+    and the GPU report's MFU use too (every depth it runs, attention scores, the head)."""
+    return inventory(model_config).flops(seq_len)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -112,31 +123,41 @@ def delink_points(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
 
 def stage_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per stage of a run, in order, from its metrics records: `stage`, `steps` (from, to: a stage starts where the
-    previous one ended, the first at step 0), `blocks` (the model's block counts in that stage, in order), `val_loss`
-    (the last one measured in it, None if none), `tokens_per_s` (tokens over training time in it, None without timed
-    records) and `train_time_s`.
+    previous one ended, the first at step 0), `blocks` and `depths` (the model's block counts and depths in that stage,
+    in order), `val_loss` (the last one measured in it, None if none), `tokens_per_s` (tokens over training time in
+    it, None without timed records), `train_time_s`, and `tokens` and `flops` (the training tokens and FLOPs spent in
+    it, from the records' cumulative counts; None where the records have none).
 
     A training record's time is the step time since the previous one (`train_time_s` is cumulative), counted in the
     stage of the record that ends it."""
     stages: dict[str, dict[str, Any]] = {}
     tokens: dict[str, float] = {}
     previous_time = 0.0
+    spent = {"tokens": 0, "flops": 0.0}  # the cumulative counts at the end of the previous stage
     for record in records:
         name, step = record["stage"], record["step"]
         if name not in stages:
             start = max((stage["steps"][1] for stage in stages.values()), default=0)
-            stages[name] = dict(stage=name, steps=(start, step), blocks=[], val_loss=None, tokens_per_s=None)
+            stages[name] = dict(stage=name, steps=(start, step), blocks=[], depths=[], val_loss=None, tokens_per_s=None)
             stages[name]["train_time_s"], tokens[name] = 0.0, 0.0
+            stages[name].update(tokens=None, flops=None, start={**spent})
         stage = stages[name]
         stage["steps"] = (stage["steps"][0], step)
         if record["num_blocks"] not in stage["blocks"]:
             stage["blocks"].append(record["num_blocks"])
+        depth = record.get("num_hidden_layers")
+        if depth is not None and depth not in stage["depths"]:
+            stage["depths"].append(depth)
         stage["val_loss"] = record.get("val_loss", stage["val_loss"])
+        for key in ("tokens", "flops"):
+            if key in record:
+                stage[key], spent[key] = record[key] - stage["start"][key], record[key]
         if "train_time_s" in record and "tokens_per_s" in record:
             elapsed, previous_time = record["train_time_s"] - previous_time, record["train_time_s"]
             stage["train_time_s"] += elapsed
             tokens[name] += record["tokens_per_s"] * elapsed
     for name, stage in stages.items():
+        del stage["start"]
         if stage["train_time_s"] > 0:
             stage["tokens_per_s"] = tokens[name] / stage["train_time_s"]
     return list(stages.values())

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..checkpoint.card import usage_code
 from ..config import LoggingArguments, TrainConfig
 from ..errors import InputError, printable, redact
-from .checkpointing import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
+from .resume.checkpoints import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
 from .metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -105,7 +105,8 @@ class StepLog:
         """One metrics.jsonl record at this step (written by the main process; counted by all, for a resume), its
         numbers also to the trackers."""
         state = self.state
-        record = {"step": state.step, "stage": state.stage(self.depth), "num_blocks": state.num_blocks, **values}
+        record = {"step": state.step, "stage": state.stage(self.depth), "num_blocks": state.num_blocks}
+        record.update(num_hidden_layers=state.num_hidden_layers, tokens=state.tokens, flops=state.flops, **values)
         state.metrics_records += 1
         if self.accelerator.is_main_process:
             append_metrics(self.metrics_path, record)
@@ -339,9 +340,14 @@ def run_summary(
     lines = [f"***** run summary: {output_dir} *****"]
     stages = stage_summary(records)
     width = max((len(stage["stage"]) for stage in stages), default=0)
+    deepest = max((depth for stage in stages for depth in stage["depths"]), default=None)
     for stage in stages:
         blocks = " -> ".join(str(n) for n in stage["blocks"])
         figures = [f"steps {stage['steps'][0]}-{stage['steps'][1]}", f"blocks {blocks}"]
+        if stage["depths"] != [deepest]:  # a shallow stage, or one that grows
+            figures.append("layers " + " -> ".join(str(n) for n in stage["depths"]))
+        if stage["flops"] is not None:
+            figures.append(f"{stage['tokens']:,} tokens, {stage['flops']:.3g} FLOPs")
         if stage["val_loss"] is not None:
             figures.append(f"val_loss {stage['val_loss']:.4f}")
         if stage["tokens_per_s"] is not None:

@@ -30,10 +30,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from ..config import TrainConfig
 from ..distributed.materialize import materialize
-from .checkpointing import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
+from .resume.checkpoints import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
 from .data import BlockOrder, BlockStream, build_blocks, check_output_dir_outside_data, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
-from .metrics import METRICS_FILE
+from .metrics import METRICS_FILE, training_flops_per_token
 from .optim import learning_rate_at, set_learning_rate
 from .run import (
     NonFiniteLossError,
@@ -50,25 +50,29 @@ from .run import (
 
 
 def build_model(
-    config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_blocks: int, *, meta: bool = False
+    config: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    num_blocks: int,
+    *,
+    meta: bool = False,
+    depth: int | None = None,
 ) -> PreTrainedModel:
-    """A freshly initialised P2R model with `num_blocks` blocks (k: pseudo, L: real), in training mode: the class the
-    Auto registry maps its config to (`P2RForCausalLM`, or `P2RMoeForCausalLM` when `num_experts`).
+    """A freshly initialised P2R model with `num_blocks` blocks (k: pseudo, L: real) at `depth` layers (default L; a
+    shallow pseudo stage's fewer), in training mode: the class the Auto registry maps its config to
+    (`P2RForCausalLM`, or `P2RMoeForCausalLM` when `num_experts`).
 
     The model is built on the meta device, then materialised in this process by the layout-independent initialisation
     (`hf_p2r.distributed.materialize`: each module by the model's `_init_weights` under a seed derived from `seed` and
     its name). With `meta` it is left on the meta device: the run's engine materialises only what its process holds
     (its stages, its FSDP2 shards), to the same values."""
-    vocab_size = config.model.vocab_size or -(-len(tokenizer) // 64) * 64  # round up: friendlier matrix shapes
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size: {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+    vocab_size = config.model_vocab_size(len(tokenizer))
     special_tokens = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config.p2r_config(vocab_size, num_blocks, special_tokens))
+        model = AutoModelForCausalLM.from_config(config.p2r_config(vocab_size, num_blocks, special_tokens, depth))
     if not meta:
         materialize(model, config.compute.seed)
     if config.model.activation_checkpointing:
@@ -104,7 +108,9 @@ def run(config: TrainConfig, engine: Engine) -> int:
     accelerator = engine.accelerator
     resume = saving.resume_from_checkpoint
     checkpoint = resolve_checkpoint(output_dir, resume) if resume else None
-    state = read_state(checkpoint, config) if checkpoint else TrainState(num_blocks=config.initial_blocks())
+    first = TrainState(num_blocks=config.initial_blocks(), num_hidden_layers=config.initial_depth())
+    state = read_state(checkpoint, config) if checkpoint else first
+    state.num_hidden_layers = state.num_hidden_layers or depth  # (a checkpoint written before depth growth: L)
     resumed = dataclasses.replace(state) if checkpoint else None  # where this invocation starts (for the summary)
     existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
     check_output_dir_outside_data(config.data, output_dir)
@@ -117,7 +123,8 @@ def run(config: TrainConfig, engine: Engine) -> int:
         with accelerator.main_process_first():  # the main process tokenizes, the others read its cache file
             data = build_blocks(config.data, tokenizer, compute.seed)
     num_blocks = engine.model_blocks(state)
-    engine.build(build_model(config, tokenizer, num_blocks, meta=True), num_blocks)  # it materialises what it holds
+    model = build_model(config, tokenizer, num_blocks, meta=True, depth=state.num_hidden_layers)
+    engine.build(model, num_blocks)  # it materialises what it holds
     if config.data.streaming:  # split by the engine's data layout (a pipelined engine's is known once built)
         data = stream_blocks(config.data, tokenizer, engine.data_rank, engine.data_size, logging.eval_blocks)
     train_blocks, validation_blocks = data
@@ -136,22 +143,35 @@ def run(config: TrainConfig, engine: Engine) -> int:
     log = StepLog(
         accelerator, state, logging, stages.total_steps, engine.tokens_per_step, depth, output_dir / METRICS_FILE
     )
+
+    def flops_per_step() -> float:
+        """Training FLOPs of one step of the model as it is now (changes at each growth)."""
+        model_config = config.p2r_config(vocab_size, state.num_blocks, {}, state.num_hidden_layers)
+        return engine.tokens_per_step * training_flops_per_token(model_config, config.data.block_size)
+
+    vocab_size = config.model_vocab_size(len(tokenizer))
+    step_flops = flops_per_step()
     if checkpoint is None and logging.eval_steps:
         log.record(val_loss=engine.evaluate(validation_blocks))
 
     # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
     with StopOnSignal() as stop, log.progress:  # the bar ends its line before any error is told
         while True:
-            target = config.blocks_at(state.step)
-            if state.num_blocks < target:
+            target_depth, target = config.stage_at(state.step)
+            if (state.num_hidden_layers, state.num_blocks) != (target_depth, target):
                 finish_checkpoint(accelerator)  # a checkpoint written in the background (checkpoint_async) first
                 if target == depth:  # the pseudo stage ends: its model is kept as pseudo/
                     check_finite(accelerator, output_dir, state, depth, "pseudo/", engine.weights())
                     engine.save_model(output_dir / "pseudo", tokenizer)
-                extra = engine.delink(target if target < depth else None)
+                extra = engine.delink(config.delink_to(state.num_hidden_layers, state.num_blocks, target_depth, target))
                 before, state.num_blocks = state.num_blocks, target
-                log.record(event="delink", num_blocks_before=before, **extra)
-                log.say(f"step {state.step}: delinked {before} -> {target} blocks{engine.delink_note()}")
+                before_depth, state.num_hidden_layers = state.num_hidden_layers, target_depth
+                step_flops = flops_per_step()
+                log.record(event="delink", num_blocks_before=before, num_hidden_layers_before=before_depth, **extra)
+                grew = f"grew {before_depth} -> {target_depth} layers ({stages.growth}), " * (
+                    target_depth > before_depth
+                )
+                log.say(f"step {state.step}: {grew}delinked {before} -> {target} blocks{engine.delink_note()}")
                 log.stage_changed()
             if state.step >= stages.total_steps:  # (read_state refuses a checkpoint past the end)
                 break
@@ -168,6 +188,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
             if not math.isfinite(loss_value):
                 raise non_finite_loss(loss_value, output_dir, state, depth)
             grad_norm = engine.optimizer_step()
+            state.tokens, state.flops = state.tokens + engine.tokens_per_step, state.flops + step_flops
             log.step(loss_value, lr, time.perf_counter() - started)
 
             final = state.step == stages.total_steps

@@ -216,11 +216,18 @@ def test_the_run_ends_with_a_summary_whose_paths_exist_and_whose_commands_work(
         stage: [r["val_loss"] for r in records if r["stage"] == stage and "val_loss" in r][-1]
         for stage in ("pseudo", "real")
     }
+    # tokens and FLOPs spent in each stage (2 steps of 4 x 32 tokens each), from the records' cumulative counts
+    flops = {stage: max(r["flops"] for r in records if r["stage"] == stage) for stage in ("pseudo", "real")}
+    spent = {"pseudo": re.escape(f"{flops['pseudo']:.3g}"), "real": re.escape(f"{flops['real'] - flops['pseudo']:.3g}")}
     assert re.fullmatch(
-        rf"  pseudo stage: steps 0-2, blocks 1, val_loss {val['pseudo']:.4f}, [\d,]+ tokens/s", summary[1]
+        rf"  pseudo stage: steps 0-2, blocks 1, 256 tokens, {spent['pseudo']} FLOPs, val_loss {val['pseudo']:.4f}, "
+        r"[\d,]+ tokens/s",
+        summary[1],
     )
     assert re.fullmatch(
-        rf"  real stage:   steps 2-4, blocks 4, val_loss {val['real']:.4f}, [\d,]+ tokens/s", summary[2]
+        rf"  real stage:   steps 2-4, blocks 4, 256 tokens, {spent['real']} FLOPs, val_loss {val['real']:.4f}, "
+        r"[\d,]+ tokens/s",
+        summary[2],
     )
     assert re.fullmatch(r"  wall time: [\d.]+ s, of which training steps [\d.]+ s", summary[3])
 

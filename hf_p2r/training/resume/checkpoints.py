@@ -72,10 +72,17 @@ class TrainState:
     log_loss_sum: float = 0.0  # training loss summed over the steps since the last metrics record
     log_steps: int = 0
     metrics_records: int = 0  # records in metrics.jsonl (a resumed run drops those written after the checkpoint)
+    # The depth the model runs now (a shallow pseudo stage's d < L; 0: L, in checkpoints written before depth growth),
+    # and the training tokens and model FLOPs so far (`metrics.training_flops_per_token`; counted from 0 when resuming
+    # a checkpoint written before they were).
+    num_hidden_layers: int = 0
+    tokens: int = 0
+    flops: float = 0.0
 
     def stage(self, depth: int) -> str:
-        """ "pseudo" while the model has fewer blocks than its `depth` layers, then "real"."""
-        return "pseudo" if self.num_blocks < depth else "real"
+        """ "pseudo" while the model has fewer blocks or fewer layers than the real model's `depth` layers, then
+        "real"."""
+        return "pseudo" if self.num_blocks < depth or (self.num_hidden_layers or depth) < depth else "real"
 
 
 def checkpoint_path(output_dir: str | Path, step: int) -> Path:
@@ -361,6 +368,15 @@ def read_state(path: Path, config: TrainConfig) -> TrainState:
             f"this configuration has {config.blocks_at(state.step)} blocks then, {sorted(possible)} in all "
             "(num_unique_layers, pseudo_steps, partial_delink_steps, partial_delink_blocks)"
         )
+    stages = [(config.initial_depth(), config.initial_blocks()), *((d, k) for _, d, k in config.stage_schedule())]
+    now = config.stage_at(state.step)
+    saved_depth = state.num_hidden_layers or depth
+    if (saved_depth, state.num_blocks) not in stages[: stages.index(now) + 1]:
+        raise InputError(
+            f"resume_from_checkpoint: {path} holds a model of {saved_depth} layers and {state.num_blocks} "
+            f"blocks at step {state.step}, but this configuration has {now[0]} layers and {now[1]} blocks then "
+            "(pseudo_num_hidden_layers, partial_delink_depths, pseudo_steps, partial_delink_steps)"
+        )
     return state
 
 
@@ -378,10 +394,12 @@ def read_trainer_state(path: str | Path) -> tuple[TrainState, str | None, dict]:
     if not isinstance(fields, dict):
         raise InputError(f'{path}: "state" is {_short(fields)}, expected a JSON object')
     names = {field.name for field in dataclasses.fields(TrainState)}
-    _check_keys(path, "state.", fields, names - {"stream_states"}, optional={"stream_states"})  # (a map-style run's)
+    # stream_states: a map-style run's has none; the depth and the counts: checkpoints written before them have none
+    optional = {"stream_states": [], "num_hidden_layers": 0, "tokens": 0, "flops": 0.0}
+    _check_keys(path, "state.", fields, names - optional.keys(), optional=optional.keys())
     values = {}
     for field in dataclasses.fields(TrainState):
-        value, least = fields.get(field.name, []), 1 if field.name == "num_blocks" else 0
+        value, least = fields.get(field.name, optional.get(field.name)), 1 if field.name == "num_blocks" else 0
         if field.name == "stream_states" and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
             raise InputError(f'{path}: "state.stream_states" is {_short(value)}, expected a list of JSON objects')
         if field.type is int and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):

@@ -1,0 +1,151 @@
+"""benchmarks/convergence/compute.py (issue 39's compute-to-loss study): the recipes' schedules, the equal-compute
+step counts, the comparison by FLOPs and the page, on synthetic records (no training)."""
+
+import pytest
+
+from benchmarks.convergence import compute
+from benchmarks.convergence.runs import PRESETS, trainer_argv
+from hf_p2r.training import parse_config
+
+
+def flops_per_token(depth: int) -> float:
+    return 10.0 * depth + 5.0  # a layer costs 10, the head 5
+
+
+def test_every_recipe_is_a_valid_trainer_schedule_ending_at_the_real_model():
+    book = compute.recipes(8)
+    assert list(book)[:2] == ["scratch", "p2r-1-2-4-8"]
+    assert {"bu-1to8-at80", "gstack-2to8-at50", "hybrid-4x1-at50", "gstack-2to8-at50-fp"} <= set(book)
+    fields = {**PRESETS["cpu"]["fields"], **compute.STUDY_FIELDS}
+    for recipe in book.values():
+        assert recipe.stages[0][0] == 0.0 and recipe.stages[-1][1:] == (8, 8)
+        schedule = compute.schedule_of(recipe, 300)
+        config = parse_config(trainer_argv({**fields, **schedule}))
+        assert config.stages.total_steps == 300
+        # the trainer's stages are the recipe's: (step, depth, blocks) after each delink
+        expected = [(round(300 * start), d, k) for start, d, k in recipe.stages[1:]]
+        assert config.stage_schedule() == expected
+
+
+def test_the_recipes_schedules_name_the_depths_and_blocks():
+    book = compute.recipes(8)
+    assert compute.schedule_of(book["scratch"], 300) == {"pseudo_steps": 0, "real_steps": 300}
+    assert compute.schedule_of(book["bu-1to8-at80"], 1000) == {
+        "pseudo_steps": 800,
+        "real_steps": 200,
+        "num_unique_layers": 1,
+        "pseudo_num_hidden_layers": 1,
+        "optimizer_carry": "reset",
+        "growth": "stack",
+    }
+    hybrid = compute.schedule_of(book["hybrid-4x1-at50"], 600)
+    assert (hybrid["pseudo_num_hidden_layers"], hybrid["num_unique_layers"]) == (4, 1)
+    assert (hybrid["partial_delink_steps"], hybrid["partial_delink_blocks"]) == ([150], [2])
+    assert "partial_delink_depths" not in hybrid  # constant depth until the growth
+    p2r = compute.schedule_of(book["p2r-1-2-4-8"], 300)
+    assert (p2r["partial_delink_steps"], p2r["partial_delink_blocks"], p2r["pseudo_steps"]) == ([33, 67], [2, 4], 100)
+    assert "pseudo_num_hidden_layers" not in p2r
+
+
+def test_equal_compute_steps_spend_scratchs_flops():
+    book = compute.recipes(8)
+    assert compute.solve_steps(book["scratch"], 300, flops_per_token) == 300
+    assert compute.solve_steps(book["p2r-1-2-4-8"], 300, flops_per_token) == 300  # full depth: same cost per step
+    # 80% of the steps at depth 1 (15), 20% at 8 (85): mean 29 per step against scratch's 85
+    assert compute.solve_steps(book["bu-1to8-at80"], 300, flops_per_token) == round(300 * 85 / 29)
+    assert compute.solve_steps(book["gstack-2to8-at50-tok"], 300, flops_per_token) == 300  # equal tokens
+
+
+def records(points: list[tuple[int, float]], flops_per_step: list[float], tokens_per_step: int = 10) -> list[dict]:
+    """metrics records: a validation loss at each (step, loss), cumulative tokens and flops (step i costs
+    flops_per_step[i])."""
+    out = []
+    for step, loss in points:
+        out.append(
+            {"step": step, "val_loss": loss, "tokens": step * tokens_per_step, "flops": sum(flops_per_step[:step])}
+        )
+    return out
+
+
+def test_compare_measures_compute_to_scratchs_final_loss():
+    scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)  # 400 FLOPs in all, ends at 2.0
+    # cheap steps (1 FLOP) for 200 steps then 4: reaches 2.0 at step 200 (200 FLOPs), ends at 1.8
+    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], [1.0] * 200 + [4.0] * 50)
+    for record in grow:
+        record["num_hidden_layers"] = 2 if record["step"] < 200 else 8  # grown at step 200
+    result = compute.compare({"scratch": scratch, "grow": grow})
+    assert result["target"] == 2.0 and result["scratch"] == {"flops": 400.0, "tokens": 1000, "steps": 100}
+    base, row = result["runs"]
+    assert base["speedup_flops"] == 1.0 and base["budget_ratio"] == 1.0
+    assert row["flops_to_target"] == 200.0 and row["speedup_flops"] == 2.0
+    assert row["depth_at_target"] == 8  # reached by the grown model
+    assert (row["tokens_to_target"], row["steps_to_target"]) == (2000, 200)
+    assert row["budget_ratio"] == 1.0 and row["delta_vs_scratch"] == pytest.approx(-0.2)
+    assert row["loss_at_scratch_tokens"] == 3.0  # after scratch's 1000 tokens, mid-run
+    slow = records([(0, 5.0), (100, 2.5)], [4.0] * 100)
+    assert compute.compare({"scratch": scratch, "slow": slow})["runs"][1]["speedup_flops"] is None
+
+
+def _group(name: str, speedups: dict) -> dict:
+    return {"name": name, "seeds": [0, 1], "speedups": speedups}
+
+
+def test_the_recommendation_is_the_best_worst_seed_among_recipes_run_everywhere():
+    groups = [
+        _group("stdlib-L8-adamw", {"scratch": [1, 1], "a": [2.5, 1.9], "b": [2.2, 2.1], "c": [9, 9], "a-tok": [5, 5]}),
+        _group("prose-L8-adamw", {"scratch": [1, 1], "a": [3.0, 3.0], "b": [2.4, None]}),
+    ]
+    best = compute.recommend(groups)  # c ran in one group only; b never reached at one seed: worst 0
+    assert best["name"] == "a" and best["worst"] == 1.9
+    assert best["by_group"] == {"stdlib-L8-adamw": [2.5, 1.9], "prose-L8-adamw": [3.0, 3.0]}
+    assert compute.recommend([_group("x", {"scratch": [1.0]})]) is None
+
+
+def test_the_page_says_what_ran_what_did_not_and_the_verdict():
+    preset = PRESETS["cpu"]
+    scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)
+    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], [1.0] * 200 + [4.0] * 50)
+    seed = {"seed": 0, **compute.compare({"scratch": scratch, "gstack-2to8-at50": grow})}
+    group = {"name": "stdlib-L8-adamw", "corpus": "stdlib", "optimizer": "adamw", "depth": 8, "seeds": [0]}
+    group.update(per_seed=[seed], speedups={"scratch": [1.0], "gstack-2to8-at50": [2.0]})
+    book = compute.recipes(8)
+    machine = {
+        "date": "2026-11-28T06:00:00+00:00",
+        "cpu": "test cpu",
+        "cpu_count": 2,
+        "torch_threads": 1,
+        "torch": "x",
+        "load_average_at_start": [3.0, 3.0, 3.0],
+        "load_average_at_end": [4.0, 4.0, 4.0],
+        "load_average_max": 6.5,
+    }
+    result = {
+        "preset": preset,
+        "plan": {
+            "recipes": {n: {"what": r.what, "stages": r.stages, "fields": r.fields} for n, r in book.items()},
+            "corpora": ["stdlib", "prose"],
+            "optimizers": ["adamw", "muon"],
+            "seeds": [0, 1, 2],
+        },
+        "invocations": [{"command": "python scripts/bench_convergence.py --compute", "machine": machine, "ran": 2}],
+        "groups": [group],
+        "recommended": compute.recommend([group]),
+    }
+    result["invocations"][0]["wall_time_s"] = 120.0
+    page = compute.markdown(result)
+    assert "2 runs in 2.0 min; load average 3.0 at the start, 4.0 at the end, 6.5 at most" in page
+    assert "- stdlib-L8-adamw, seeds [0]: scratch, gstack-2to8-at50." in page
+    assert "Not run (no scratch run, so nothing to compare): stdlib-L8-adamw seed 1," in page
+    assert "prose-L8-muon seed 2." in page
+    assert "Recipes not run in any group: bu-1to8-at60," in page
+    assert "| gstack-2to8-at50 | 0 | 1.8000 | -0.2000 | 1.00 | 250 | 2,500 | 400 | 200 | 2.00x | - | +1.0000 |" in page
+    assert "**gstack-2to8-at50**, worst 2.00x over 1 group(s) and seed(s) [0]: it meets the 2x target" in page
+    assert "the target is not shown met for them" in page
+    assert "before its growth" not in page  # reached at depth 8 (or, here, no depth recorded)
+    seed["runs"][1]["depth_at_target"] = 2
+    assert "gstack-2to8-at50 reached scratch's final loss before its growth, with its shallow model, in " in (
+        compute.markdown(result)
+    )
+    group["speedups"]["gstack-2to8-at50"] = [1.5]
+    result["recommended"] = compute.recommend([group])
+    assert "misses the 2x target by 0.50x at its worst" in compute.markdown(result)
