@@ -62,7 +62,13 @@ def engine_layout(stages: int, replicas: int, sharded: bool, batch: int) -> dict
 # Each layout's trainer fields and process count; the global batch is 4 sequences where the layout allows it (a
 # 1F1B pipeline needs as many micro-batches as stages: 2 per pipeline).
 LAYOUTS = {
-    "1 process": dict(processes=1, fields=dict(per_device_batch_size=4)),
+    # The layout fields given even where they are the defaults: a resume takes the saved run's layout otherwise.
+    "1 process": dict(
+        processes=1,
+        fields=dict(
+            per_device_batch_size=4, pipeline_parallel_size=1, data_parallel_size=1, data_parallel_shard="false"
+        ),
+    ),
     "4 sharded (FSDP2)": engine_layout(1, 4, True, 1),
     "4 = 2 stages x 2 sharded": engine_layout(2, 2, True, 2),
     "4 = 2 stages x 2 replicated": engine_layout(2, 2, False, 2),

@@ -14,6 +14,9 @@ from benchmarks.harness import REPO
 
 from .bench_report import bench_report
 
+# Its benchmark runs each measurement in a fresh process (the shared report fixture hides that from the marking).
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[dict, str]:
