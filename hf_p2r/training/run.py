@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from ..checkpoint.card import usage_code
 from ..config import LoggingArguments, TrainConfig
 from ..errors import InputError, printable, redact
-from .resume.checkpoints import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
 from .metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -35,6 +34,7 @@ from .metrics import (
     stage_summary,
     truncate_metrics,
 )
+from .resume.checkpoints import CHECKPOINTS, TrainState, all_finite, discard_after, list_checkpoints
 
 # What a run writes into output_dir (and what overwrite_output_dir removes; nothing else there is touched).
 OUTPUTS = (CHECKPOINTS, "pseudo", "real", METRICS_FILE, PLOT_FILE, "logs", "train_config.yaml")

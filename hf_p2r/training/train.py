@@ -30,11 +30,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from ..config import TrainConfig
 from ..distributed.materialize import materialize
-from .resume.checkpoints import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
 from .data import BlockOrder, BlockStream, build_blocks, check_output_dir_outside_data, load_tokenizer, stream_blocks
 from .engines import Engine, engine_for
 from .metrics import METRICS_FILE, training_flops_per_token
 from .optim import learning_rate_at, set_learning_rate
+from .resume.checkpoints import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
 from .run import (
     NonFiniteLossError,
     StepLog,

@@ -658,7 +658,8 @@ def test_readme_examples_run_on_what_make_demo_writes(tmp_path, monkeypatch, cap
         files = {p.name for p in folder.iterdir()}
         assert "model.safetensors" in files and "model.safetensors.index.json" not in files, "small: one file"
         assert {"tokenizer.json", "generation_config.json", "README.md"} <= files
-        assert ("modeling_p2r.py" in files) == ("llama" not in folder.name), "model code for P2R targets only"
+        # The model code travels only where the run saved it (remote_code) and only to P2R targets.
+        assert ("modeling_p2r.py" in files) == (config.train.remote_code and "llama" not in folder.name), folder
     assert json.loads(Path("runs/llama/config.json").read_text())["model_type"] == "llama"
     assert json.loads(Path("runs/real-start/config.json").read_text())["share_layers"] is False
     exec(compile(library, "README.md", "exec"), {"model": model, "tokenizer": tokenizer})

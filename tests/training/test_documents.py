@@ -130,10 +130,14 @@ def test_long_documents_are_tokenized_in_bounded_pieces_to_the_tokens_of_the_who
 
 
 WORDS = st.text(alphabet="ab1.(')", min_size=1, max_size=3)
-GAPS = st.sampled_from([" ", "  ", "\n", "\n\n", " \n ", "\t ", "\n  "])  # each ends where a cut may go
+# Each ends where a cut may go (`cut_point`: before a space or at a line start, a word on both sides). Not a blank
+# line ("\n\n"): a line start after one is no place to cut (a piece ending in "\n\n" pre-tokenizes it as one
+# whitespace run, the whole text as two), and blank lines split plain text into documents anyway; a window with no
+# place to cut is cut at its end, where the tokens may differ (docs/training.md: "Long documents").
+GAPS = st.sampled_from([" ", "  ", "\n", " \n ", "\t ", "\n  "])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     documents=st.lists(st.lists(st.tuples(WORDS, GAPS), min_size=1, max_size=30), min_size=1, max_size=4),
     chunk_chars=st.integers(8, 40),

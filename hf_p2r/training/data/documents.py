@@ -163,8 +163,11 @@ def text_documents(
                 for document in documents:
                     if document.strip():
                         yield {column: document}
-            if rest.strip():
-                yield {column: rest}
+            # Nothing follows the last part: split it whole (a blank-line separator's trailing whitespace was kept in
+            # case the next piece went on).
+            for document in [rest] if isinstance(split, str) else split.split(rest):
+                if document.strip():
+                    yield {column: document}
 
 
 def document_separator(path: Path, separator: str | None) -> str | re.Pattern | None:
