@@ -28,12 +28,12 @@ Change a field's help in hf_p2r/config/sections.py, then run `python scripts/gen
 
 Every field below is a key of the YAML file given with `--config FILE` and a command-line flag `--FIELD VALUE`, given
 after it; the command line wins. Keys are flat: a section groups the fields (on this page, and in code:
-`config.stages.pseudo_steps`), it is not part of the key (`pseudo_steps: 50`, `--pseudo_steps 50`). Flags are
-spelled out (no abbreviations). A list flag takes its values one after the other (`--partial_delink_blocks 2 4`);
-`none`, `[]` or no value clears it. A boolean flag takes true or false (`--compile true`), alone it means true, and one whose default is true also has `--no_FIELD`. A bad value, an
-unknown key or flag, or a file that is not a YAML mapping is one line naming the field (and, for a value read from
-YAML, the file and key), exit code 2. `hf-p2r train --help` prints the same help. `null` is YAML's None: the default
-the help names.
+`config.stages.pseudo_steps`), it is not part of the key (`pseudo_steps: 50`, `--pseudo_steps 50`). Flags are spelled
+out (no abbreviations). A list flag takes its values one after the other (`--partial_delink_blocks 2 4`); `none`, `[]`
+or no value clears it. A boolean flag takes true or false (`--compile true`), alone it means true, and one whose default
+is true also has `--no_FIELD`. A bad value, an unknown key or flag, or a file that is not a YAML mapping is one line
+naming the field (and, for a value read from YAML, the file and key), exit code 2. `hf-p2r train --help` prints the same
+help. `null` is YAML's None: the default the help names.
 
 What the fields do together is told by topic: [training](training.md) (stages, carries, schedules, data, resume),
 [checkpoints](checkpoints.md), [offload](offload.md), [parallelism](parallelism.md).
