@@ -357,3 +357,17 @@ def test_the_delayed_update_benchmark_runs_side_by_side(tmp_path):
     exact, delayed = runs["after_backward"]["loss"], runs["delayed"]["loss"]
     assert exact["1"] == delayed["1"] and exact != delayed
     assert "Final validation loss against the exact update" in out.with_suffix(".md").read_text()
+
+
+def test_offload_delayed_smoke_writes_its_page_from_its_runs(tmp_path):
+    """benchmarks/offload_delayed.py --smoke (a few steps of a tiny model, in this process): the exact, delayed and
+    corrected runs all finish and the page is the render of the JSON it wrote (no figure asserted: a smoke run)."""
+    import json
+
+    from benchmarks import offload_delayed
+
+    out = tmp_path / "offload_delayed"
+    assert offload_delayed.main(["--smoke", "--out", str(out), "--work", str(tmp_path / "runs")]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["smoke"] and set(result["runs"]) == set(offload_delayed.RUNS)
+    assert out.with_suffix(".md").read_text() == offload_delayed.render_markdown(result)

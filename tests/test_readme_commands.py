@@ -51,6 +51,11 @@ EXCUSED = [
         "tests/test_bench_async_save.py runs it small into a temporary folder",
     ),
     (
+        r"^python scripts/bench_offload_(host|delayed)\.py$",
+        "rewrites the committed benchmarks/offload_host.md / offload_delayed.md with this machine's figures (the "
+        "delayed one trains three 300-step runs): tests/test_bench_offload.py runs both in their smoke modes",
+    ),
+    (
         r"^python scripts/bench_scale\.py$",
         "the scale benchmark trains 25 multi-process runs (16 minutes here): tests/test_bench_scale.py runs its "
         "--quick mode",
