@@ -141,8 +141,8 @@ def test_marked():
     importlib.import_module("subprocess").run(["true"], check=True)
 
 
-def test_in_process():
-    assert True
+def test_in_process():  # work in this process only: the guard leaves it alone
+    assert importlib.import_module("json").loads("[1, 2]") == [1, 2]
 """
 
 
