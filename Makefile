@@ -20,19 +20,18 @@ WORKERS ?= auto
 export P2R_TEST_TIME_FACTOR ?= 1
 FAST   = -m "not processes and not slow"
 REST   = -m "processes or slow"
-# The version-dependent tests, run by `make compat` on the declared floors and on the newest releases: the model
-# families, the trainer, the Trainer/TRL integration, the private reads (compat), the import order, FSDP2 and
-# DeepSpeed. Left to `make test-all` on the tested set only: the launcher's tests (test_launch.py: process and signal
-# handling, no version-dependent API); the train script's exit code in a subprocess (its messages come from
-# parse_config, which test_bad_values_raise_one_line_naming_the_field checks in-process for the same three bad
-# values); the trainer's signal handler (_StopOnSignal: Python's signal module only); and the end-to-end runs marked
-# slow, but for those marked `versions` too (the one run of an extra's library, TRL's SFTTrainer).
-COMPAT_TESTS ?= -m "not slow or versions" tests/models tests/training tests/integrations tests/test_compat.py tests/test_import_order.py \
-	tests/distributed/test_fsdp2.py \
-	tests/distributed/test_deepspeed.py tests/distributed/test_deepspeed_zero_init.py tests/distributed/test_deepspeed_dcp.py \
-	--ignore=tests/training/test_launch.py \
-	--deselect=tests/training/test_config.py::test_cli_prints_one_line_without_a_traceback_and_exits_2 \
-	--deselect=tests/training/test_train.py::test_repeated_sigterm_is_one_stop_request_and_a_second_ctrl_c_stops_at_once
+# The version-dependent tests, run by `make compat` on the declared floors and on the newest releases: the in-process
+# tests of the code that meets each dependency's API (the model families and Auto classes, the Trainer/TRL integration,
+# the Hub client, the private reads of hf_p2r/compat.py, the trainer's loop, DCP, compile, Muon, streaming data and
+# offload's hooks), and the multi-process tests marked `versions` in those files and beside them (the import order,
+# compat's multi-process reads, FSDP2, DeepSpeed's engine and import, transformers' remote code, TRL's SFTTrainer).
+# The rest (launchers, signals, end-to-end runs, the other multi-process layouts, DeepSpeed under Accelerate's ZeRO-3
+# offload plugin, which compiles DeepSpeed's CPU Adam) runs once, on the tested set, in `make test-all`.
+COMPAT_TESTS ?= -m "(not processes and not slow) or versions" \
+	tests/models tests/integrations tests/test_hub.py tests/test_compat.py tests/test_import_order.py \
+	tests/training/test_train.py tests/training/test_dcp.py tests/training/test_dcp_async.py tests/training/test_compile.py \
+	tests/training/test_muon.py tests/training/test_streaming.py tests/training/test_data.py tests/training/test_offload.py \
+	tests/distributed/test_fsdp2.py tests/distributed/test_deepspeed.py tests/distributed/test_deepspeed_import.py
 
 .PHONY: install demo test test-all test-rest compat compat-install compat-floors compat-newest lock lint clean gpu-report
 

@@ -24,6 +24,10 @@ from hf_p2r.compat import (
 
 from .distributed import spawn
 
+# The compatibility pass (Makefile COMPAT_TESTS) runs this file on the declared floors and the newest releases too:
+# every private torch/transformers read of hf_p2r/compat.py, its multi-process checks included.
+pytestmark = pytest.mark.versions
+
 
 def read_reshard_after_backward(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))

@@ -13,6 +13,10 @@ import sys
 
 import pytest
 
+# The compatibility pass (Makefile COMPAT_TESTS) runs this file on the declared floors and the newest releases too:
+# whether registering P2R's Auto classes survives each transformers' import graph.
+pytestmark = pytest.mark.versions
+
 IMPORTS = {
     "AutoConfig": "from transformers import AutoConfig",
     "AutoModel": "from transformers import AutoModel",

@@ -89,6 +89,18 @@ def pipeline_folders(folder: str) -> dict:
     return out
 
 
+def fsdp2_engine(model, experts: int) -> SimpleNamespace:
+    """A stand-in Accelerate engine whose accelerator reports FSDP2 (on CPU Accelerate turns FSDP off): what
+    `AccelerateEngine.save_model` reads of its engine."""
+    return SimpleNamespace(
+        accelerator=SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module),
+        model=model,
+        config=SimpleNamespace(
+            model=SimpleNamespace(num_experts=experts), checkpointing=SimpleNamespace(remote_code=False)
+        ),
+    )
+
+
 def fsdp2_folders(folder: str) -> dict:
     """FSDP2 over two processes (vocab 101: uneven shards of 51 and 50 rows), one AdamW step: the folder written from
     the shards against `save_model` of the gathered (full_tensor) state dict."""
@@ -106,13 +118,7 @@ def fsdp2_folders(folder: str) -> dict:
         dist.barrier()
     # The Accelerate engine's FSDP2 branch (on CPU Accelerate turns FSDP off, so its `save_model` is called on a
     # stand-in engine whose accelerator reports FSDP2) against the gathered write of one shard size.
-    engine = SimpleNamespace(
-        accelerator=SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module),
-        model=model,
-        config=SimpleNamespace(model=SimpleNamespace(num_experts=0)),
-        args=SimpleNamespace(remote_code=False),
-    )
-    AccelerateEngine.save_model(engine, Path(f"{folder}/fsdp-engine"), tokenizer=None)
+    AccelerateEngine.save_model(fsdp2_engine(model, 0), Path(f"{folder}/fsdp-engine"), tokenizer=None)
     if dist.get_rank() == 0:
         save_model(model, f"{folder}/fsdp-engine-g", state_dict=full, progress=False)
         out["engine"] = same_folders(Path(f"{folder}/fsdp-engine"), Path(f"{folder}/fsdp-engine-g"))
@@ -133,14 +139,8 @@ def fsdp2_moe_folders(folder: str) -> dict:
             P2RMoeForCausalLM(moe_config(num_experts=experts, num_hidden_layers=2)).train(), mesh=mesh
         )
         train_steps(model.parameters(), lambda ids, model=model: model(input_ids=ids, labels=ids).loss.backward(), 1)
-        engine = SimpleNamespace(
-            accelerator=SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module),
-            model=model,
-            config=SimpleNamespace(model=SimpleNamespace(num_experts=experts)),
-            args=SimpleNamespace(remote_code=False),
-        )
         cooperative, gathered = Path(f"{folder}/moe-{experts}"), Path(f"{folder}/moe-{experts}-g")
-        AccelerateEngine.save_model(engine, cooperative, tokenizer=None)
+        AccelerateEngine.save_model(fsdp2_engine(model, experts), cooperative, tokenizer=None)
         _, pieces = sharded_write.saved_pieces(model, model.state_dict())
         mine = sorted({int(name.split(".experts.")[1].split(".")[0]) for name in pieces if ".experts." in name})
         held = [None] * dist.get_world_size()

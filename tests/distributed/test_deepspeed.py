@@ -20,6 +20,10 @@ from hf_p2r.distributed.deepspeed import delink_deepspeed
 from ..conftest import tiny_model
 from . import spawn
 
+# The compatibility pass (Makefile COMPAT_TESTS) runs this file on the declared floors and the newest releases too:
+# the engine's ZeRO stages and the delink through DeepSpeed's partitions (torch's SGD: no compiled CPU Adam).
+pytestmark = pytest.mark.versions
+
 deepspeed = pytest.importorskip("deepspeed")
 
 STEPS_BEFORE, STEPS_AFTER, LR = 2, 2, 0.5

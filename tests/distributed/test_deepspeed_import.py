@@ -16,7 +16,11 @@ import hf_p2r.distributed as distributed
 
 from ..training.helpers import PYTHON, REPO, subprocess_env, tiny_argv
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+# The compatibility pass runs these too (Makefile COMPAT_TESTS): Accelerate's unwrapping changes with its version.
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
+    pytest.mark.versions,
+]
 
 
 def run_python(code: str, timeout: int = 600) -> dict:

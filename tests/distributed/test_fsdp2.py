@@ -27,6 +27,10 @@ from ..conftest import tiny_model
 from . import spawn
 from .test_accelerate_configs import launch_env
 
+# The compatibility pass (Makefile COMPAT_TESTS) runs this file on the declared floors and the newest releases too:
+# FSDP2's sharding, Accelerate's FSDP2 plugin and the delink of sharded parameters.
+pytestmark = pytest.mark.versions
+
 STEPS_BEFORE, STEPS_AFTER, LR = 3, 3, 1e-2
 # fp32 on CPU; the two-process gradient is the mean of two half-batch means, summed in another order than the
 # one-process full-batch mean, and AdamW amplifies that rounding on tiny gradients.

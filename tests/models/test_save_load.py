@@ -300,6 +300,7 @@ def test_export_llama_refuses_pseudo_models_and_non_empty_folders(tmp_path):
     assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.versions  # transformers' remote-code loading, on the floors and the newest releases too
 def test_remote_code_folder_loads_without_hf_p2r(tmp_path, input_ids):
     model = tiny_model(seed=6, share_layers=True, num_unique_layers=2)
     folder = tmp_path / "remote"
