@@ -17,16 +17,20 @@ import pytest
 from .test_convert import _hashes, _leftovers, _pseudo, _run_cli
 
 # `hf-p2r ARGS` whose every piece written (cast path) or range chunk copied (copy path) is 64 bytes and takes 0.05 s:
-# a whole conversion would take a minute. It prints WROTE after the first piece, and PIECES n (how many it wrote in
-# all) when the command ends.
+# a whole conversion would take a minute. It prints WROTE after the first piece and holds there until the test's
+# signal has reached a handler (so how many pieces follow does not depend on how soon a busy machine delivers it), and
+# PIECES n (how many it wrote in all) when the command ends.
 _SLOW_CLI = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, threading, time
     from hf_p2r.checkpoint import ranges, writer
     ranges._CHUNK = writer._PIECE = 64
-    real_write, real_copy, pieces = writer.write_all, os.copy_file_range, []
+    real_write, real_copy, pieces, signalled = writer.write_all, os.copy_file_range, [], threading.Event()
     def counted():
         if not pieces:
             print("WROTE", flush=True)
+            deadline = time.monotonic() + 120
+            while not signalled.is_set() and time.monotonic() < deadline:
+                time.sleep(0.02)
         pieces.append(1)
         time.sleep(0.05)
     def write_all(fd, data, offset, path=None):
@@ -38,6 +42,16 @@ _SLOW_CLI = textwrap.dedent("""
         counted()
         return done
     writer.write_all, ranges.os.copy_file_range = write_all, copy_file_range
+    install = signal.signal
+    def noting(signum, handler):  # every handler installed from here on notes the signal first
+        if callable(handler):
+            def noted(number, frame, inner=handler):
+                signalled.set()
+                inner(number, frame)
+            return install(signum, noted)
+        return install(signum, handler)
+    signal.signal = noting
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from hf_p2r.cli import main
     code = main(sys.argv[1:])
     print("PIECES", len(pieces), flush=True)
