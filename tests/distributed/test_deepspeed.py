@@ -22,7 +22,7 @@ from . import spawn
 
 # The compatibility pass (Makefile COMPAT_TESTS) runs this file on the declared floors and the newest releases too:
 # the engine's ZeRO stages and the delink through DeepSpeed's partitions (torch's SGD: no compiled CPU Adam).
-pytestmark = pytest.mark.versions
+pytestmark = [pytest.mark.versions, pytest.mark.usefixtures("deepspeed_ops")]
 
 deepspeed = pytest.importorskip("deepspeed")
 

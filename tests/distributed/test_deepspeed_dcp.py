@@ -24,6 +24,8 @@ from ..training.helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_ar
 from . import spawn
 from .test_deepspeed_zero_init import ENGINE, SEED, built
 
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # built once, before the first launch (tests/conftest.py)
+
 deepspeed = pytest.importorskip("deepspeed")
 
 LR, WEIGHT_DECAY = 0.01, 0.1
