@@ -295,14 +295,8 @@ def two_processes(rank: int, world: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return spawn.run(two_processes, 2, tmp_path_factory.mktemp("sharded-write"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    return spawn.run(four_processes, 4, tmp_path_factory.mktemp("sharded-write-4"))
+two = spawn.shared_run(two_processes, 2)
+four = spawn.shared_run(four_processes, 4)
 
 
 @pytest.mark.parametrize("pattern", ["real", "cycle"])

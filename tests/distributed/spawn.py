@@ -10,6 +10,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,6 +60,17 @@ def run(body: Callable[[int, int], dict], world_size: int, tmp_path: Path) -> di
             start_method="forkserver",
         )
     return json.loads(result.read_text())
+
+
+def shared_run(body: Callable[[int, int], dict], world_size: int):
+    """A module-scoped fixture: one `run(body, world_size)` whose result every test of the module reads (process
+    start-up and set-up dominate a small test's time). `two = shared_run(two_processes, 2)` in a test module."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory) -> dict:
+        return run(body, world_size, tmp_path_factory.mktemp(body.__name__))
+
+    return fixture
 
 
 @contextmanager

@@ -141,10 +141,7 @@ def stages_and_growth(rank: int, world_size: int) -> dict:
     return {"stages": zero_stages(rank, world_size), "growth": growth(rank, world_size)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """One two-process run for the whole file (process start-up and DeepSpeed's set-up dominate the time)."""
-    return spawn.run(stages_and_growth, 2, tmp_path_factory.mktemp("deepspeed"))
+runs = spawn.shared_run(stages_and_growth, 2)  # one two-process run for the whole file
 
 
 @pytest.mark.parametrize("stage", STAGES)

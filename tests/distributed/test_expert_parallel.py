@@ -72,9 +72,7 @@ def expert_parallel_runs(rank: int, world_size: int) -> dict:
     return output
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    return spawn.run(expert_parallel_runs, 2, tmp_path_factory.mktemp("ep"))
+runs = spawn.shared_run(expert_parallel_runs, 2)
 
 
 @pytest.mark.parametrize("name", ["pseudo", "real"])

@@ -198,10 +198,7 @@ def both(rank: int, world_size: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """One two-process run for the whole file (process start-up dominates the time)."""
-    return spawn.run(both, 2, tmp_path_factory.mktemp("fsdp2"))
+runs = spawn.shared_run(both, 2)  # one two-process run for the whole file
 
 
 def test_pseudo_fsdp2_through_delink_matches_one_process(runs):

@@ -4,7 +4,6 @@
 import copy
 import functools
 
-import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
@@ -50,9 +49,7 @@ def moe_through_delink(rank: int, world_size: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    return spawn.run(moe_through_delink, 2, tmp_path_factory.mktemp("fsdp2_moe"))
+run = spawn.shared_run(moe_through_delink, 2)
 
 
 def test_each_moe_block_is_one_unit(run):

@@ -275,10 +275,7 @@ def both(rank: int, world: int) -> dict:
     return {"fsdp2": fsdp2_growth(rank, world), "pipeline": pipeline_growth(rank, world)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """One two-process run for the whole file (process start-up dominates the time)."""
-    return spawn.run(both, 2, tmp_path_factory.mktemp("growth"))
+runs = spawn.shared_run(both, 2)  # one two-process run for the whole file
 
 
 @pytest.mark.parametrize("case", FSDP2_CASES)

@@ -216,14 +216,8 @@ def sharded_pipelines(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def pipelined(tmp_path_factory) -> dict:
-    return spawn.run(pipelines, 2, tmp_path_factory.mktemp("pipelines"))
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory) -> dict:
-    return spawn.run(shards, 2, tmp_path_factory.mktemp("shards"))
+pipelined = spawn.shared_run(pipelines, 2)
+sharded = spawn.shared_run(shards, 2)
 
 
 @pytest.mark.parametrize("kind", ["pseudo", "cycle", "real", "tied"])

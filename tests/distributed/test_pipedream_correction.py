@@ -159,14 +159,8 @@ def four_processes(rank: int, world: int) -> dict:
     return {"trainer": trainer_with_resumes(f"{folder[0]}/dp", fields, resume_from=(3,))}
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return spawn.run(two_processes, 2, tmp_path_factory.mktemp("ef2"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    return spawn.run(four_processes, 4, tmp_path_factory.mktemp("ef4"))
+two = spawn.shared_run(two_processes, 2)
+four = spawn.shared_run(four_processes, 4)
 
 
 @pytest.mark.parametrize(("case", "tolerance"), [("adamw/real", 1e-7), ("adamw/cycle", ATOL), ("muon/real", 1e-7)])

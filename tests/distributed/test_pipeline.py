@@ -437,14 +437,8 @@ def four_processes(rank: int, world: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return spawn.run(two_processes, 2, tmp_path_factory.mktemp("pp2"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    return spawn.run(four_processes, 4, tmp_path_factory.mktemp("pp4"))
+two = spawn.shared_run(two_processes, 2)
+four = spawn.shared_run(four_processes, 4)
 
 
 def test_flush_schedules_equal_gradient_accumulation(two):

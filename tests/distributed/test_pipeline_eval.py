@@ -160,9 +160,7 @@ def two_processes(rank: int, world: int) -> dict:
     return {"direct": pipelined_against_gathered(world), "trainer": trainer_evaluation(folder[0])}
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return spawn.run(two_processes, 2, tmp_path_factory.mktemp("pp-eval"))
+two = spawn.shared_run(two_processes, 2)
 
 
 NOTHING = {"model": 0, "block": 0, "gather": 0}

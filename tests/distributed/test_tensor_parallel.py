@@ -74,9 +74,7 @@ def parallel_runs(rank: int, world_size: int) -> dict:
     return output
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    return spawn.run(parallel_runs, 2, tmp_path_factory.mktemp("tp"))
+runs = spawn.shared_run(parallel_runs, 2)
 
 
 @pytest.mark.parametrize("name", ["tp pseudo", "tp real"])
