@@ -10,7 +10,6 @@ import errno
 import filecmp
 import os
 import re
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -277,21 +276,19 @@ def data_parallel_folders(folder: str) -> dict:
 
 
 def four_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
-    return data_parallel_folders(folder[0])
+    folder = spawn.shared_folder()
+    return data_parallel_folders(folder)
 
 
 def two_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = spawn.shared_folder()
     return {
-        "pipeline": pipeline_folders(folder[0]),
-        "fsdp2": fsdp2_folders(folder[0]),
-        "moe": fsdp2_moe_folders(folder[0]),
-        "memory": peak_memory(folder[0]),
-        "failures": failures_on_every_process(folder[0]),
-        "trainer": trainer_real_folder(folder[0]),
+        "pipeline": pipeline_folders(folder),
+        "fsdp2": fsdp2_folders(folder),
+        "moe": fsdp2_moe_folders(folder),
+        "memory": peak_memory(folder),
+        "failures": failures_on_every_process(folder),
+        "trainer": trainer_real_folder(folder),
     }
 
 

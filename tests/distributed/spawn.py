@@ -1,11 +1,13 @@
 """Run a test body in several local processes joined by gloo on a free loopback port (no GPU, no network)."""
 
+import functools
 import gc
 import json
 import multiprocessing
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,15 +64,29 @@ def run(body: Callable[[int, int], dict], world_size: int, tmp_path: Path) -> di
     return json.loads(result.read_text())
 
 
-def shared_run(body: Callable[[int, int], dict], world_size: int):
+def shared_folder() -> str:
+    """A temporary folder rank 0 makes, its path on every rank (call it on every rank)."""
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    return folder[0]
+
+
+def shared_run(body: Callable[[int, int], dict] | dict[str, Callable[[int, int], dict]], world_size: int):
     """A module-scoped fixture: one `run(body, world_size)` whose result every test of the module reads (process
-    start-up and set-up dominate a small test's time). `two = shared_run(two_processes, 2)` in a test module."""
+    start-up and set-up dominate a small test's time). `two = shared_run(two_processes, 2)` in a test module; with a
+    dict of bodies, one run calls each in turn and returns {name: what it returned}."""
+    if isinstance(body, dict):
+        body = functools.partial(_each, body)
 
     @pytest.fixture(scope="module")
     def fixture(tmp_path_factory) -> dict:
-        return run(body, world_size, tmp_path_factory.mktemp(body.__name__))
+        return run(body, world_size, tmp_path_factory.mktemp("shared-run"))
 
     return fixture
+
+
+def _each(bodies: dict, rank: int, world_size: int) -> dict:
+    return {name: body(rank, world_size) for name, body in bodies.items()}
 
 
 @contextmanager

@@ -137,11 +137,7 @@ def growth(rank: int, world_size: int) -> dict:
     return output
 
 
-def stages_and_growth(rank: int, world_size: int) -> dict:
-    return {"stages": zero_stages(rank, world_size), "growth": growth(rank, world_size)}
-
-
-runs = spawn.shared_run(stages_and_growth, 2)  # one two-process run for the whole file
+runs = spawn.shared_run({"stages": zero_stages, "growth": growth}, 2)  # one two-process run for the whole file
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -8,7 +8,6 @@ Skipped without deepspeed (`pip install hf-p2r[deepspeed]`).
 """
 
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,11 +86,10 @@ def resumes(rank: int, world_size: int) -> dict:
     """Per case: a ZeRO-3 run saved at step 2 and run on to 4; its checkpoint resumed by a new ZeRO-3 engine (built
     from another seed) and by one plain process (each process the same, replicated); a plain run's checkpoint at step
     2 resumed by ZeRO-3. The losses of steps 3 and 4 each time, and what each process saved."""
-    root = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(root)
+    root = spawn.shared_folder()
     out = {}
     for case in CASES:
-        zero3_folder, plain_folder = Path(root[0], f"{case}-zero3"), Path(root[0], f"{case}-plain")
+        zero3_folder, plain_folder = Path(root, f"{case}-zero3"), Path(root, f"{case}-plain")
         engine = zero3_engine(case, SEED)
         first = zero3_steps(engine, range(SAVED_AT), rank)
         state = zero3_training_state(engine)

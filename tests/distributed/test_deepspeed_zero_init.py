@@ -279,8 +279,7 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
     shares."""
     from accelerate.utils import DistributedType
 
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = spawn.shared_folder()
     config = {**ENGINE, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
     stand_in = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_config=config)
     tokenizer = load_tokenizer(parse_config(tiny_argv(tempfile.mkdtemp())).data.tokenizer_name)
@@ -298,7 +297,7 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
         owned = zero3_owned_state(engine.module)
         # (a parameter ZeRO-3 keeps whole on every process, `ds_persist`: the small ones, whole before the save too)
         partitioned = all(hasattr(p, "ds_id") and (p.numel() == 0 or p.ds_persist) for p in engine.module.parameters())
-        cooperative, gathered_folder = Path(f"{folder[0]}/{case}"), Path(f"{folder[0]}/{case}-g")
+        cooperative, gathered_folder = Path(f"{folder}/{case}"), Path(f"{folder}/{case}-g")
         save_model_from_shards(engine.module, cooperative, owned, tokenizer=tokenizer, max_shard_size=SMALL_SHARDS,
                                progress=False)  # fmt: skip
         state_dict = Accelerator.get_state_dict(stand_in, engine)  # the gathered path's (None beside the first)

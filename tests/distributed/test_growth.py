@@ -271,11 +271,7 @@ def second_version(data) -> bool:
     return zeroed == 2 and len(grown) == len(dict(pipeline.modules[0].named_parameters()))  # o_proj, down_proj
 
 
-def both(rank: int, world: int) -> dict:
-    return {"fsdp2": fsdp2_growth(rank, world), "pipeline": pipeline_growth(rank, world)}
-
-
-runs = spawn.shared_run(both, 2)  # one two-process run for the whole file
+runs = spawn.shared_run({"fsdp2": fsdp2_growth, "pipeline": pipeline_growth}, 2)  # one two-process run for the file
 
 
 @pytest.mark.parametrize("case", FSDP2_CASES)

@@ -9,7 +9,6 @@ data-parallel pipelines of replicated stages train 2BW + Muon + the correction t
 """
 
 import copy
-import tempfile
 
 import pytest
 import torch
@@ -139,24 +138,22 @@ def sharded_muon_refusal() -> str:
 
 
 def two_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = spawn.shared_folder()
     return {
         "adamw/real": corrected_2bw(world, "real", "adamw"),
         "adamw/cycle": corrected_2bw(world, "cycle", "adamw"),
         "muon/real": corrected_2bw(world, "real", "muon"),
         "sharded_refusal": sharded_muon_refusal(),
         "delinked": delinked_previous_updates(world),
-        "trainer": trainer_with_resumes(f"{folder[0]}/corrected", CORRECTED, resume_from=(2, 3)),
-        "growth": trainer_with_resumes(f"{folder[0]}/growth", {**GROWTH, "optimizer": "muon"}, resume_from=(2,)),
+        "trainer": trainer_with_resumes(f"{folder}/corrected", CORRECTED, resume_from=(2, 3)),
+        "growth": trainer_with_resumes(f"{folder}/growth", {**GROWTH, "optimizer": "muon"}, resume_from=(2,)),
     }
 
 
 def four_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = spawn.shared_folder()
     fields = {**CORRECTED, "data_parallel_size": 2}
-    return {"trainer": trainer_with_resumes(f"{folder[0]}/dp", fields, resume_from=(3,))}
+    return {"trainer": trainer_with_resumes(f"{folder}/dp", fields, resume_from=(3,))}
 
 
 two = spawn.shared_run(two_processes, 2)

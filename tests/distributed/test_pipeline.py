@@ -12,7 +12,6 @@ stages: training, 2BW, the delink and a checkpoint equal one process on the whol
 
 import copy
 import math
-import tempfile
 
 import pytest
 import torch
@@ -414,26 +413,24 @@ def trainer_data_parallel(folder: str) -> dict:
 
 
 def two_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = spawn.shared_folder()
     return {
         "flush": flush_schedules(world),
         "replicas_equal": replicas_stay_equal(world),
         "2bw": pipedream_2bw(world),
-        **delink_checks(world, folder[0]),
-        "trainer": trainer_runs(folder[0]),
-        "trainer_growth": trainer_with_resumes(f"{folder[0]}/growth-run", GROWTH, resume_from=(2,)),
+        **delink_checks(world, folder),
+        "trainer": trainer_runs(folder),
+        "trainer_growth": trainer_with_resumes(f"{folder}/growth-run", GROWTH, resume_from=(2,)),
     }
 
 
 def four_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
+    folder = spawn.shared_folder()
     return {
         "replicas_equal": replicas_stay_equal(world, "giant"),
         "2bw": pipedream_2bw(world, patterns=("giant",), steps=3),
-        "data_parallel": data_parallel_checks(world, folder[0]),
-        "trainer_data_parallel": trainer_data_parallel(folder[0]),
+        "data_parallel": data_parallel_checks(world, folder),
+        "trainer_data_parallel": trainer_data_parallel(folder),
     }
 
 

@@ -5,7 +5,6 @@ the model or gathers weights while evaluating, and the trainer's pipelined val_l
 """
 
 import contextlib
-import tempfile
 
 import pytest
 import torch
@@ -155,9 +154,8 @@ def val_losses(output_dir: str) -> list[tuple[int, float]]:
 
 
 def two_processes(rank: int, world: int) -> dict:
-    folder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(folder)
-    return {"direct": pipelined_against_gathered(world), "trainer": trainer_evaluation(folder[0])}
+    folder = spawn.shared_folder()
+    return {"direct": pipelined_against_gathered(world), "trainer": trainer_evaluation(folder)}
 
 
 two = spawn.shared_run(two_processes, 2)
