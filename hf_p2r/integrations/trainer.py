@@ -45,7 +45,6 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ..checkpoint.card import render_model_card
 from ..models.p2r.sharing_p2r import DelinkPlan
-from ..training.config import TrainArguments
 from ..training.delink import check_delink_supported, delink_in_training
 from ..training.optim import rewarm_factor
 from .callback import NUM_BLOCKS, NUM_HIDDEN_LAYERS, P2RCallback, event_plan
@@ -130,7 +129,7 @@ class P2RTrainerMixin:
                     f"deepspeed: the DeepSpeed configuration's {' and '.join(owned)} section(s) leave the optimizer "
                     "to DeepSpeed, which P2RTrainer must rebuild at each delink; remove them (Trainer builds both)"
                 )
-        check_delink_supported(accelerator, TrainArguments(optimizer_carry=callback.carry))
+        check_delink_supported(accelerator, callback.carry)
         new_object = accelerator.is_fsdp2 or accelerator.distributed_type == DistributedType.DEEPSPEED
         if new_object and "forward" in vars(self.model):
             raise ValueError(
@@ -183,17 +182,13 @@ class P2RTrainerMixin:
         accelerator, old_optimizer = self.accelerator, self.optimizer
         rates = [(group["lr"], group.get("initial_lr")) for group in old_optimizer.param_groups]
 
-        def trainers_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+        def trainers_optimizer(model: torch.nn.Module, offload: None) -> torch.optim.Optimizer:
             self.optimizer = None  # create_optimizer builds one only when there is none
             return self.create_optimizer(model)
 
+        # (no granular offload here: the delinked model is placed as Trainer placed the first)
         model, optimizer, _ = delink_in_training(
-            accelerator,
-            self.model_wrapped,
-            old_optimizer,
-            num_unique_layers,
-            TrainArguments(optimizer_carry=carry),  # the fields the delink reads: the carry, and no offload
-            optimizer_factory=trainers_optimizer,
+            accelerator, self.model_wrapped, old_optimizer, num_unique_layers, carry, trainers_optimizer
         )
         if len(optimizer.param_groups) != len(rates):
             raise RuntimeError(

@@ -28,8 +28,8 @@ from ..models.p2r import P2RForCausalLM
 from ..models.p2r.sharing_p2r import DelinkPlan
 from .carry import ParameterSnapshot, carry_optimizer_state
 from .config import TrainArguments
-from .offload import GranularOffload, apply_offload
-from .optim import build_optimizer
+from .offload import GranularOffload
+from .optim import OptimizerFactory, build_optimizer
 
 
 def delink_with_optimizer(
@@ -48,12 +48,13 @@ def delink_with_optimizer(
     return new_optimizer
 
 
-def check_delink_supported(accelerator: Accelerator, args: TrainArguments) -> None:
-    """Raise `ValueError` up front when the run would delink under an engine this module cannot handle."""
+def check_delink_supported(accelerator: Accelerator, carry: str) -> None:
+    """Raise `ValueError` up front when the run would delink under an engine this module cannot handle (`carry`: the
+    run's `optimizer_carry`)."""
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ValueError("pseudo_steps: delinking under FSDP1 is not supported; use FSDP2 (fsdp_version: 2)")
-    if kind == DistributedType.DEEPSPEED and args.optimizer_carry != "reset":
+    if kind == DistributedType.DEEPSPEED and carry != "reset":
         raise ValueError(
             "optimizer_carry: under DeepSpeed the optimizer state lives in flat ZeRO partitions with no per-parameter "
             "carry; use optimizer_carry: reset (or FSDP2, which carries it)"
@@ -67,17 +68,18 @@ def delink_in_training(
     model: nn.Module,
     optimizer,
     num_unique_layers: int | DelinkPlan | None,
-    args: TrainArguments,
+    carry: str,
+    new_optimizer: OptimizerFactory,
     offload: GranularOffload | None = None,
-    activation_bytes: int = 0,
-    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    place: Callable[[nn.Module], GranularOffload | None] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, GranularOffload | None]:
     """Delink the prepared `model` and rebuild the prepared `optimizer`; returns the newly prepared pair and the
-    granular offload applied to the new model (None without `args.offload`).
+    granular offload applied to the new model (None without `place`).
 
-    The new optimizer is `build_optimizer(model, args, offload)`, or `optimizer_factory(model)` when given
-    (transformers' Trainer builds its own: `hf_p2r.integrations`); its state is carried from `optimizer` by
-    `args.optimizer_carry`.
+    The new optimizer is `new_optimizer(model, offload)` (the run's: `optimizer_factory(config.optim)`; transformers'
+    Trainer builds its own: `hf_p2r.integrations`); its state is carried from `optimizer` by `carry` (the run's
+    `optimizer_carry`). `offload` is the granular offload of `model`, `place(model)` applies it to the delinked model
+    (`apply_offload` with the run's offload section).
 
     Call it between optimizer steps (gradients zeroed). Accelerate keeps the prepared objects (what `save_state`
     saves: `hf_p2r.compat.prepared_models`); its public `free_memory()` drops them (and resets `accelerator.step`, the
@@ -94,11 +96,7 @@ def delink_in_training(
       and the offload is applied again to the delinked model, re-selecting its blocks (`offload: auto` picks none
       while the model fits: the pseudo model trains on the GPU, the real one offloads just enough).
     """
-    check_delink_supported(accelerator, args)
-
-    def new_optimizer_for(model: nn.Module, offload: GranularOffload | None = None) -> torch.optim.Optimizer:
-        return optimizer_factory(model) if optimizer_factory is not None else build_optimizer(model, args, offload)
-
+    check_delink_supported(accelerator, carry)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
@@ -107,15 +105,15 @@ def delink_in_training(
         new_model, mapping = delink_fully_sharded(
             model, num_unique_layers, shard=lambda m: gather_shared_once(fsdp2_prepare_model(accelerator, m))
         )
-        new_optimizer = new_optimizer_for(new_model)
+        rebuilt = new_optimizer(new_model, None)
         after = ParameterSnapshot.of(new_model)
-        carry_optimizer_state(raw_optimizer, new_optimizer, before, after, mapping, args.optimizer_carry)
+        carry_optimizer_state(raw_optimizer, rebuilt, before, after, mapping, carry)
         accelerator.free_memory()
-        return *accelerator.prepare(new_model, new_optimizer), None
+        return *accelerator.prepare(new_model, rebuilt), None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         plain = delink_deepspeed(model, num_unique_layers)  # a collective: every rank calls it
         accelerator.free_memory()
-        return *accelerator.prepare(plain, new_optimizer_for(plain)), None
+        return *accelerator.prepare(plain, new_optimizer(plain, None)), None
 
     # Mixed precision's autocast forward off as Accelerate found the forward: `keep_fp32_wrapper=False` alone would
     # follow `__wrapped__` past the model's own decorators (`can_return_tuple`) and past a forward patched on the
@@ -132,12 +130,12 @@ def delink_in_training(
         offload.remove()
     before, mapping = ParameterSnapshot.of(unwrapped), unwrapped.delink_parameter_map(num_unique_layers)
     unwrapped.delink(num_unique_layers)
-    offload = apply_offload(unwrapped, args, accelerator, activation_bytes)
-    new_optimizer = new_optimizer_for(unwrapped, offload)
+    offload = place(unwrapped) if place is not None else None
+    rebuilt = new_optimizer(unwrapped, offload)
     after = ParameterSnapshot.of(unwrapped)
-    carry_optimizer_state(raw_optimizer, new_optimizer, before, after, mapping, args.optimizer_carry)
+    carry_optimizer_state(raw_optimizer, rebuilt, before, after, mapping, carry)
     placement = [False, False] if offload is not None else None
-    return *accelerator.prepare(unwrapped, new_optimizer, device_placement=placement), offload
+    return *accelerator.prepare(unwrapped, rebuilt, device_placement=placement), offload
 
 
 def delink_pipeline(

@@ -10,6 +10,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..config import OffloadArguments
 from ..distributed.materialize import materialize
 from ..distributed.offload.estimates import (
     DEFAULT_BUDGET_FRACTION,
@@ -24,7 +25,6 @@ from ..distributed.offload.estimates import (
 )
 from ..distributed.offload.granular import GranularOffload
 from ..distributed.offload.step import DEFAULT_CHUNK_BYTES, OPTIMIZER_STEPS
-from .config import TrainArguments
 
 __all__ = [
     "DEFAULT_BUDGET_FRACTION",
@@ -44,18 +44,24 @@ __all__ = [
 ]
 
 
-def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activation_bytes: int = 0):
-    """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it.
+def apply_offload(
+    model: nn.Module, args: OffloadArguments, accelerator, activation_bytes: int = 0, seed: int | None = None
+):
+    """Granular CPU offload of `args.offload` blocks of `model` onto `accelerator.device`, or None without it (`args`:
+    the run's offload section).
 
-    Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks).
-    Raises `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA (the
-    configuration's rules refuse `offload_update: during_backward` with clipping before the run starts).
+    Apply it to the final structure (at the start, and again after each delink: `auto` re-selects the blocks). A
+    model on the meta device is materialised part by part into its homes, from `seed` (the run's). Raises
+    `ConfigError` for `offload: auto` without `offload_budget_gb` on a device other than CUDA (the configuration's
+    rules refuse `offload_update: during_backward` with clipping before the run starts).
     """
     if args.offload is None:
         return None
     args.check_offload_budget(accelerator.device.type)  # ConfigError: `auto` with no device memory to plan for
     budget = None if args.offload_budget_gb is None else int(args.offload_budget_gb * 2**30)
     meta = any(param.is_meta for param in model.parameters())
+    if meta and seed is None:
+        raise ValueError("apply_offload: a model on the meta device is materialised from a seed: give seed")
     return GranularOffload(
         model,
         args.offload_spec,
@@ -78,7 +84,7 @@ def apply_offload(model: nn.Module, args: TrainArguments, accelerator, activatio
         delay_correction=args.offload_delay_correction,
         host_threads=args.offload_host_threads,
         # A model on the meta device: each part materialised straight into its home (`materialize`'s values).
-        materialize=partial(_materialize_parts, model, args.seed) if meta else None,
+        materialize=partial(_materialize_parts, model, seed) if meta else None,
     )
 
 
@@ -86,8 +92,11 @@ def _materialize_parts(model: nn.Module, seed: int, modules: list[nn.Module], de
     materialize(model, seed, keep=modules, device=device)
 
 
-def measure_offload_activations(model: nn.Module, args: TrainArguments, block_size: int, accelerator) -> int:
-    """Activation bytes of one training micro-batch, for `offload: auto` (0 for other offload modes).
+def measure_offload_activations(
+    model: nn.Module, args: OffloadArguments, block_size: int, accelerator, batch_size: int
+) -> int:
+    """Activation bytes of one training micro-batch of `batch_size` blocks, for `offload: auto` (0 for other offload
+    modes; `args`: the run's offload section).
 
     Measured on the CPU, before the model is placed (the pseudo model's activations equal the real model's), with
     one sequence of at most 512 tokens under the run's bf16 autocast, then scaled linearly to the micro-batch:
@@ -99,4 +108,4 @@ def measure_offload_activations(model: nn.Module, args: TrainArguments, block_si
     input_ids = torch.zeros((1, tokens), dtype=torch.long)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=accelerator.mixed_precision == "bf16"):
         measured = measure_activation_bytes(model, input_ids)
-    return measured * args.per_device_batch_size * block_size // tokens
+    return measured * batch_size * block_size // tokens

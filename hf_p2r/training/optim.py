@@ -26,7 +26,6 @@ def build_optimizer(
     model: nn.Module,
     args: OptimizerArguments,
     offload: GranularOffload | None = None,
-    lr_scales: dict[int, float] | None = None,
 ) -> torch.optim.Optimizer:
     """The run's optimizer over the trainable parameters of `model` (a P2R model, or a pipeline's stages: anything
     with the model's parameter names); weight decay on matrices and embeddings, not on norms and biases.
@@ -39,10 +38,9 @@ def build_optimizer(
     Every group has an `lr_scale` (1 unless `shared_lr_scale: depth` divides a shared block's by the depths it runs
     at, or the model's `depth_mup` scales the blocks' by its `block_lr_scale`: `shared_lr_scales`; a Muon group's also
     carries `muon_learning_rate / learning_rate`): the training loop sets each group's rate to
-    the schedule's times it. `lr_scales` ({id(parameter): factor}) replaces the model's own where `model` holds a part
-    of it (pipeline stages).
+    the schedule's times it (a pipeline's stages: by the whole model's layout, `shared_lr_scales`).
     """
-    scale_of = shared_lr_scales(model, args) if lr_scales is None else lr_scales
+    scale_of = shared_lr_scales(model, args)
     muon = muon_parameters(model) if args.optimizer == "muon" else set()
     muon_ratio = (args.muon_learning_rate or args.learning_rate) / args.learning_rate
     buckets: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
@@ -71,6 +69,19 @@ def build_optimizer(
     return optimizer_cls(groups, **options, fused=fused or None)
 
 
+OptimizerFactory = Callable[..., torch.optim.Optimizer]  # (model, offload=None) -> a new optimizer
+
+
+def optimizer_factory(args: OptimizerArguments) -> OptimizerFactory:
+    """`build_optimizer` with the run's optimizer section bound: `factory(model, offload=None)` builds each new
+    optimizer (at the start, at every delink) for an engine or a delink that does not read the section itself."""
+
+    def new_optimizer(model: nn.Module, offload: GranularOffload | None = None) -> torch.optim.Optimizer:
+        return build_optimizer(model, args, offload)
+
+    return new_optimizer
+
+
 def muon_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters `optimizer: muon` gives to Muon: the blocks' matrices (attention and MLP projections,
     an MoE block's router) and an MoE block's 3-D expert tensors (one matrix per expert). Embeddings, the head, norms
@@ -84,12 +95,12 @@ def is_matrix(param: nn.Parameter) -> bool:
     return len(getattr(param, "ds_shape", param.shape)) >= 2
 
 
-def check_optimizer_supported(accelerator: Accelerator, args: OptimizerArguments) -> None:
-    """Raise `ConfigError` up front where `optimizer: muon` cannot run: its Newton–Schulz step needs each matrix
-    whole, and FSDP (FSDP2's DTensor rows) and DeepSpeed's ZeRO (flat partitions) hand the optimizer shards. Gathering
-    each matrix for its step is not implemented: the refusal says so in one line."""
+def check_optimizer_supported(accelerator: Accelerator, optimizer: str) -> None:
+    """Raise `ConfigError` up front where `optimizer: muon` (the run's `optimizer`) cannot run: its Newton–Schulz step
+    needs each matrix whole, and FSDP (FSDP2's DTensor rows) and DeepSpeed's ZeRO (flat partitions) hand the optimizer
+    shards. Gathering each matrix for its step is not implemented: the refusal says so in one line."""
     kind = accelerator.distributed_type
-    if args.optimizer == "muon" and kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+    if optimizer == "muon" and kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ConfigError(f"optimizer: muon {MUON_NEEDS_WHOLE} ({kind.value}); use optimizer: adamw there")
 
 

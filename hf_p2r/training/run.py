@@ -22,7 +22,7 @@ from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from ..checkpoint.card import usage_code
-from ..config import LoggingArguments, TrainConfig
+from ..config import CheckpointArguments, LoggingArguments
 from ..errors import InputError, printable, redact
 from .metrics import (
     METRICS_FILE,
@@ -248,12 +248,12 @@ def holding_output_dir(accelerator: Accelerator, output_dir: Path) -> Iterator[N
             lock.release()
 
 
-def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> list[Path]:
-    """The earlier outputs in `output_dir` (`OUTPUTS`), after checking what the run may do with them, changing
-    nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run needs a readable metrics.jsonl, and an
-    output_dir that is not the checkpoint it resumes from, nor inside it.
+def check_output_dir(saving: CheckpointArguments, resumed: bool) -> list[Path]:
+    """The earlier outputs in `output_dir` (`OUTPUTS`; `saving`: the run's checkpointing section), after checking what
+    the run may do with them, changing nothing: a fresh run refuses them unless overwrite_output_dir; a resumed run
+    needs a readable metrics.jsonl, and an output_dir that is not the checkpoint it resumes from, nor inside it.
     Called on every process (so all of them stop on an error)."""
-    source = config.checkpointing.resume_from_checkpoint
+    output_dir, source = Path(saving.output_dir), saving.resume_from_checkpoint
     if source and source != "latest":  # the run's outputs would land in the checkpoint it reads
         checkpoint, output = Path(os.path.realpath(source)), Path(os.path.realpath(output_dir))
         if output == checkpoint or output.is_relative_to(checkpoint):
@@ -262,7 +262,7 @@ def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> li
                 "inside it: give the run's output_dir (the checkpoint's ../..) or a new folder"
             )
     existing = [output_dir / name for name in OUTPUTS if (output_dir / name).exists()]
-    if not resumed and existing and not config.checkpointing.overwrite_output_dir:
+    if not resumed and existing and not saving.overwrite_output_dir:
         raise FileExistsError(
             f"output_dir: {output_dir} already holds a run ({', '.join(p.name for p in existing)}); pass "
             "--resume_from_checkpoint latest to continue it or --overwrite_output_dir true to start over"
@@ -273,11 +273,11 @@ def check_output_dir(output_dir: Path, config: TrainConfig, resumed: bool) -> li
 
 
 def prepare_output_dir(
-    accelerator: Accelerator, output_dir: Path, config: TrainConfig, resumed: TrainState | None, existing: list[Path]
+    accelerator: Accelerator, output_dir: Path, record: dict, resumed: TrainState | None, existing: list[Path]
 ) -> None:
     """Once the run is built (and resumed): a resumed run drops what came after its checkpoint (newer checkpoints,
     later metrics records), a fresh one removes the `existing` outputs that `check_output_dir` found; both write the
-    resolved configuration. The main process changes the folder."""
+    resolved configuration (`record`: `TrainConfig.to_dict`). The main process changes the folder."""
     accelerator.wait_for_everyone()  # every process has loaded before the main one changes anything
     if accelerator.is_main_process:
         if resumed is not None:
@@ -289,7 +289,7 @@ def prepare_output_dir(
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             output_dir.mkdir(parents=True, exist_ok=True)
         # The resolved configuration, usable as --config to repeat the run.
-        config_text = redact(yaml.safe_dump(config.to_dict(), sort_keys=False))  # (no token in any output)
+        config_text = redact(yaml.safe_dump(record, sort_keys=False))  # (no token in any output)
         (output_dir / "train_config.yaml").write_text(config_text, encoding="utf-8")
     accelerator.wait_for_everyone()
 

@@ -20,6 +20,7 @@ a bad configuration, bad data or a damaged checkpoint leaves every earlier outpu
 """
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -34,7 +35,14 @@ from .data import BlockOrder, BlockStream, build_blocks, check_output_dir_outsid
 from .engines import Engine, engine_for
 from .metrics import METRICS_FILE, training_flops_per_token
 from .optim import learning_rate_at, set_learning_rate
-from .resume.checkpoints import TrainState, abandon_checkpoint, finish_checkpoint, read_state, resolve_checkpoint
+from .resume.checkpoints import (
+    TrainState,
+    abandon_checkpoint,
+    finish_checkpoint,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .run import (
     NonFiniteLossError,
     StepLog,
@@ -112,7 +120,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
     state = read_state(checkpoint, config) if checkpoint else first
     state.num_hidden_layers = state.num_hidden_layers or depth  # (a checkpoint written before depth growth: L)
     resumed = dataclasses.replace(state) if checkpoint else None  # where this invocation starts (for the summary)
-    existing = check_output_dir(output_dir, config, resumed=checkpoint is not None)
+    existing = check_output_dir(saving, resumed=checkpoint is not None)
     check_output_dir_outside_data(config.data, output_dir)
     for note in config.notes:
         say(accelerator, note)
@@ -136,7 +144,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
             say(accelerator, warning)
         engine.load(checkpoint, state)
         say(accelerator, f"resumed from {checkpoint} (step {state.step}, {state.num_blocks} blocks)")
-    prepare_output_dir(accelerator, output_dir, config, state if checkpoint else None, existing)
+    prepare_output_dir(accelerator, output_dir, config.to_dict(), state if checkpoint else None, existing)
     if logging.report_to != "none":
         accelerator.init_trackers("logs", config={k: str(v) for k, v in config.to_dict().items()})
 
@@ -152,7 +160,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
     vocab_size = config.model_vocab_size(len(tokenizer))
     step_flops = flops_per_step()
     if checkpoint is None and logging.eval_steps:
-        log.record(val_loss=engine.evaluate(validation_blocks))
+        log.record(val_loss=engine.evaluate(validation_blocks, logging.eval_blocks))
 
     # The loop: each pass delinks if a delink is due at this step, then makes one optimizer step.
     with StopOnSignal() as stop, log.progress:  # the bar ends its line before any error is told
@@ -171,7 +179,8 @@ def run(config: TrainConfig, engine: Engine) -> int:
                 grew = f"grew {before_depth} -> {target_depth} layers ({stages.growth}), " * (
                     target_depth > before_depth
                 )
-                log.say(f"step {state.step}: {grew}delinked {before} -> {target} blocks{engine.delink_note()}")
+                rules = f"optimizer_carry={stages.optimizer_carry}, lr_after_delink={config.schedule.lr_after_delink}"
+                log.say(f"step {state.step}: {grew}delinked {before} -> {target} blocks{engine.delink_note(rules)}")
                 log.stage_changed()
             if state.step >= stages.total_steps:  # (read_state refuses a checkpoint past the end)
                 break
@@ -196,7 +205,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
             if measure:
                 measure.update(engine.step_measures())
             if (logging.eval_steps and state.step % logging.eval_steps == 0) or state.step in delink_steps or final:
-                measure["val_loss"] = engine.evaluate(validation_blocks)
+                measure["val_loss"] = engine.evaluate(validation_blocks, logging.eval_blocks)
             if measure:
                 log.record(**measure)
             if (saving.save_steps and state.step % saving.save_steps == 0) or final or signum:
@@ -204,7 +213,8 @@ def run(config: TrainConfig, engine: Engine) -> int:
                 state.stream_states = gather_object([position.state_dict()])
                 saved = engine.training_state()
                 check_finite(accelerator, output_dir, state, depth, "checkpoint", saved)
-                engine.save_checkpoint(output_dir, state, saved)
+                write = functools.partial(engine.write_checkpoint, training_state=saved)
+                save_checkpoint(accelerator, output_dir, state, config, write=write)
                 if final or signum:  # the run stops: a checkpoint written in the background completes first
                     finish_checkpoint(accelerator)
             if signum and not final:
@@ -228,7 +238,7 @@ def run(config: TrainConfig, engine: Engine) -> int:
 def next_batch(blocks, order: BlockOrder | None, state: TrainState, engine: Engine) -> torch.Tensor:
     """This process's slice of the next global micro-batch (`engine.data_rank` of `engine.data_size`; a stream is
     already this process's share); advances the data position by the global batch."""
-    size = engine.config.compute.per_device_batch_size
+    size = engine.compute.per_device_batch_size
     if isinstance(blocks, BlockStream):
         batch = blocks.take(size)
     else:

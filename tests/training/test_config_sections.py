@@ -149,34 +149,30 @@ def test_the_saved_folders_carry_no_code_by_default_and_depth_mup_reaches_the_op
 
 
 # Where each section may go, as hf_p2r/config/sections.py's table promises: the files (under hf_p2r/) whose functions
-# take it as an argument, besides the configuration package itself. delink.py and offload.py take a flat view of the
-# sections they read (`TrainArguments.of`), counted here as each of them; delink.py hands its view on to
-# build_optimizer (optim.py) and apply_offload (offload.py).
+# take it as an argument, besides the configuration package itself. The engines hold the compute section and their
+# own (offload; parallel for the pipeline engine, not traced here) and take values of the others (`engine_for`); the
+# optimizer section reaches them as `optimizer_factory(optim)`, a delink as the engine's factory and placement.
 SECTION_READERS = {
     "model": set(),  # (read through TrainConfig.p2r_config by build_model)
     "data": {f"training/data/{name}.py" for name in ("documents", "packing", "source", "blocks", "streaming")},
-    "stages": {"training/delink.py", "training/resume/checkpoints.py", "training/optim.py", "training/offload.py"},
-    "optim": {"training/optim.py", "training/delink.py", "training/offload.py"},
+    "stages": set(),  # (TrainConfig's schedules; the engines take optimizer_carry)
+    "optim": {"training/optim.py"},
     "schedule": set(),  # (TrainConfig.lr_schedule)
-    "offload": {"training/offload.py", "training/delink.py", "training/optim.py"},
-    "parallel": set(),  # (the pipeline engine, from its config)
-    "compute": {"training/offload.py", "training/delink.py", "training/optim.py"},
-    "checkpointing": set(),
+    "offload": {"training/offload.py", "training/engines/accelerate.py"},
+    "parallel": {"training/engines/pipeline.py"},
+    "compute": {"training/engines/base.py", "training/engines/accelerate.py", "training/engines/pipeline.py"},
+    "checkpointing": {"training/run.py"},
     "logging": {"training/run.py"},
 }
-# The functions given the whole configuration: the run's top, the engines it builds, what a checkpoint records.
+# The functions given the whole configuration: the run's top, the engine's choice, what a checkpoint records and
+# checks.
 WHOLE_CONFIG = {
     "training/train.py:train",
     "training/train.py:run",
     "training/train.py:build_model",
     "training/engines/__init__.py:engine_for",
-    "training/engines/base.py:Engine.__init__",
-    "training/engines/accelerate.py:AccelerateEngine.__init__",
-    "training/engines/pipeline.py:PipelineEngine.__init__",
     "training/resume/checkpoints.py:save_checkpoint",
     "training/resume/checkpoints.py:read_state",
-    "training/run.py:check_output_dir",
-    "training/run.py:prepare_output_dir",
 }
 
 
@@ -221,5 +217,6 @@ def test_each_section_is_given_to_its_part_of_the_trainer(tmp_path):
     }
     assert not strays, sorted(strays)
     assert {"data"} <= received["training/data/blocks.py:build_blocks"]
-    assert received["training/optim.py:check_optimizer_supported"] == {"optim"}
+    assert received["training/optim.py:optimizer_factory"] == {"optim"}
+    assert received["training/engines/accelerate.py:AccelerateEngine.__init__"] == {"compute", "offload"}
     assert received["training/run.py:StepLog.__init__"] == {"logging"}

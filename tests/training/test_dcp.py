@@ -523,10 +523,10 @@ def test_a_failed_shard_write_keeps_the_checkpoints_already_there(tmp_path, monk
 
 
 def test_granular_offload_keeps_accelerates_format(tmp_path):
-    from hf_p2r.training.engines import AccelerateEngine
+    from hf_p2r.training.engines import engine_for
 
     config = parse_config(tiny_argv(tmp_path / "run", **SCHEDULE, offload="0.5"))
     with pytest.raises(
         ValueError, match=r"^checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2, DeepSpeed ZeRO-3"
     ):
-        AccelerateEngine(config)
+        engine_for(config)

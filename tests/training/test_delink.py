@@ -6,11 +6,12 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from hf_p2r.training import TrainArguments, delink_in_training, delink_with_optimizer
-from hf_p2r.training.optim import build_optimizer
+from hf_p2r.training.optim import build_optimizer, optimizer_factory
 
 from ..conftest import tiny_model
 
 NON_LAYER = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+ADAMW = optimizer_factory(TrainArguments())  # the new optimizer of a delink in training: the default AdamW
 
 
 def _trained(steps=2, **model_overrides):
@@ -114,8 +115,7 @@ def test_delink_in_training_carries_state_per_mode(carry, blocks):
     model, optimizer, before = _trained(num_hidden_layers=8, num_unique_layers=2)
     non_layer = {name: param for name, param in model.named_parameters() if name in NON_LAYER}
     model, optimizer = accelerator.prepare(model, optimizer)
-    args = TrainArguments(optimizer_carry=carry)
-    model, optimizer, _ = delink_in_training(accelerator, model, optimizer, blocks, args)
+    model, optimizer, _ = delink_in_training(accelerator, model, optimizer, blocks, carry, ADAMW)
 
     after = blocks or 8
     ratio = (8 / after) / 4  # depths each new block runs at / depths the old block ran at (4 of 8)
@@ -146,7 +146,7 @@ def test_delink_in_training_leaves_accelerate_with_only_the_new_pair():
     accelerator = Accelerator(cpu=True)
     model, optimizer, _ = _trained(num_hidden_layers=8, num_unique_layers=2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    model, optimizer, offload = delink_in_training(accelerator, model, optimizer, None, TrainArguments())
+    model, optimizer, offload = delink_in_training(accelerator, model, optimizer, None, "scale", ADAMW)
     assert offload is None
     assert accelerator._models == [model] and accelerator._optimizers == [optimizer]
     assert len(model.model.layers) == 8
@@ -164,7 +164,7 @@ def test_delink_in_training_under_bf16_keeps_the_models_forward_and_autocast():
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
         model, optimizer, _ = _trained(num_hidden_layers=8, num_unique_layers=2)
         model, optimizer = accelerator.prepare(model, optimizer)
-        model, optimizer, _ = delink_in_training(accelerator, model, optimizer, None, TrainArguments())
+        model, optimizer, _ = delink_in_training(accelerator, model, optimizer, None, "scale", ADAMW)
         input_ids = torch.randint(0, model.config.vocab_size, (1, 8))
         output = model(input_ids, return_dict=False)
     finally:
@@ -234,10 +234,9 @@ def test_function_preserving_growth_in_training_keeps_the_loss_then_trains_every
 def test_delink_in_training_grows_a_model_prepared_by_accelerate():
     accelerator = Accelerator(cpu=True)
     model, optimizer, before, args = _trained_shallow(num_hidden_layers=2)
-    args.optimizer_carry = "copy"
     model, optimizer = accelerator.prepare(model, optimizer)
     plan = accelerator.unwrap_model(model).delink_plan(growth="interleave")
-    model, optimizer, _ = delink_in_training(accelerator, model, optimizer, plan, args)
+    model, optimizer, _ = delink_in_training(accelerator, model, optimizer, plan, "copy", optimizer_factory(args))
     grown = accelerator.unwrap_model(model)
     assert grown.config.num_hidden_layers == 4 and accelerator._models == [model]
     weight = grown.model.layers[1].mlp.up_proj.weight  # interleave: layer 1 copies layer 0

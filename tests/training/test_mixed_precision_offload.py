@@ -43,7 +43,8 @@ def _auto_budget_gb(tmp_path, mixed_precision: str) -> float:
     accelerator = SimpleNamespace(mixed_precision=mixed_precision, device=torch.device("cpu"))
     tokenizer, dtype = load_tokenizer(None), {"bf16": torch.bfloat16}.get(mixed_precision)
     models = {blocks: build_model(config, tokenizer, blocks) for blocks in (1, 2, 4)}
-    activations = measure_offload_activations(models[1], config.train, config.data.block_size, accelerator)
+    batch, block_size = config.compute.per_device_batch_size, config.data.block_size
+    activations = measure_offload_activations(models[1], config.offload, block_size, accelerator, batch)
     need = {
         (blocks, count): estimate_device_bytes(
             model, spread_layers(count, blocks), activation_bytes=activations, compute_dtype=dtype
@@ -123,7 +124,7 @@ def test_auto_on_the_cpu_asks_for_a_budget(tmp_path):
     config = parse_config(tiny_argv(tmp_path, offload="auto", cpu="false"))
     accelerator = SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="^offload: auto .* set offload_budget_gb") as caught:
-        apply_offload(build_model(config, load_tokenizer(None), 1), config.train, accelerator)
+        apply_offload(build_model(config, load_tokenizer(None), 1), config.offload, accelerator)
     assert exit_code(caught.value) == 2
 
 

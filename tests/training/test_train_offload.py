@@ -162,11 +162,12 @@ def test_offload_auto_switches_on_at_delink(plain_run, tmp_path):
     """With a budget the pseudo model fits in, auto offloads nothing until the real model needs it."""
     config = parse_config(tiny_argv(tmp_path / "probe", **SCHEDULE))
     tokenizer, accelerator = load_tokenizer(None), SimpleNamespace(mixed_precision="no", device=torch.device("cpu"))
-    args = config.train
+    args = config.offload
     args.offload = "auto"
     pseudo, real = build_model(config, tokenizer, 1), build_model(config, tokenizer, 4)
-    activations = measure_offload_activations(pseudo, args, config.data.block_size, accelerator)
-    assert activations == measure_offload_activations(real, args, config.data.block_size, accelerator) > 0
+    batch_size = config.compute.per_device_batch_size
+    activations = measure_offload_activations(pseudo, args, config.data.block_size, accelerator, batch_size)
+    assert activations == measure_offload_activations(real, args, config.data.block_size, accelerator, batch_size) > 0
     # A budget that fits the real model with 2 of its 4 blocks offloaded, but not with 1.
     budget = estimate_device_bytes(real, spread_layers(2, 4), activation_bytes=activations)
     assert estimate_device_bytes(real, spread_layers(1, 4), activation_bytes=activations) > budget
@@ -190,7 +191,7 @@ def test_offloaded_blocks_run_in_the_autocast_dtype(tmp_path, mixed_precision, d
     autocast would keep a cast of every offloaded weight from forward to backward."""
     config = parse_config(tiny_argv(tmp_path, offload="1.0"))
     accelerator = SimpleNamespace(mixed_precision=mixed_precision, device=torch.device("cpu"))
-    offload = apply_offload(build_model(config, load_tokenizer(None), 4), config.train, accelerator)
+    offload = apply_offload(build_model(config, load_tokenizer(None), 4), config.offload, accelerator)
     assert offload.compute_dtype == dtype
     works = {work.dtype for block in offload._blocks.values() for work in block.works}
     assert works == {dtype or torch.float32}

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
 from ...compat import import_deepspeed_only_when_used
-from ...config import TrainArguments, TrainConfig
+from ...config import ComputeArguments, OffloadArguments
 from ...distributed import gather_shared_once
 from ...distributed.deepspeed import materialize_zero3, zero3_owned_state, zero3_training_state
 from ...distributed.materialize import materialize
@@ -23,9 +23,9 @@ from ...ops import HeadLoss
 from ..compile import check_backend, compile_blocks
 from ..delink import check_delink_supported, delink_in_training
 from ..moe import RouterLoad
-from ..offload import apply_offload, measure_offload_activations
-from ..optim import build_optimizer, check_optimizer_supported
-from ..resume.checkpoints import TrainState, loading_checkpoint, save_checkpoint, save_model
+from ..offload import GranularOffload, apply_offload, measure_offload_activations
+from ..optim import check_optimizer_supported
+from ..resume.checkpoints import TrainState, loading_checkpoint, save_model
 from ..resume.dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
 from ..resume.dcp import save as save_dcp
 from ..run import say
@@ -35,9 +35,24 @@ from .base import Engine
 class AccelerateEngine(Engine):
     """The model and optimizer prepared by Accelerate; granular offload places the model itself."""
 
-    def __init__(self, config: TrainConfig):
-        super().__init__(config)
-        compute, saving, offload = config.compute, config.checkpointing, config.offload
+    def __init__(
+        self,
+        compute: ComputeArguments,
+        offload: OffloadArguments,
+        *,
+        optimizer: str,
+        delinks: bool,
+        checkpoint_async: bool,
+        log_with: str | None,
+        project_dir: Path,
+        **common,
+    ):
+        """`compute`, `offload`: the run's sections; `optimizer` its optimizer's name (Muon needs whole matrices),
+        `delinks` whether its schedule delinks, `checkpoint_async` whether it saves in the background; `log_with`,
+        `project_dir`: its trackers and their folder; `common`: what every engine takes (`Engine`)."""
+        super().__init__(compute, **common)
+        self.offload_args = offload
+        self.checkpoint_async = checkpoint_async
         cpu = compute.cpu if compute.cpu is not None else not torch.accelerator.is_available()
         check_gpu_per_process(cpu)
         import_deepspeed_only_when_used()  # (DeepSpeed's import prints into the progress bar of a run not using it)
@@ -47,12 +62,12 @@ class AccelerateEngine(Engine):
             mixed_precision=compute.mixed_precision,
             gradient_accumulation_steps=compute.gradient_accumulation_steps,
             cpu=cpu,
-            log_with=None if config.logging.report_to == "none" else config.logging.report_to,
-            project_dir=Path(saving.output_dir),
+            log_with=log_with,
+            project_dir=project_dir,
         )
-        if config.delink_schedule():
-            check_delink_supported(accelerator, config.stages)
-        check_optimizer_supported(accelerator, config.optim)  # optimizer: muon needs whole matrices
+        if delinks:
+            check_delink_supported(accelerator, self.optimizer_carry)
+        check_optimizer_supported(accelerator, optimizer)  # optimizer: muon needs whole matrices
         if offload.offload is not None and (
             accelerator.num_processes > 1 or accelerator.distributed_type != DistributedType.NO
         ):
@@ -61,7 +76,7 @@ class AccelerateEngine(Engine):
                 f"({accelerator.distributed_type.value}); for several GPUs use configs/accelerate/fsdp2_offload.yaml "
                 "or deepspeed_zero3_offload.yaml"
             )
-        if saving.checkpoint_format == "dcp" or saving.checkpoint_async:
+        if self.format_asked == "dcp" or checkpoint_async:
             self.check_dcp()
         if zero3_config(accelerator) is not None:
             build_without_zero_init()
@@ -70,8 +85,7 @@ class AccelerateEngine(Engine):
         self.activation_bytes = 0
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
-        accelerator, config = self.accelerator, self.config
-        seed, offload = config.compute.seed, config.offload.offload
+        accelerator, seed, offload = self.accelerator, self.compute.seed, self.offload_args.offload
         self.shape_model(model)
         # The model comes on the meta device: FSDP2 shards it there and each process materialises its shards only;
         # granular offload materialises each part straight into its home (`apply_offload`: resident modules on the
@@ -87,13 +101,15 @@ class AccelerateEngine(Engine):
         elif offload is None or offload == "auto":
             materialize(model, seed)
         # Granular offload places the model itself (resident blocks on the device, the others in CPU memory).
-        placement = self.offload_arguments()
-        self.activation_bytes = measure_offload_activations(model, placement, config.data.block_size, accelerator)
-        self.offload = apply_offload(model, placement, accelerator, self.activation_bytes)
-        optimizer = build_optimizer(model, config.optim, self.offload)
+        batch_size = self.compute.per_device_batch_size
+        self.activation_bytes = measure_offload_activations(
+            model, self.offload_args, self.block_size, accelerator, batch_size
+        )
+        self.offload = apply_offload(model, self.offload_args, accelerator, self.activation_bytes, seed)
+        optimizer = self.optimizer_factory(model, self.offload)
         # Device placement, DDP / FSDP2 / DeepSpeed, mixed precision.
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            fill_deepspeed_batch_size(accelerator, config.compute.per_device_batch_size)
+            fill_deepspeed_batch_size(accelerator, batch_size)
         placement = [False, False] if self.offload is not None else None
         self.model, self.optimizer = accelerator.prepare(model, optimizer, device_placement=placement)
         if accelerator.is_fsdp2:
@@ -102,20 +118,13 @@ class AccelerateEngine(Engine):
             say(accelerator, f"offload: blocks {self.offload.layers} of {num_blocks} in CPU memory")
         # MoE: the training loss includes the load-balancing loss (router_aux_loss_coef); the router statistics are
         # logged.
-        if self.config.model.num_experts:
-            self.router_load = RouterLoad(accelerator.unwrap_model(self.model).config)
+        model_config = accelerator.unwrap_model(self.model).config
+        if getattr(model_config, "num_experts", 0):
+            self.router_load = RouterLoad(model_config)
 
-    def offload_arguments(self) -> TrainArguments:
-        """What granular offload reads (`apply_offload`, `measure_offload_activations`): its section, and the batch
-        and the seed (the compute section's), as one flat object."""
-        return TrainArguments.of({"offload": self.config.offload, "compute": self.config.compute})
-
-    def delink_arguments(self) -> TrainArguments:
-        """What a delink reads (`delink_in_training`): the optimizer state's carry, the optimizer (the new one's), and
-        offload's fields (offload is applied again to the new model), as one flat object."""
-        config = self.config
-        parts = {"stages": config.stages, "optim": config.optim, "offload": config.offload, "compute": config.compute}
-        return TrainArguments.of(parts)
+    def place(self, model: torch.nn.Module) -> GranularOffload | None:
+        """Granular offload applied to the delinked `model` (`apply_offload`, re-selecting its blocks), or None."""
+        return apply_offload(model, self.offload_args, self.accelerator, self.activation_bytes)
 
     def shard_on_meta(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2 on the meta-device `model` as `accelerator.prepare` applies it (Accelerate's `fsdp2_prepare_model`
@@ -137,7 +146,7 @@ class AccelerateEngine(Engine):
         sharding, as torchtitan orders it; the compiled forward is found at each call) and the loss from the hidden
         states (`loss_kernel`: the model's `loss_from_hidden_states` hook, inside its forward, so DDP's and FSDP2's
         root hooks run around it). Applied to the first model and to the model of every delink."""
-        compute = self.config.compute
+        compute = self.compute
         if compute.compile:
             compile_blocks(model, compute.compile_backend)
         if compute.loss_kernel != "plain":
@@ -150,12 +159,11 @@ class AccelerateEngine(Engine):
     def checkpoint_format(self) -> str:
         """auto: DCP for several processes or asynchronous saves, where it runs (not under granular offload or
         DeepSpeed ZeRO-1/2), so that another layout can resume them; Accelerate's format otherwise."""
-        saving = self.config.checkpointing
-        if saving.checkpoint_format != "auto":
-            return saving.checkpoint_format
+        if self.format_asked != "auto":
+            return self.format_asked
         deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
-        runs = self.config.offload.offload is None and not (deepspeed and zero3_config(self.accelerator) is None)
-        wanted = self.accelerator.num_processes > 1 or saving.checkpoint_async
+        runs = self.offload_args.offload is None and not (deepspeed and zero3_config(self.accelerator) is None)
+        wanted = self.accelerator.num_processes > 1 or self.checkpoint_async
         return "dcp" if runs and wanted else "accelerate"
 
     def check_dcp(self) -> None:
@@ -163,7 +171,7 @@ class AccelerateEngine(Engine):
         FSDP2 and DeepSpeed ZeRO-3 (whose partitions are saved and loaded one whole parameter at a time); granular
         offload's and ZeRO-1/2's optimizers keep Accelerate's format."""
         deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
-        if self.config.offload.offload is not None or (deepspeed and zero3_config(self.accelerator) is None):
+        if self.offload_args.offload is not None or (deepspeed and zero3_config(self.accelerator) is None):
             raise ValueError(
                 "checkpoint_format: dcp checkpoints are for one process, DDP, FSDP2, DeepSpeed ZeRO-3 and pipelines; "
                 "granular offload and DeepSpeed ZeRO-1/2 save and resume with checkpoint_format accelerate"
@@ -199,7 +207,7 @@ class AccelerateEngine(Engine):
 
     def optimizer_step(self) -> torch.Tensor | None:
         # The last accumulate() synchronised the gradients: clip, then step.
-        max_norm = self.config.optim.max_grad_norm
+        max_norm = self.max_grad_norm
         if max_norm and self.offload is not None:  # offloaded gradients' norms were taken as they left the device
             self.accelerator.unscale_gradients()  # fp16's loss scale (changed gradients are measured again)
             norm = self.offload.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -218,24 +226,21 @@ class AccelerateEngine(Engine):
             self.model,
             self.optimizer,
             num_unique_layers,
-            self.delink_arguments(),
+            self.optimizer_carry,
+            self.optimizer_factory,
             self.offload,
-            self.activation_bytes,
+            self.place,
         )
         self.shape_model(self.accelerator.unwrap_model(self.model))  # FSDP2 and DeepSpeed build a new model
         return {"offloaded_blocks": self.offload.layers} if self.offload is not None else {}
 
-    def delink_note(self) -> str:
-        note = (
-            f" (optimizer_carry={self.config.stages.optimizer_carry}, "
-            f"lr_after_delink={self.config.schedule.lr_after_delink})"
-        )
-        return note + (f"; offload: blocks {self.offload.layers} in CPU memory" if self.offload is not None else "")
+    def delink_note(self, rules: str) -> str:
+        offloaded = f"; offload: blocks {self.offload.layers} in CPU memory" if self.offload is not None else ""
+        return super().delink_note(rules) + offloaded
 
     @torch.no_grad()
-    def evaluate(self, blocks) -> float:
-        batch_size = self.config.compute.per_device_batch_size
-        return evaluate(self.accelerator, self.model, blocks, self.config.logging.eval_blocks, batch_size)
+    def evaluate(self, blocks, count: int) -> float:
+        return evaluate(self.accelerator, self.model, blocks, count, self.compute.per_device_batch_size)
 
     def weights(self):
         if self.offload is not None:
@@ -262,24 +267,21 @@ class AccelerateEngine(Engine):
                 # FSDP2: DTensors, this process's shards; ZeRO-3: this process's share of the whole tensors
                 model.state_dict() if self.accelerator.is_fsdp2 else zero3_owned_state(model),
                 tokenizer=tokenizer,
-                remote_code=self.config.checkpointing.remote_code,
+                remote_code=self.remote_code,
                 overwrite=True,
                 progress=False,
             )
             return
-        save_model(self.accelerator, model, tokenizer, directory, self.config.checkpointing.remote_code)
+        save_model(self.accelerator, model, tokenizer, directory, self.remote_code)
 
-    def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
-        write = None  # Accelerate's save_state
-        if self.checkpoint_format == "dcp":  # every process its shards, under the model's names
-
-            def write(folder: Path) -> None:
-                if zero3_config(self.accelerator) is not None:  # each process its share of the whole tensors
-                    save_dcp(folder, zero3_training_state(self.model))
-                else:
-                    save_dcp(folder, model_state(self.model, self.optimizer.optimizer))
-
-        save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
+    def write_checkpoint(self, folder: Path, training_state) -> None:
+        """DCP: every process its shards, under the model's names; else Accelerate's `save_state`."""
+        if self.checkpoint_format != "dcp":
+            self.accelerator.save_state(folder)
+        elif zero3_config(self.accelerator) is not None:  # each process its share of the whole tensors
+            save_dcp(folder, zero3_training_state(self.model))
+        else:
+            save_dcp(folder, model_state(self.model, self.optimizer.optimizer))
 
 
 @torch.no_grad()

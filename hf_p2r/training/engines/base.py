@@ -1,10 +1,11 @@
 """What an engine is: the object behind the one training loop (`hf_p2r.training.train`) that owns how a step, a clip
 and an optimizer step, a delink, an evaluation and a save happen for one way of running the model.
 
-The loop reads top to bottom the same for every engine; an engine is built from the configuration (`__init__` makes
-its `Accelerator` and refuses what it cannot run), given the model (`build`), maybe a checkpoint (`load`), then driven
-step by step. A new way of running the model (a parallelism, a backend) is one new subclass in this package and one
-line in `engine_for` (`__init__.py`).
+The loop reads top to bottom the same for every engine; an engine is built from the sections of the configuration it
+reads and a few of the other sections' values (`engine_for` hands them out; `__init__` makes its `Accelerator` and
+refuses what it cannot run), given the model (`build`), maybe a checkpoint (`load`), then driven step by step. A new
+way of running the model (a parallelism, a backend) is one new subclass in this package and one line in `engine_for`
+(`__init__.py`).
 """
 
 import gc
@@ -14,7 +15,8 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
-from ...config import TrainConfig
+from ...config import ComputeArguments
+from ..optim import OptimizerFactory
 from ..resume.checkpoints import TrainState
 from ..resume.dcp import release_background_group
 
@@ -29,24 +31,38 @@ class Engine:
     data_rank: int
     data_size: int
 
-    def __init__(self, config: TrainConfig):
-        self.config = config
-
-    @property
-    def args(self):
-        """The configuration's sections but the model's and the data's, flat (`TrainConfig.train`), for code written
-        before the sections; the engines read the sections."""
-        return self.config.train
+    def __init__(
+        self,
+        compute: ComputeArguments,
+        *,
+        block_size: int,
+        optimizer_factory: OptimizerFactory,
+        max_grad_norm: float,
+        optimizer_carry: str,
+        checkpoint_format: str,
+        remote_code: bool,
+    ):
+        """`compute`: the run's compute section (the batch, the seed, the device, precision); the rest, values of the
+        other sections: the blocks' tokens, the optimizer (`optimizer_factory(model, offload)`: the run's, from its
+        optimizer section), clipping, the optimizer state's carry at a delink, the checkpoints' format as asked
+        (`checkpoint_format` resolves "auto"), and whether saved models hold the model code."""
+        self.compute = compute
+        self.block_size = block_size
+        self.optimizer_factory = optimizer_factory
+        self.max_grad_norm = max_grad_norm
+        self.optimizer_carry = optimizer_carry
+        self.format_asked = checkpoint_format
+        self.remote_code = remote_code
 
     @property
     def checkpoint_format(self) -> str:
         """How this run writes its resume checkpoints: `checkpoint_format`, "auto" resolved for the engine's layout."""
-        return self.config.checkpointing.checkpoint_format
+        return self.format_asked
 
     @property
     def tokens_per_step(self) -> int:
-        compute = self.config.compute
-        per_process = compute.per_device_batch_size * compute.gradient_accumulation_steps * self.config.data.block_size
+        compute = self.compute
+        per_process = compute.per_device_batch_size * compute.gradient_accumulation_steps * self.block_size
         return per_process * self.data_size
 
     # --- build and resume ---------------------------------------------------------------------------------------------
@@ -90,13 +106,14 @@ class Engine:
         (`hf_p2r.training.carry`); returns what the delink's metrics record adds."""
         raise NotImplementedError
 
-    def delink_note(self) -> str:
-        """What the delink's message says after "delinked k -> k' blocks"."""
-        return ""
+    def delink_note(self, rules: str) -> str:
+        """What the delink's message says after "delinked k -> k' blocks", around `rules` (the optimizer state's carry
+        and the learning rate's rule after a delink)."""
+        return f" ({rules})"
 
     @torch.no_grad()
-    def evaluate(self, blocks) -> float:
-        """The validation loss over `eval_blocks` of `blocks`, the same on every process."""
+    def evaluate(self, blocks, count: int) -> float:
+        """The validation loss over `count` (the run's `eval_blocks`) of `blocks`, the same on every process."""
         raise NotImplementedError
 
     def weights(self):
@@ -111,14 +128,15 @@ class Engine:
         """`pseudo/` or `real/`: the whole model and its tokenizer as one ordinary checkpoint."""
         raise NotImplementedError
 
-    def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
-        """`checkpoint-{step}/` (atomically, `hf_p2r.training.resume.checkpoints.save_checkpoint`): `training_state`,
-        already checked, and `trainer_state.json`."""
+    def write_checkpoint(self, folder: Path, training_state) -> None:
+        """This process's part of a resume checkpoint into `folder` (`training_state`, already checked): the `write`
+        of `hf_p2r.training.resume.checkpoints.save_checkpoint`, which makes `checkpoint-{step}/` of it atomically
+        with `trainer_state.json`."""
         raise NotImplementedError
 
     def title(self) -> str:
         """What the loss curve's title says of the run's layout."""
-        return f"optimizer_carry={self.config.stages.optimizer_carry}"
+        return f"optimizer_carry={self.optimizer_carry}"
 
     def release(self) -> None:
         """Drop what the engine built (model, optimizer, pipeline), then collect the reference cycles among them now.

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ...checkpoint.sharded_write import save_model_from_shards
-from ...config import TrainConfig
+from ...config import ComputeArguments, ParallelArguments
 from ...distributed.pipeline import (
     Pipeline,
     build_pipeline,
@@ -41,8 +41,7 @@ from ...distributed.pipeline import (
     pipeline_state,
 )
 from ..delink import delink_pipeline
-from ..optim import build_optimizer, shared_lr_scales
-from ..resume.checkpoints import TrainState, loading_checkpoint, save_checkpoint
+from ..resume.checkpoints import TrainState, loading_checkpoint
 from ..resume.dcp import is_dcp_checkpoint, saved_schedule
 from ..resume.dcp import load_pipeline_state as load_dcp_state
 from ..resume.dcp import pipeline_state as dcp_state
@@ -55,16 +54,27 @@ class PipelineEngine(Engine):
     """This process's stages of the model, their schedule and optimizer (`Pipeline`); Accelerate only joins the
     processes."""
 
-    def __init__(self, config: TrainConfig):
-        super().__init__(config)
-        parallel, compute = config.parallel, config.compute
+    def __init__(
+        self,
+        compute: ComputeArguments,
+        parallel: ParallelArguments,
+        *,
+        initial_blocks: int,
+        num_hidden_layers: int,
+        log_with: str | None,
+        project_dir: Path,
+        **common,
+    ):
+        """`compute`, `parallel`: the run's sections; `initial_blocks`, `num_hidden_layers`: the first model's blocks
+        (the split is chosen on it) and the real model's depth; `log_with`, `project_dir`: its trackers and their
+        folder; `common`: what every engine takes (`Engine`)."""
+        super().__init__(compute, **common)
+        self.parallel = parallel
+        self.initial_blocks, self.num_hidden_layers = initial_blocks, num_hidden_layers
         cpu = compute.cpu if compute.cpu is not None else not torch.accelerator.is_available()
         self.joined = dist.is_initialized()  # a caller's process group (tests) is left to the caller at the end
         self.accelerator = accelerator = Accelerator(
-            cpu=cpu,
-            mixed_precision="no",
-            log_with=None if config.logging.report_to == "none" else config.logging.report_to,
-            project_dir=Path(config.checkpointing.output_dir),
+            cpu=cpu, mixed_precision="no", log_with=log_with, project_dir=project_dir
         )
         if accelerator.num_processes != parallel.pipeline_parallel_size * parallel.data_parallel_size:
             name = "pipeline_parallel_size" if parallel.pipeline_parallel_size > 1 else "data_parallel_size"
@@ -83,14 +93,14 @@ class PipelineEngine(Engine):
     @property
     def checkpoint_format(self) -> str:
         """auto: DCP, which another split, schedule or data-parallel size resumes."""
-        return "accelerate" if self.config.checkpointing.checkpoint_format == "accelerate" else "dcp"
+        return "accelerate" if self.format_asked == "accelerate" else "dcp"
 
     def model_blocks(self, state: TrainState) -> int:
         # The split is chosen on the first model (a checkpoint records it); `load` delinks to the checkpoint's blocks.
-        return self.config.initial_blocks()
+        return self.initial_blocks
 
     def build(self, model: torch.nn.Module, num_blocks: int) -> None:
-        parallel, accelerator = self.config.parallel, self.accelerator
+        parallel, accelerator = self.parallel, self.accelerator
         data_parallel = parallel.data_parallel_size
         mesh = (
             pipeline_mesh(parallel.pipeline_parallel_size, data_parallel, accelerator.device.type)
@@ -102,13 +112,13 @@ class PipelineEngine(Engine):
             schedule=parallel.pipeline_schedule,
             num_microbatches=parallel.num_microbatches or parallel.pipeline_parallel_size,
             split=parallel.pipeline_split,
-            seq_len=self.config.data.block_size,
+            seq_len=self.block_size,
             device=accelerator.device,
             mesh=mesh,
             shard=parallel.data_parallel_shard,
-            max_grad_norm=self.config.optim.max_grad_norm or None,
+            max_grad_norm=self.max_grad_norm or None,
             delay_correction=parallel.pipeline_delay_correction,
-            seed=self.config.compute.seed,  # the meta model's stages this process holds are materialised from it
+            seed=self.compute.seed,  # the meta model's stages this process holds are materialised from it
         )
         self.pipeline.optimizer = self.new_optimizer(self.pipeline.parameters())
         self.data_rank = self.pipeline.data_rank
@@ -121,8 +131,7 @@ class PipelineEngine(Engine):
         the stages' own parameters, sharded or not)."""
         if {id(param) for param in params} != {id(param) for param in self.pipeline.parameters()}:
             raise ValueError("new_optimizer: params must be the pipeline's stages' parameters")
-        optim = self.config.optim
-        return build_optimizer(self.pipeline, optim, lr_scales=shared_lr_scales(self.pipeline, optim))
+        return self.optimizer_factory(self.pipeline)
 
     def load(self, checkpoint: Path, state: TrainState) -> None:
         part = checkpoint / f"stage-{dist.get_rank()}.pt"
@@ -133,8 +142,8 @@ class PipelineEngine(Engine):
                 "with its pipeline_parallel_size and data_parallel_size (a checkpoint_format dcp checkpoint, the "
                 "default of several processes, resumes on any layout)"
             )
-        depth = self.config.model.num_hidden_layers
-        if state.num_blocks > self.config.initial_blocks():  # the layout it saved: delinked (partly or fully)
+        depth = self.num_hidden_layers
+        if state.num_blocks > self.initial_blocks:  # the layout it saved: delinked (partly or fully)
             self.delink(state.num_blocks if state.num_blocks < depth else None)
         with loading_checkpoint(self.accelerator, checkpoint):
             if sharded:
@@ -149,7 +158,7 @@ class PipelineEngine(Engine):
     def say_correction(self, saved: set[str]) -> None:
         """A line when a 2BW checkpoint's delay correction does not carry into this 2BW run: the correction switched
         off drops its buffers (d(t-1)); switched on, it starts afresh, as a new run's does."""
-        parallel = self.config.parallel
+        parallel = self.parallel
         if parallel.pipeline_schedule != "2bw" or "other_version" not in saved:  # (flush <-> 2BW: README)
             return
         corrected, correcting = "previous_update" in saved, parallel.pipeline_delay_correction != "none"
@@ -177,24 +186,23 @@ class PipelineEngine(Engine):
         return self.pipeline.update()  # 2BW stepped inside its schedule: None
 
     def delink(self, num_unique_layers: int | None) -> dict:
-        carry = self.config.stages.optimizer_carry
-        delink_pipeline(self.pipeline, self.optimizer, self.new_optimizer, carry, num_unique_layers)
+        delink_pipeline(self.pipeline, self.optimizer, self.new_optimizer, self.optimizer_carry, num_unique_layers)
         return {}
 
-    def delink_note(self) -> str:
-        return f" in every stage (optimizer_carry={self.config.stages.optimizer_carry})"
+    def delink_note(self, rules: str) -> str:
+        return " in every stage" + super().delink_note(rules)
 
     @torch.no_grad()
-    def evaluate(self, blocks) -> float:
-        """Mean validation loss over `eval_blocks` blocks spread over the split, through the pipeline's own stages
-        (`Pipeline.evaluate`: forward only, hidden states sent from stage to stage, nothing gathered; 2BW: the newest
-        weights), in batches of `per_device_batch_size`, each batch's token mean weighted by its blocks; every pipeline
-        runs every batch (sharded stages gather their weights with their data-parallel peers), the first pipeline's
-        last stage's mean is shared with every process."""
+    def evaluate(self, blocks, count: int) -> float:
+        """Mean validation loss over `count` blocks (`eval_blocks`) spread over the split, through the pipeline's own
+        stages (`Pipeline.evaluate`: forward only, hidden states sent from stage to stage, nothing gathered; 2BW: the
+        newest weights), in batches of `per_device_batch_size`, each batch's token mean weighted by its blocks; every
+        pipeline runs every batch (sharded stages gather their weights with their data-parallel peers), the first
+        pipeline's last stage's mean is shared with every process."""
         pipeline = self.pipeline
-        count = min(len(blocks), self.config.logging.eval_blocks)
+        count = min(len(blocks), count)
         chosen = [index * len(blocks) // count for index in range(count)]
-        size = self.config.compute.per_device_batch_size
+        size = self.compute.per_device_batch_size
         batches = [blocks[chosen[start : start + size]]["input_ids"] for start in range(0, count, size)]
         losses = pipeline.evaluate(batches)
         value = torch.zeros(1, device=self.accelerator.device)  # NCCL broadcasts no CPU tensor
@@ -222,26 +230,21 @@ class PipelineEngine(Engine):
             directory,
             dict(self.pipeline.named_parameters()),
             tokenizer=tokenizer,
-            remote_code=self.config.checkpointing.remote_code,
+            remote_code=self.remote_code,
             overwrite=True,
             progress=False,
         )
 
-    def save_checkpoint(self, output_dir: Path, state: TrainState, training_state) -> None:
+    def write_checkpoint(self, folder: Path, training_state) -> None:
         """`stage-{rank}.pt` per process (`training_state`: its `pipeline_state`), or with `checkpoint_format: dcp`
-        every process's shards under the model's names (`hf_p2r.training.resume.dcp`); and `trainer_state.json`."""
-        name = f"stage-{dist.get_rank()}.pt"
-
-        def write(folder: Path) -> None:
-            if self.checkpoint_format == "dcp":
-                save_dcp(folder, dcp_state(self.pipeline, self.optimizer))
-            else:
-                torch.save(training_state, folder / name)
-
-        save_checkpoint(self.accelerator, output_dir, state, self.config, write=write)
+        every process's shards under the model's names (`hf_p2r.training.resume.dcp`)."""
+        if self.checkpoint_format == "dcp":
+            save_dcp(folder, dcp_state(self.pipeline, self.optimizer))
+        else:
+            torch.save(training_state, folder / f"stage-{dist.get_rank()}.pt")
 
     def title(self) -> str:
-        parallel = self.config.parallel
+        parallel = self.parallel
         if parallel.pipeline_parallel_size == 1:  # no pipeline: the data-parallel layout
             return f"{'FSDP2' if parallel.data_parallel_shard else 'replicated'} x{parallel.data_parallel_size}"
         return f"{parallel.pipeline_schedule} x{parallel.pipeline_parallel_size}"
