@@ -27,25 +27,26 @@ from ..distributed.pipeline import Pipeline, delink_stages
 from ..models.p2r import P2RForCausalLM
 from ..models.p2r.sharing_p2r import DelinkPlan
 from .carry import ParameterSnapshot, carry_optimizer_state
-from .config import TrainArguments
 from .offload import GranularOffload
-from .optim import OptimizerFactory, build_optimizer
+from .optim import OptimizerFactory
 
 
 def delink_with_optimizer(
     model: P2RForCausalLM,
     optimizer: torch.optim.Optimizer,
     num_unique_layers: int | DelinkPlan | None,
-    args: TrainArguments,
+    carry: str,
+    new_optimizer: OptimizerFactory,
 ) -> torch.optim.Optimizer:
     """Delink `model` in place to `num_unique_layers` blocks (None: the real model; a `DelinkPlan`: that delink, depth
-    growth included) and return a new optimizer over its parameters whose state is carried from `optimizer` according
-    to `args.optimizer_carry` (a grown layer's parameters carry the state of the layer they copy, like any copy)."""
+    growth included) and return a new optimizer over its parameters (`new_optimizer(model)`: the run's,
+    `optimizer_factory(config.optim)`) whose state is carried from `optimizer` according to `carry` (the run's
+    `optimizer_carry`; a grown layer's parameters carry the state of the layer they copy, like any copy)."""
     before, mapping = ParameterSnapshot.of(model), model.delink_parameter_map(num_unique_layers)
     model.delink(num_unique_layers)
-    new_optimizer = build_optimizer(model, args)
-    carry_optimizer_state(optimizer, new_optimizer, before, ParameterSnapshot.of(model), mapping, args.optimizer_carry)
-    return new_optimizer
+    rebuilt = new_optimizer(model)
+    carry_optimizer_state(optimizer, rebuilt, before, ParameterSnapshot.of(model), mapping, carry)
+    return rebuilt
 
 
 def check_delink_supported(accelerator: Accelerator, carry: str) -> None:

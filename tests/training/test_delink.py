@@ -45,7 +45,7 @@ def _source(name: str, block_of_new: dict[int, int]) -> str:
 def test_full_delink_carries_state_per_mode(carry):
     # L=8, k=2, cycle: new block j comes from block j % 2, which served 4 depths.
     model, optimizer, before = _trained(num_hidden_layers=8, num_unique_layers=2)
-    new_optimizer = delink_with_optimizer(model, optimizer, None, TrainArguments(optimizer_carry=carry))
+    new_optimizer = delink_with_optimizer(model, optimizer, None, carry, ADAMW)
 
     params = dict(model.named_parameters())
     assert {id(p) for group in new_optimizer.param_groups for p in group["params"]} == {id(p) for p in params.values()}
@@ -71,7 +71,7 @@ def test_scale_uses_the_depths_each_block_served():
     # sequence, L=5, k=2: block_of_depth = [0, 0, 0, 1, 1], so block 0 served 3 depths and block 1 served 2.
     model, optimizer, before = _trained(num_hidden_layers=5, num_unique_layers=2, sharing_pattern="sequence")
     assert model.config.block_of_depth == [0, 0, 0, 1, 1]
-    new_optimizer = delink_with_optimizer(model, optimizer, None, TrainArguments(optimizer_carry="scale"))
+    new_optimizer = delink_with_optimizer(model, optimizer, None, "scale", ADAMW)
     for depth, (source_block, served) in enumerate([(0, 3), (0, 3), (0, 3), (1, 2), (1, 2)]):
         param = model.model.layers[depth].self_attn.q_proj.weight
         old = before[f"model.layers.{source_block}.self_attn.q_proj.weight"]
@@ -82,7 +82,7 @@ def test_scale_uses_the_depths_each_block_served():
 def test_partial_delink_scales_by_the_ratio_of_depths_served():
     # cycle, L=8: 1 block (8 depths each) -> 2 blocks (4 depths each): r = 4 / 8.
     model, optimizer, before = _trained(num_hidden_layers=8, num_unique_layers=1)
-    new_optimizer = delink_with_optimizer(model, optimizer, 2, TrainArguments(optimizer_carry="scale"))
+    new_optimizer = delink_with_optimizer(model, optimizer, 2, "scale", ADAMW)
     assert model.config.num_unique_layers == 2
     for block in range(2):
         param = model.model.layers[block].mlp.down_proj.weight
@@ -96,7 +96,7 @@ def test_carried_state_changes_the_next_update():
     updates = {}
     for carry in ("reset", "copy", "scale"):
         model, optimizer, _ = _trained(num_hidden_layers=8, num_unique_layers=2)
-        new_optimizer = delink_with_optimizer(model, optimizer, None, TrainArguments(optimizer_carry=carry))
+        new_optimizer = delink_with_optimizer(model, optimizer, None, carry, ADAMW)
         ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(2))
         weight = model.model.layers[5].mlp.up_proj.weight
         before = weight.detach().clone()
@@ -196,8 +196,7 @@ def test_growth_carries_state_per_mode(optimizer, carry, layout, ratio):
     (scale's r = 1); one shared block run at 2 depths, grown to 4 real layers, r = 1 / 2."""
     model, old_optimizer, before, args = _trained_shallow(optimizer, num_hidden_layers=2, **layout)
     plan = model.delink_plan(growth="stack")
-    args.optimizer_carry = carry
-    new_optimizer = delink_with_optimizer(model, old_optimizer, plan, args)
+    new_optimizer = delink_with_optimizer(model, old_optimizer, plan, carry, optimizer_factory(args))
     assert (model.config.num_hidden_layers, len(model.model.layers)) == (4, 4)
     sources = {j: j % 2 if not layout else 0 for j in range(4)}
     for name, param in model.named_parameters():
@@ -221,7 +220,7 @@ def test_function_preserving_growth_in_training_keeps_the_loss_then_trains_every
     with torch.no_grad():
         loss = model(ids, labels=ids).loss
     plan = model.delink_plan(growth=growth, function_preserving=True)
-    optimizer = delink_with_optimizer(model, optimizer, plan, args)
+    optimizer = delink_with_optimizer(model, optimizer, plan, args.optimizer_carry, optimizer_factory(args))
     with torch.no_grad():
         assert torch.equal(model(ids, labels=ids).loss, loss)
     zeroed = [layer.self_attn.o_proj.weight for depth, layer in enumerate(model.model.layers) if depth in plan.fresh]

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from hf_p2r import P2RMoeConfig, P2RMoeForCausalLM
 from hf_p2r.training import TrainArguments, delink_with_optimizer, parse_config, train
 from hf_p2r.training.metrics import read_metrics
-from hf_p2r.training.optim import build_optimizer
+from hf_p2r.training.optim import build_optimizer, optimizer_factory
 
 from ..models.test_modeling_p2r_moe import moe_model
 from .helpers import REPO, tiny_argv
@@ -54,7 +54,7 @@ def test_delink_carries_expert_and_router_state(carry):
         for name, param in model.named_parameters()
         if name in names
     }
-    new_optimizer = delink_with_optimizer(model, optimizer, None, TrainArguments(optimizer_carry=carry))
+    new_optimizer = delink_with_optimizer(model, optimizer, None, carry, optimizer_factory(TrainArguments()))
     params = dict(model.named_parameters())
     for name in names:
         # Block 1 runs depths 1, 3, 5, 7 (cycle): new block 7 is one of its copies.

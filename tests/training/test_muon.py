@@ -20,6 +20,7 @@ from hf_p2r.training.optim import (
     build_optimizer,
     check_optimizer_supported,
     muon_parameters,
+    optimizer_factory,
     set_learning_rate,
 )
 
@@ -167,7 +168,7 @@ def _trained_muon(**model_overrides):
 @pytest.mark.parametrize("carry", ["reset", "copy", "scale"])
 def test_delink_carries_muons_momentum_buffer_per_mode(carry, blocks):
     model, optimizer, before = _trained_muon(num_hidden_layers=8, num_unique_layers=1)
-    new_optimizer = delink_with_optimizer(model, optimizer, blocks, TrainArguments(**MUON, optimizer_carry=carry))
+    new_optimizer = delink_with_optimizer(model, optimizer, blocks, carry, optimizer_factory(TrainArguments(**MUON)))
     assert isinstance(new_optimizer, MuonAdamW)
     ratio = (8 / (blocks or 8)) / 8
     muon = muon_parameters(model)
@@ -202,7 +203,7 @@ def test_muons_carries_give_different_next_updates():
     updates = {}
     for carry in ("reset", "copy", "scale"):
         model, optimizer, _ = _trained_muon(num_hidden_layers=8, num_unique_layers=1)
-        new_optimizer = delink_with_optimizer(model, optimizer, None, TrainArguments(**MUON, optimizer_carry=carry))
+        new_optimizer = delink_with_optimizer(model, optimizer, None, carry, optimizer_factory(TrainArguments(**MUON)))
         weight = model.model.layers[5].mlp.up_proj.weight
         before = weight.detach().clone()
         _steps(model, new_optimizer, steps=1)
