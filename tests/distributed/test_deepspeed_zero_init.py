@@ -247,7 +247,7 @@ def trainer_engine(rank: int, world_size: int, case: str = "pseudo") -> dict:
         folder, model = Path(tempfile.mkdtemp()), engine.accelerator.unwrap_model(engine.model)
         with mock.patch("hf_p2r.training.engines.accelerate.zero3_owned_state", wraps=zero3_owned_state) as shares:
             engine.save_model(folder / "real", tokenizer)
-        save_model_gathered(engine.accelerator, model, tokenizer, folder / "real-g", engine.args.remote_code)
+        save_model_gathered(engine.accelerator, model, tokenizer, folder / "real-g", engine.remote_code)
         return {
             "saved": same_folders(folder / "real", folder / "real-g") | {"from_shares": shares.call_count == 1},
             "type": engine.accelerator.distributed_type.value,
