@@ -88,16 +88,11 @@ def pipeline_folders(folder: str) -> dict:
     return out
 
 
-def fsdp2_engine(model, experts: int) -> SimpleNamespace:
+def fsdp2_engine(model) -> SimpleNamespace:
     """A stand-in Accelerate engine whose accelerator reports FSDP2 (on CPU Accelerate turns FSDP off): what
     `AccelerateEngine.save_model` reads of its engine."""
-    return SimpleNamespace(
-        accelerator=SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module),
-        model=model,
-        config=SimpleNamespace(
-            model=SimpleNamespace(num_experts=experts), checkpointing=SimpleNamespace(remote_code=False)
-        ),
-    )
+    accelerator = SimpleNamespace(is_fsdp2=True, unwrap_model=lambda module: module)
+    return SimpleNamespace(accelerator=accelerator, model=model, remote_code=False)
 
 
 def fsdp2_folders(folder: str) -> dict:
@@ -117,7 +112,7 @@ def fsdp2_folders(folder: str) -> dict:
         dist.barrier()
     # The Accelerate engine's FSDP2 branch (on CPU Accelerate turns FSDP off, so its `save_model` is called on a
     # stand-in engine whose accelerator reports FSDP2) against the gathered write of one shard size.
-    AccelerateEngine.save_model(fsdp2_engine(model, 0), Path(f"{folder}/fsdp-engine"), tokenizer=None)
+    AccelerateEngine.save_model(fsdp2_engine(model), Path(f"{folder}/fsdp-engine"), tokenizer=None)
     if dist.get_rank() == 0:
         save_model(model, f"{folder}/fsdp-engine-g", state_dict=full, progress=False)
         out["engine"] = same_folders(Path(f"{folder}/fsdp-engine"), Path(f"{folder}/fsdp-engine-g"))
@@ -139,7 +134,7 @@ def fsdp2_moe_folders(folder: str) -> dict:
         )
         train_steps(model.parameters(), lambda ids, model=model: model(input_ids=ids, labels=ids).loss.backward(), 1)
         cooperative, gathered = Path(f"{folder}/moe-{experts}"), Path(f"{folder}/moe-{experts}-g")
-        AccelerateEngine.save_model(fsdp2_engine(model, experts), cooperative, tokenizer=None)
+        AccelerateEngine.save_model(fsdp2_engine(model), cooperative, tokenizer=None)
         _, pieces = sharded_write.saved_pieces(model, model.state_dict())
         mine = sorted({int(name.split(".experts.")[1].split(".")[0]) for name in pieces if ".experts." in name})
         held = [None] * dist.get_world_size()
