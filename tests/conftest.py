@@ -68,23 +68,30 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# DeepSpeed's C++ ops of a CPU run: its shared-memory collectives (every DeepSpeed process) and the CPU Adam that
-# Accelerate's ZeRO-Offload plugin maps AdamW to (configs/accelerate/deepspeed_zero3_offload.*).
-_DEEPSPEED_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder")
+def _build_deepspeed_ops(*builders: str) -> None:
+    """DeepSpeed's C++ ops built into this venv's TORCH_EXTENSIONS_DIR (above), in a fresh process. On a fresh machine a
+    build takes minutes, more than the few minutes a test allows each launch it starts; built, a process loads an op
+    in a second."""
+    from .training.helpers import PYTHON, subprocess_env
+
+    build = "from deepspeed.accelerator import get_accelerator\n" + "".join(
+        f"get_accelerator().create_op_builder({name!r}).load()\n" for name in builders
+    )
+    done = subprocess.run([PYTHON, "-c", build], env=subprocess_env(), capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, f"building DeepSpeed's ops {builders} failed:\n{done.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="session")
 def deepspeed_ops():
-    """DeepSpeed's ops built once, before the first test that needs them, into this venv's TORCH_EXTENSIONS_DIR (above).
-    On a fresh machine the build takes minutes (about 360 CPU seconds for both), more than the few minutes a test
-    allows each launch it starts; built, each process loads them in a second."""
-    from .training.helpers import PYTHON, subprocess_env
+    """The op every DeepSpeed process of a CPU run loads: its shared-memory collectives (124 CPU s to build)."""
+    _build_deepspeed_ops("ShareMemCommBuilder")
 
-    build = "from deepspeed.accelerator import get_accelerator\n" + "".join(
-        f"get_accelerator().create_op_builder({name!r}).load()\n" for name in _DEEPSPEED_OPS
-    )
-    done = subprocess.run([PYTHON, "-c", build], env=subprocess_env(), capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, f"building DeepSpeed's ops failed:\n{done.stderr[-3000:]}"
+
+@pytest.fixture(scope="session")
+def deepspeed_offload_ops(deepspeed_ops):
+    """And the CPU Adam that Accelerate's ZeRO-Offload plugin maps AdamW to (configs/accelerate/
+    deepspeed_zero3_offload.*; 232 CPU s to build)."""
+    _build_deepspeed_ops("CPUAdamBuilder")
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from ..training.helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_ar
 from . import spawn
 from .test_deepspeed_zero_init import ENGINE, SEED, built
 
-pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # built once, before the first launch (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("deepspeed_offload_ops")  # built once, before the first launch (conftest)
 
 deepspeed = pytest.importorskip("deepspeed")
 

@@ -38,7 +38,7 @@ from ..training.helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_ar
 from . import spawn
 from .test_accelerate_configs import launch_env
 
-pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # built once, before the first launch (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("deepspeed_offload_ops")  # built once, before the first launch (conftest)
 
 deepspeed = pytest.importorskip("deepspeed")
 

@@ -13,7 +13,7 @@ from .helpers import deterministic, p2r_config, trainer_for
 from .test_launch import FIELDS, launch
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.usefixtures("deepspeed_ops")  # built once, before the first launch (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("deepspeed_offload_ops")  # built once, before the first launch (conftest)
 
 ZERO3 = ["--config_file", str(REPO / "configs/accelerate/deepspeed_zero3_offload.yaml")]
 # The first ZeRO-3 offload run builds DeepSpeed's CPU Adam (Accelerate puts it in place of AdamW): 10+ minutes on a
