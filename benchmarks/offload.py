@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import presets
-from benchmarks.harness import REPO, free_port, machine, nbytes, utc_now, write_json, write_text
+from benchmarks.harness import REPO, free_port, machine, nbytes, publish, utc_now, write_text
 from hf_p2r import P2RConfig, P2RForCausalLM
 from hf_p2r.distributed.offload import (
     DEFAULT_CHUNK_BYTES,
@@ -665,9 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             result["largest"] = largest_trainable(preset, args.device)
     finally:
         dist.destroy_process_group()
-    write_json(out.with_suffix(".json"), result)
-    write_text(out.with_suffix(".md"), render_markdown(result, args.smoke))
-    print(render_markdown(result, args.smoke))
+    print(publish(out, result, render_markdown(result, args.smoke)))
     return 0
 
 
