@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from hf_p2r.training import parse_config, train
@@ -61,6 +62,23 @@ def run_trainer(argv: list[str], command: list[str] | None = None, timeout: int 
     return subprocess.run(
         [*command, *argv], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=timeout
     )
+
+
+def token_batches(n: int, batch: int = 2, seq: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    """`n` batches of random token ids of the tiny model's vocabulary (3-100: no special token), the same for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 101, (batch, seq), generator=generator) for _ in range(n)]
+
+
+class LastMicroBatch:
+    """`GranularOffload`'s `last_micro_batch` for `n` micro-batches per step, counted at each training forward."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls % self.n == 0
 
 
 def loss_and_grads(model, ids, **kwargs):
