@@ -34,6 +34,19 @@ DETERMINISTIC = (
     "p2r/delink",
     "p2r/grow",
 )
+# The trainer's fields that TrainingArguments names alike.
+SAME_NAMES = (
+    "output_dir",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "seed",
+)
 
 
 def p2r_config(output_dir, **fields) -> TrainConfig:
@@ -68,23 +81,14 @@ def trainer_for(
     model.config.use_cache = False
     if real_depth is not None:
         model.config.real_num_hidden_layers = real_depth
-    fields = dict(
-        output_dir=t.output_dir,
+    fields = {name: getattr(t, name) for name in SAME_NAMES}
+    fields.update(
         max_steps=t.total_steps,
         per_device_train_batch_size=t.per_device_batch_size,
         per_device_eval_batch_size=t.per_device_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_epsilon=t.adam_epsilon,
-        max_grad_norm=t.max_grad_norm,
         optim="adamw_torch_fused",
         train_sampling_strategy="sequential",
-        seed=t.seed,
         logging_steps=1,
         save_strategy="no",
         report_to="none",

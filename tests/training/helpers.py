@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -36,6 +37,9 @@ TINY = {
     "cpu": "true",
 }
 
+# L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps.
+TWO_DELINKS = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2])
+
 # A two-stage pipeline (1F1B, two microbatches) of the tiny model with two blocks, their learning rate unscaled.
 TWO_STAGES = dict(
     pipeline_parallel_size=2,
@@ -53,6 +57,19 @@ def tiny_argv(output_dir, **overrides) -> list[str]:
     for key, value in fields.items():
         argv += [f"--{key}", *(str(v) for v in value)] if isinstance(value, list) else [f"--{key}", str(value)]
     return argv
+
+
+def trained_run(fixture_name: str, **fields):
+    """A module-scoped fixture named `fixture_name`: a tiny run with `fields` (`tiny_argv`'s overrides) trained once, in
+    this process, into a fresh folder; its output_dir (tests copy it before they resume or change it)."""
+
+    @pytest.fixture(scope="module", name=fixture_name)
+    def run(tmp_path_factory):
+        output_dir = tmp_path_factory.mktemp(fixture_name) / "run"
+        assert train(parse_config(tiny_argv(output_dir, **fields))) == 0
+        return output_dir
+
+    return run
 
 
 def run_trainer(argv: list[str], command: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
