@@ -7,12 +7,15 @@ def model(
 ) -> dict:
     """A Llama-shaped model's size, as the fields `P2RConfig`, `LlamaConfig` and the trainer take; `kv_heads` and
     `vocab` left out where None (the trainer's defaults: the query heads, the tokenizer's size rounded up to 64)."""
-    fields = dict(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads, num_hidden_layers=layers)
-    if kv_heads is not None:
-        fields["num_key_value_heads"] = kv_heads
-    if vocab is not None:
-        fields["vocab_size"] = vocab
-    return fields
+    fields = dict(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+    )
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def moe(dense: dict, *, experts: int) -> dict:
