@@ -17,7 +17,6 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from datasets import Dataset
 
 from hf_p2r import P2RForCausalLM
-from hf_p2r.training import TrainArguments
 from hf_p2r.training.engines.accelerate import evaluate
 
 from ..tiny import tiny_config
@@ -46,8 +45,7 @@ def main(output_dir: Path) -> None:
 
     model.register_forward_pre_hook(all_gather_like_fsdp)
     model = accelerator.prepare(model)
-    args = TrainArguments(eval_blocks=EVAL_BLOCKS, per_device_batch_size=BATCH_SIZE)
-    val_loss = evaluate(accelerator, model, blocks, args)
+    val_loss = evaluate(accelerator, model, blocks, EVAL_BLOCKS, BATCH_SIZE)
     result = {"forwards": forwards, "val_loss": val_loss, "expected": expected.item()}
     (output_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()
