@@ -16,41 +16,23 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks import presets
 from benchmarks.convergence.compute import STEM, compare, recipes, schedule_of
 from benchmarks.harness import REPO
 
 # The GPU model: 8 layers of width 1024 (SwiGLU 2816), 16 heads: 102.8M parameters with the byte-level vocabulary.
-GPU_FIELDS = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    block_size=512,
-    per_device_batch_size=16,
-    corpus_max_bytes=100_000_000,
-    learning_rate=1e-3,
-    warmup_steps=30,
-    eval_steps=50,
-    eval_blocks=64,
-    logging_steps=10,
-    mixed_precision="bf16",
-)
+GPU_FIELDS = {
+    **presets.model(hidden=1024, ffn=2816, heads=16, layers=8),
+    **presets.data(block=512, batch=16, corpus=100_000_000),
+    **presets.schedule(lr=1e-3, warmup=30, log_every=10, eval_every=50, eval_blocks=64),
+    "mixed_precision": "bf16",
+}
 GPU_STEPS = 600  # per run: two runs in about 5 minutes on one H100 (measured: not yet, no device lent)
-DRY_FIELDS = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=8,
-    num_attention_heads=2,
-    block_size=32,
-    per_device_batch_size=4,
-    corpus_max_bytes=30000,
-    learning_rate=2e-3,
-    warmup_steps=2,
-    eval_steps=4,
-    eval_blocks=4,
-    logging_steps=2,
-    cpu="true",
-)
+DRY_FIELDS = {
+    **presets.TINY_RUN,
+    "num_hidden_layers": 8,
+    **presets.schedule(lr=2e-3, warmup=2, log_every=2, eval_every=4, eval_blocks=4),
+}
 DRY_STEPS = 12
 FALLBACK = "gstack-2to8-at50"
 SHARED = {"lr_scheduler": "wsd", "shared_lr_scale": "depth", "save_total_limit": 1, "overwrite_output_dir": "true"}

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import presets
 from benchmarks.gpu_convergence import part_convergence
 from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
 from benchmarks.offload import design_of
@@ -67,23 +68,16 @@ PARTS = {
     "convergence": (360, 600),  # issue 39: benchmarks/gpu_convergence.py (not run on a GPU yet)
 }
 
-TINY_TRAINER = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_unique_layers=1,
-    block_size=32,
-    corpus_max_bytes=30000,
-    per_device_batch_size=4,
-    pseudo_steps=2,
-    real_steps=2,
-    warmup_steps=1,
-    logging_steps=1,
-    eval_steps=2,
-    eval_blocks=4,
-    offload_budget_gb=0.002,  # a CPU run needs a budget for auto: the pseudo model fits, the real one offloads a block
-)
+# The dry run's trainer parts: a CPU run needs a budget for `offload: auto` (the pseudo model fits, the real one
+# offloads a block).
+TINY_TRAINER = {
+    **presets.TINY_RUN,
+    **presets.schedule(warmup=1, log_every=1, eval_every=2, eval_blocks=4),
+    "num_unique_layers": 1,
+    "pseudo_steps": 2,
+    "real_steps": 2,
+    "offload_budget_gb": 0.002,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,7 +293,9 @@ def part_fsdp2_dcp(out: Path, dry: bool, limit: int) -> dict:
         partial_delink_blocks="[]", warmup_steps=1, eval_steps=real, logging_steps=1, overwrite_output_dir="true"
     )
     if dry:
-        fields.update({k: v for k, v in TINY_TRAINER.items() if k not in fields and k != "offload_budget_gb"})
+        fields.update(
+            {k: v for k, v in TINY_TRAINER.items() if k not in fields and k not in ("offload_budget_gb", "cpu")}
+        )
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/fsdp2.yaml"]
     launch += ["--num_processes", "1", *(["--cpu", "--mixed_precision", "no"] if dry else [])]
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

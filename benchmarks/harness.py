@@ -132,6 +132,22 @@ def write_json(path: Path, data, indent: int = 2) -> None:
     write_text(path, json.dumps(data, indent=indent) + "\n")
 
 
+def publish(out: Path, result: dict, page: str) -> str:
+    """A benchmark's `result` into `out`.json and its `page` into `out`.md (each as `write_text` writes); returns the
+    page (a script prints it)."""
+    write_json(out.with_suffix(".json"), result)
+    write_text(out.with_suffix(".md"), page)
+    return page
+
+
+def load_averages(r: dict) -> str:
+    """A result's 1-, 5- and 15-minute load averages before / after its runs, for its page ("not recorded" where a
+    result has none)."""
+    if "load_average_before" not in r or "load_average_after" not in r:
+        return "not recorded"
+    return " / ".join(", ".join(f"{x:.2f}" for x in r[key]) for key in ("load_average_before", "load_average_after"))
+
+
 def pyplot():
     """matplotlib.pyplot on its file-only backend (Agg), or None where matplotlib is not installed."""
     try:

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import presets
-from benchmarks.harness import REPO, free_port, machine, nbytes, utc_now, write_json, write_text
+from benchmarks.harness import REPO, free_port, machine, nbytes, publish, utc_now, write_text
 from hf_p2r import P2RConfig, P2RForCausalLM
 from hf_p2r.distributed.offload import (
     DEFAULT_CHUNK_BYTES,
@@ -104,6 +104,9 @@ class LastMicroBatch:
         return self.last
 
 
+# What the two CPU presets share: 2 sequences of a micro-batch, 2 micro-batches a step, 2 warm-up steps, 64 MiB copies
+# for the bandwidth probe.
+CPU_STEP = dict(batch=2, accumulation=2, warmup=2, bandwidth_bytes=64 * 2**20)
 PRESETS = {
     # A ~0.5B real model (25M parameters per layer) for one H100/H200.
     "cuda": dict(
@@ -119,23 +122,15 @@ PRESETS = {
     ),
     # A CPU measurement (`--device cpu` without `--smoke`): throughput only, a model that trains in seconds a step.
     "cpu_run": dict(
-        dims=presets.model(hidden=256, ffn=768, heads=8, kv_heads=4, layers=8, vocab=2048),
-        batch=2,
-        seq=128,
-        accumulation=2,
-        steps=5,
-        warmup=2,
-        bandwidth_bytes=64 * 2**20,
+        CPU_STEP, dims=presets.model(hidden=256, ffn=768, heads=8, kv_heads=4, layers=8, vocab=2048), seq=128, steps=5
     ),
     # Seconds on 2 CPU cores: checks every code path of the script.
     "cpu": dict(
+        CPU_STEP,
         dims=presets.model(hidden=64, ffn=128, heads=4, kv_heads=2, layers=4, vocab=256),
-        batch=2,
         seq=32,
-        accumulation=2,
         steps=2,
         warmup=1,
-        bandwidth_bytes=64 * 2**20,
         max_trials=2,
         max_layers=4,  # the smoke run has no memory limit
     ),
@@ -665,9 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             result["largest"] = largest_trainable(preset, args.device)
     finally:
         dist.destroy_process_group()
-    write_json(out.with_suffix(".json"), result)
-    write_text(out.with_suffix(".md"), render_markdown(result, args.smoke))
-    print(render_markdown(result, args.smoke))
+    print(publish(out, result, render_markdown(result, args.smoke)))
     return 0
 
 

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
+from benchmarks import presets
+from benchmarks.harness import REPO, load_averages, machine, publish, utc_now
 
 RUNS = {
     "after_backward": {},
@@ -30,44 +31,23 @@ COMMON = {
     "pseudo_steps": 0,  # the real model from the start: the delay is what differs
     "offload": "0.5",
     "offload_grad_accumulation": "device",
+    "gradient_accumulation_steps": 2,
     "seed": 0,
     "cpu": "true",
     "save_steps": 0,
     "save_total_limit": 1,
 }
 PRESETS = {
-    "cpu": dict(
-        real_steps=300,
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        block_size=128,
-        per_device_batch_size=8,
-        gradient_accumulation_steps=2,
-        learning_rate=2e-3,
-        warmup_steps=20,
-        corpus_max_bytes=2_000_000,
-        eval_steps=50,
-        eval_blocks=64,
-        logging_steps=5,
-    ),
-    "smoke": dict(
-        real_steps=6,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        block_size=32,
-        per_device_batch_size=4,
-        gradient_accumulation_steps=2,
-        learning_rate=3e-3,
-        warmup_steps=2,
-        corpus_max_bytes=30000,
-        eval_steps=3,
-        eval_blocks=8,
-        logging_steps=1,
-    ),
+    "cpu": {
+        **presets.CPU_RUN,
+        **presets.schedule(lr=2e-3, warmup=20, log_every=5, eval_every=50, eval_blocks=64),
+        "real_steps": 300,
+    },
+    "smoke": {
+        **presets.TINY_RUN,
+        **presets.schedule(lr=3e-3, warmup=2, log_every=1, eval_every=3, eval_blocks=8),
+        "real_steps": 6,
+    },
 }
 
 
@@ -120,16 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offload_delayed: {name} ...", flush=True)
         result["runs"][name] = run(name, {**COMMON, **preset, **fields}, work / name.replace(" + ", "_"))
     result["load_average_after"] = os.getloadavg()
-    write_json(out.with_suffix(".json"), result)
-    page = render_markdown(result)
-    write_text(out.with_suffix(".md"), page)
-    print(page)
+    print(publish(out, result, render_markdown(result)))
     return 0
 
 
 def render_markdown(r: dict) -> str:
     m, fields, runs = r["machine"], r["fields"], r["runs"]
-    load = " / ".join(", ".join(f"{x:.2f}" for x in r[key]) for key in ("load_average_before", "load_average_after"))
+    load = load_averages(r)
     exact = runs["after_backward"]
     size = max(1, len(exact["loss"]) // 6)
     lines = [

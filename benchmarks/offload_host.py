@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import presets
-from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
+from benchmarks.harness import REPO, load_averages, machine, publish, utc_now
 from hf_p2r.distributed.offload.step_time import DESIGNS, HostRates, OffloadStep, predict_step_seconds
 
 ADAMW_BYTES = 28  # per fp32 parameter: reads parameter, gradient, two moments; writes parameter, two moments
@@ -342,16 +342,13 @@ def main(argv: list[str] | None = None) -> int:
             "fitted_host": predictions(run, scaled(rates, fitted["single_factor"]), gpu_shapes),
             "fit": fitted,
         }
-    write_json(out.with_suffix(".json"), result)
-    page = render_markdown(result)
-    write_text(out.with_suffix(".md"), page)
-    print(page)
+    print(publish(out, result, render_markdown(result)))
     return 0
 
 
 def render_markdown(r: dict) -> str:
     m = r["machine"]
-    load = " / ".join(", ".join(f"{x:.2f}" for x in r[key]) for key in ("load_average_before", "load_average_after"))
+    load = load_averages(r)
     lines = [
         "# Granular offload: the host's phases" + (" — smoke run (checks the script; not a result)" * r["smoke"]),
         "",

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.harness import machine, utc_now, write_json, write_text
+from benchmarks.harness import load_averages, machine, publish, utc_now, write_json
 from hf_p2r.compat import profiler_config_all_threads
 
 STEP = "offload.profile.step"
@@ -213,16 +213,9 @@ def run(
         del model, optimizer, offload
         bench.free_memory(device)
     result["load_average_after"] = os.getloadavg()
-    write_json(out.with_suffix(".json"), result)
     write_json(Path(f"{out}_trace.json"), {"designs": traces}, indent=None)
-    write_text(out.with_suffix(".md"), render_markdown(result))
+    publish(out, result, render_markdown(result))
     return result
-
-
-def _load(r: dict) -> str:
-    if "load_average_before" not in r:
-        return "not recorded"
-    return " / ".join(", ".join(f"{x:.2f}" for x in r[key]) for key in ("load_average_before", "load_average_after"))
 
 
 def render_markdown(r: dict) -> str:
@@ -233,7 +226,7 @@ def render_markdown(r: dict) -> str:
         "",
         f"Produced by `{r.get('command', 'make gpu-report')}` on {r['date']}: {m.get('gpu') or m['cpu']}; "
         f"{m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}; load average (1, 5, 15 min) before / after: "
-        f"{_load(r)}. Model: {r['model']['num_hidden_layers']} layers, "
+        f"{load_averages(r)}. Model: {r['model']['num_hidden_layers']} layers, "
         f"hidden {r['model']['hidden_size']}; {r['accumulation']} micro-batches of {r['batch']} x {r['seq']} tokens "
         f"per step; {r['steps']} profiled steps after warm-up, milliseconds per step.",
         "",

@@ -217,13 +217,10 @@ def stage_times(results: dict, schedule: str = "1f1b") -> list[dict]:
 
 
 # (schedule, optimizer, delay correction) of each convergence run: 2BW against 1F1B with the same optimizer.
-VARIANTS = (
-    ("1f1b", "adamw", "none"),
-    ("2bw", "adamw", "none"),
-    ("2bw", "adamw", "error_feedback"),
-    ("1f1b", "muon", "none"),
-    ("2bw", "muon", "none"),
-    ("2bw", "muon", "error_feedback"),
+VARIANTS = tuple(
+    (schedule, optimizer, correction)
+    for optimizer in ("adamw", "muon")
+    for schedule, correction in (("1f1b", "none"), ("2bw", "none"), ("2bw", "error_feedback"))
 )
 # Issue 27's target for 2BW under Muon (with or without the correction): its mean final validation loss at most this
 # far above 1F1B's with the same optimizer, and within 1F1B's seed-to-seed spread.

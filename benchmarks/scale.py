@@ -77,23 +77,19 @@ LAYOUTS = {
 # The ~170M model runs where issue 25 asks (4 and 8 processes) and on one process (the save time's reference).
 BIG_LAYOUTS = ("1 process", "4 sharded (FSDP2)", "8 = 2 stages x 4 sharded")
 # pseudo steps 1-2 (1 block), the delink at step 2, real steps 3-5; a DCP checkpoint at step 3 and at the end.
-SCHEDULE = dict(
-    num_unique_layers=1,
-    pseudo_steps=2,
-    real_steps=3,
-    save_steps=3,
-    checkpoint_format="dcp",
-    block_size=32,
-    corpus_max_bytes=200_000,
-    eval_steps=0,
-    eval_blocks=4,
-    logging_steps=1,
-    warmup_steps=1,
-    learning_rate=1e-3,
-    save_total_limit=10,
-    shared_lr_scale="none",
-    cpu="true",
-)
+SCHEDULE = {
+    "num_unique_layers": 1,
+    "pseudo_steps": 2,
+    "real_steps": 3,
+    "save_steps": 3,
+    "checkpoint_format": "dcp",
+    "block_size": 32,
+    "corpus_max_bytes": 200_000,
+    **presets.schedule(lr=1e-3, warmup=1, log_every=1, eval_every=0, eval_blocks=4),
+    "save_total_limit": 10,
+    "shared_lr_scale": "none",
+    "cpu": "true",
+}
 # glibc's malloc raises its mmap threshold each time a large block is freed (up to 32 MiB), so FSDP2's all-gathered
 # blocks and AdamW's temporaries come from the heap afterwards and their freed pages stay resident: a fixed threshold
 # keeps every block of 128 KiB and more in its own mapping, returned to the system when freed. The rows run with it

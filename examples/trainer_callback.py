@@ -30,24 +30,26 @@ def main(argv: list[str] | None = None) -> None:
 
     # Data: packed blocks of 128 tokens (any dataset of input_ids works; the collator makes the labels).
     tokenizer = load_tokenizer(None)
+    block_size = 128
     train_blocks, validation_blocks = build_blocks(
-        DataArguments(corpus_max_bytes=400_000, block_size=128, validation_fraction=0.05), tokenizer, seed=0
+        DataArguments(corpus_max_bytes=400_000, block_size=block_size, validation_fraction=0.05), tokenizer, seed=0
     )
 
     # The model: a pseudo model, 8 layers sharing 1 block (or P2RForCausalLM.from_pretrained(a pseudo checkpoint)).
     config = P2RConfig(
+        # What the data gives: the tokenizer's 258 tokens (rounded up to 64), its special tokens, the block's length.
         vocab_size=320,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=block_size,
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=8,
         num_attention_heads=4,
-        max_position_embeddings=128,
         share_layers=True,  # P2R: the pseudo model
         num_unique_layers=1,
         use_cache=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     model = P2RForCausalLM(config)
 

@@ -14,6 +14,7 @@ torch.distributed.pipelining (`pipeline_order`, `initialize_pipeline_stage`, `pi
 torch.distributed.checkpoint (`dcp_reader`). A new read goes beside its library's, with a test.
 """
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -163,6 +164,17 @@ def _load(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _listing(method):
+    """`dict`'s `method` for `_DeferredEntries`: a listing, so every pending entry is imported first."""
+
+    @functools.wraps(method)
+    def listing(self, *args):
+        self._resolve_all()
+        return method(self, *args)
+
+    return listing
+
+
 class _DeferredEntries(dict):
     """An Auto mapping's `_extra_content` whose `pending` entries ("module:Class" names) are imported on first use.
 
@@ -215,21 +227,10 @@ class _DeferredEntries(dict):
     def __len__(self) -> int:
         return dict.__len__(self) + len(self.pending)
 
-    def keys(self):
-        self._resolve_all()
-        return dict.keys(self)
-
-    def values(self):
-        self._resolve_all()
-        return dict.values(self)
-
-    def items(self):
-        self._resolve_all()
-        return dict.items(self)
-
-    def __iter__(self):
-        self._resolve_all()
-        return dict.__iter__(self)
+    keys = _listing(dict.keys)
+    values = _listing(dict.values)
+    items = _listing(dict.items)
+    __iter__ = _listing(dict.__iter__)
 
     def copy(self) -> dict:
         self._resolve_all()

@@ -14,9 +14,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import hf_p2r  # noqa: E402,F401  (registers the Auto classes)
-from hf_p2r import P2RConfig, P2RForCausalLM  # noqa: E402
 
 from .tiers import load_hypothesis_profile, pytest_configure  # noqa: E402,F401  (`make test` / `make test-all`)
+from .tiny import tiny_config, tiny_model  # noqa: E402,F401  (the tests import them from here)
 
 load_hypothesis_profile()  # before the test modules build their settings (tests/tiers.py)
 
@@ -28,29 +28,6 @@ _venv = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions" / f"hf-p2r-{torch.__version__}-{_venv}")
 )
-
-
-def tiny_config(**overrides) -> P2RConfig:
-    """A model small enough to build and run in milliseconds."""
-    fields = dict(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    fields.update(overrides)
-    return P2RConfig(**fields)
-
-
-def tiny_model(seed: int = 0, **overrides) -> P2RForCausalLM:
-    torch.manual_seed(seed)
-    return P2RForCausalLM(tiny_config(**overrides)).eval()
 
 
 @pytest.fixture(autouse=True, scope="session")

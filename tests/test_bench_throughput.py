@@ -11,28 +11,18 @@ import pytest
 from benchmarks import throughput as bench
 from benchmarks.harness import REPO
 
-from .bench_report import TINY_THROUGHPUT, bench_report
+from .bench_report import TINY_THROUGHPUT, assert_ratios_follow_from_the_rates, report_fixture
 
-
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> tuple[dict, str]:
-    return bench_report(bench, tmp_path_factory, "throughput", TINY_THROUGHPUT)
+report = report_fixture(bench, "throughput", TINY_THROUGHPUT)
 
 
 def test_ratios_and_medians_follow_from_the_measured_rates(report):
     result, _ = report
+    assert_ratios_follow_from_the_rates(result, "llama", "p2r_real", "p2r_pseudo")
     rates = result["tokens_per_s"]
-    assert set(rates) == {"llama", "p2r_real", "p2r_pseudo"}
     assert all(len(values) == 2 and all(v > 0 for v in values) for values in rates.values())
     for name, values in rates.items():
         assert result["tokens_per_s_median"][name] == statistics.median(values)
-    for key, (a, b) in {
-        "ratio_real_vs_llama": ("p2r_real", "llama"),
-        "ratio_pseudo_vs_real": ("p2r_pseudo", "p2r_real"),
-    }.items():
-        per_round = [x / y for x, y in zip(rates[a], rates[b])]
-        assert result[key]["median"] == pytest.approx(statistics.median(per_round))
-        assert (result[key]["min"], result[key]["max"]) == pytest.approx((min(per_round), max(per_round)))
 
 
 def test_training_state_bytes_add_up_and_match_the_expected_ratio(report):

@@ -14,63 +14,43 @@ from pathlib import Path
 import datasets
 import torch
 
-from benchmarks import harness
+from benchmarks import harness, presets
 from benchmarks.convergence.analysis import compare_seed
 from benchmarks.harness import utc_now, write_text
 from hf_p2r.training import parse_config, train
 from hf_p2r.training.metrics import read_metrics
 
-# Shared by every run of a preset; each run adds its schedule. Keys of "fields" are scripts/train.py fields.
+# Shared by every run of a preset; each run adds its schedule. Keys of "fields" are scripts/train.py fields. Both
+# presets study 3 budgets over 3 seeds, of pseudo models that share 2 blocks.
+STUDY = {"budgets": [0.5, 1.5, 2.0], "seeds": [0, 1, 2]}
+SHARING = {"num_unique_layers": 2, "shared_lr_scale": "depth"}
 PRESETS = {
     "cpu": {
+        **STUDY,
         "total_steps": 300,
         "delink_steps": [50, 100, 150],
         "carry_delink_step": 100,
-        "budgets": [0.5, 1.5, 2.0],
-        "seeds": [0, 1, 2],
         "jobs": 2,
         "fields": {
-            "hidden_size": 96,
-            "intermediate_size": 256,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 4,
-            "num_unique_layers": 2,
-            "shared_lr_scale": "depth",
-            "corpus_max_bytes": 2_000_000,
-            "block_size": 128,
-            "per_device_batch_size": 8,
-            "learning_rate": 2e-3,
-            "warmup_steps": 20,
-            "eval_steps": 25,
-            "eval_blocks": 128,
-            "logging_steps": 5,
+            **presets.CPU_RUN,
+            **presets.schedule(lr=2e-3, warmup=20, log_every=5, eval_every=25, eval_blocks=128),
+            **SHARING,
             "cpu": True,
         },
     },
     "gpu": {
         # The whole standard library (about 12 MB, 734 files): even the longest scratch budget, 2 x 600 steps of
         # 16 x 512 tokens, stays under one epoch. Delink points at the CPU preset's fractions of the total.
+        **STUDY,
         "total_steps": 600,
         "delink_steps": [100, 200, 300],
         "carry_delink_step": 200,
-        "budgets": [0.5, 1.5, 2.0],
-        "seeds": [0, 1, 2],
         "jobs": 1,
         "fields": {
-            "hidden_size": 512,
-            "intermediate_size": 1536,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 8,
-            "num_unique_layers": 2,
-            "shared_lr_scale": "depth",
-            "corpus_max_bytes": 100_000_000,
-            "block_size": 512,
-            "per_device_batch_size": 16,
-            "learning_rate": 1e-3,
-            "warmup_steps": 40,
-            "eval_steps": 25,
-            "eval_blocks": 256,
-            "logging_steps": 10,
+            **presets.model(hidden=512, ffn=1536, heads=8, layers=16),
+            **presets.data(block=512, batch=16, corpus=100_000_000),
+            **presets.schedule(lr=1e-3, warmup=40, log_every=10, eval_every=25, eval_blocks=256),
+            **SHARING,
             "mixed_precision": "bf16",
         },
     },

@@ -20,13 +20,15 @@ __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
         ".card": ("render_model_card",),
-        ".convert": ("convert_pseudo_to_real", "read_p2r_config", "verify_checkpoint"),
+        ".convert": ("convert_pseudo_to_real",),
         ".io": ("atomic_directory", "file_within", "files_within", "read_config_dict"),
         ".llama": ("export_llama", "llama_config"),
         ".mixtral": ("export_mixtral", "mixtral_config"),
         ".reader": ("CheckpointReader",),
         ".save": ("save_model",),
         ".sharded_write": ("save_model_from_shards",),
+        ".source": ("read_p2r_config",),
+        ".verify": ("verify_checkpoint",),
         ".writer": ("write_checkpoint",),
     },
 )

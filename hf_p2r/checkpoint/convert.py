@@ -5,34 +5,27 @@ transformers, for dense (`p2r`) and mixture-of-experts (`p2r_moe`) checkpoints a
 copies comes from `delink_names`, the function the model's own `delink_parameter_map` uses, so a converted checkpoint
 and `model.delink()` agree by construction. The output shards are then written by the kernel, header + byte ranges of
 the source (`ranges.py`). Only a dtype cast, which changes the bytes, goes through torch (`writer.py`: the source
-memory-mapped, cast tensor by tensor), and `verify` reopens the output with torch. The same engine exports a real
-checkpoint to vanilla Llama or Mixtral (only config.json changes).
+memory-mapped, cast tensor by tensor), and `verify` reopens the output with torch (`verify.py`). The same engine
+exports a real checkpoint to vanilla Llama or Mixtral (only config.json changes).
 
-config.json and the weights are input hf-p2r did not write: they are read within the folder only (`io.file_within`),
-their sizes bounded by the model's own validators and checked against the headers before any list grows with them,
-and every problem is one `InputError` line naming the file (`hf_p2r.errors`).
+The source is read and checked by `source.py` (config.json by the model's own validators, the weights against it:
+one `InputError` line naming the file for every problem); the output folder is guarded, and the files that travel
+with a checkpoint carried, by `output_folder.py`.
 
 A MoE checkpoint holds its experts as transformers writes Mixtral's (`save_pretrained` reverses the load-time merge of
 the 3-D expert parameters): `block_sparse_moe.experts.<e>.w1/w2/w3.weight` and `block_sparse_moe.gate.weight` per
 sparse layer, so its layers are copied like any other tensors, and the same files are a Mixtral checkpoint once
-config.json says so (`target="mixtral"`). A source holding the in-memory 3-D experts is read as that layout
-(`split_experts`: each expert's projections are byte ranges of the 3-D tensors).
+config.json says so (`target="mixtral"`).
 """
 
 import copy
-import fnmatch
 import importlib.metadata
 import json
 import logging
 import os
-import re
-import shutil
-import types
-from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import InputError, printable, redact
-from ..models.p2r.inventory_p2r import DEPTH_DEFAULT, LAYOUT_DEFAULTS, MOE_DEFAULTS, SHAPE_DEFAULTS, inventory
+from ..errors import InputError, redact
 from ..models.p2r.sharing_p2r import (
     LAYER_KEY,
     RESIDUAL_OUTPUT,
@@ -41,34 +34,46 @@ from ..models.p2r.sharing_p2r import (
     delink_sources,
     plan_delink,
     reachable_block_counts,
-    validate_layout,
-    validate_moe,
 )
-from .headers import FLOAT_CODES, NAME_LIMIT, TensorInfo, parse_size, read_weights
-from .io import CONFIG_NAME, atomic_directory, files_within, read_config_dict, resolve_destination, why_skipped
+from .headers import parse_size, read_weights
+from .io import CONFIG_NAME, atomic_directory
+from .output_folder import carry_files, check_output_folder
 from .ranges import copying
+from .source import (
+    check_blocks,
+    check_weights,
+    cut_text,
+    parameter_shapes,
+    read_p2r_config,
+    read_p2r_config_dict,
+    source_tensor,
+    split_experts,
+    tensor_count,
+)
 from .targets import get_target
+from .verify import verify_against_source, verify_checkpoint
+
+# `read_p2r_config`, `verify_checkpoint` and `check_output_folder` moved to their own modules (source.py, verify.py,
+# output_folder.py) and are still importable from here.
+__all__ = [
+    "DTYPES",
+    "MAX_TENSORS",
+    "check_output_folder",
+    "conversion_blocks",
+    "conversion_growth",
+    "convert_pseudo_to_real",
+    "output_config",
+    "parameter_shapes",
+    "parse_dtype",
+    "read_p2r_config",
+    "read_p2r_config_dict",
+    "rewrite_checkpoint",
+    "tensor_count",
+    "verify_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
-# Files other than weights and config.json that travel with a checkpoint (tokenizer and generation settings).
-CARRIED_FILES = (
-    "generation_config.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.model",
-    "chat_template.*",
-)
-# Folders that travel with it: transformers' named chat templates (additional_chat_templates/<name>.jinja).
-CARRIED_FOLDERS = ("additional_chat_templates",)
-# The rest of a model folder hf-p2r writes (`check_output_folder`: what --overwrite may replace): config, card,
-# weights (one file, or shards and their index), model code.
-MODEL_FOLDER_FILES = (CONFIG_NAME, "README.md", "model*.safetensors", "model.safetensors.index.json", "*.py")
-# What shows a folder holds a training run (`hf_p2r.training`: output_dir, a checkpoint folder): never replaced.
-TRAINING_RUN_FILES = ("checkpoints", "trainer_state.json", ".metadata", "metrics.jsonl", "train_config.yaml")
 # dtypes an output can be cast to: those transformers loads without a quantization config.
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 # The most tensors an output may hold: far above any model's (DeepSeek-V3: ~92,000), far below what would exhaust
@@ -127,7 +132,7 @@ def convert_pseudo_to_real(
     `overwrite`, also when another process filled it while this one ran; a `dst` that is a link is written through
     (its target is replaced).
     `verify=True` reopens the output before the rename and checks names, shapes, dtypes and every byte against the
-    source; the warnings and the verification's summary are logged (`logging`, logger `hf_p2r.checkpoint.convert`),
+    source; the warnings and the verification's summary are logged (`logging`, loggers under `hf_p2r.checkpoint`),
     which `hf-p2r convert` prints.
 
     ```python
@@ -242,7 +247,7 @@ def conversion_growth(
             function_preserving=function_preserving,
         )
     except ValueError as error:
-        raise InputError(f"{src}: {_cut(str(error))}") from None
+        raise InputError(f"{src}: {cut_text(str(error))}") from None
     if plan.output_scale != 1.0:
         raise InputError(
             f"{config_path}: depth_mup is true, and function-preserving growth rescales the kept layers' outputs "
@@ -256,78 +261,6 @@ def conversion_growth(
         )
     spec.check({**config, **plan.fields}, config_path)
     return plan
-
-
-def read_p2r_config_dict(folder: str | os.PathLike) -> dict:
-    """The config.json of a P2R checkpoint folder (dense or MoE) as a dict, with the fields the weights depend on
-    checked by the model's own validators (`validate_layout`, `validate_moe`: types, sizes and their bounds, sharing),
-    and the sharing and MoE fields filled in as `P2RConfig` / `P2RMoeConfig` fill them: errors name the file and the
-    problem (`InputError`). No transformers. A config.json this accepts loads with `read_p2r_config`."""
-    config = read_config_dict(folder)
-    path = Path(folder) / CONFIG_NAME
-    if config.get("model_type") not in ("p2r", "p2r_moe"):
-        raise InputError(
-            f"{path}: model_type is {_short(config.get('model_type'))}, not 'p2r' or 'p2r_moe': not a P2R checkpoint"
-        )
-    fields = {**SHAPE_DEFAULTS, **LAYOUT_DEFAULTS, **config}
-    fields = {**fields, "num_hidden_layers": config.get("num_hidden_layers", DEPTH_DEFAULT)}
-    moe = {}
-    if config["model_type"] == "p2r_moe":
-        moe = {field: config.get(field, default) for field, default in MOE_DEFAULTS.items()}
-        if moe["moe_intermediate_size"] is None:
-            moe["moe_intermediate_size"] = fields["intermediate_size"]
-        if moe["mlp_only_layers"] is None:
-            moe["mlp_only_layers"] = []
-    layout = types.SimpleNamespace(**{**fields, **moe})
-    try:
-        validate_layout(layout)
-        if moe:
-            validate_moe(layout)
-    except ValueError as error:
-        raise InputError(f"{path}: {_cut(str(error))}") from None
-    return {
-        **config,
-        **moe,
-        "num_hidden_layers": layout.num_hidden_layers,
-        "share_layers": layout.share_layers,
-        "num_unique_layers": layout.num_unique_layers,
-        "sharing_pattern": layout.sharing_pattern,
-        **({"real_num_hidden_layers": layout.real_num_hidden_layers} if "real_num_hidden_layers" in config else {}),
-    }
-
-
-def _short(value, limit: int = 120) -> str:
-    """repr(value), cut to `limit` characters (a message quotes a value, not megabytes of it)."""
-    return _cut(repr(value), limit)
-
-
-def _cut(text: str, limit: int = 400) -> str:
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
-
-
-def read_p2r_config(folder: str | os.PathLike):
-    """The `P2RConfig` (`P2RMoeConfig` for a MoE checkpoint) of a checkpoint folder, with errors that name the file and
-    the problem."""
-    from huggingface_hub.errors import StrictDataclassError
-
-    from ..models.p2r import P2RConfig, P2RMoeConfig
-
-    config = read_p2r_config_dict(folder)  # the same checks, and messages, as the converter's
-    config_class = P2RMoeConfig if config["model_type"] == "p2r_moe" else P2RConfig
-    try:
-        return config_class.from_dict(read_config_dict(folder))
-    except (ValueError, TypeError, StrictDataclassError) as error:
-        # huggingface_hub's validation errors span two lines ("Validation error for field ...:\n    TypeError: ...")
-        lines = " ".join(line.strip() for line in str(error).splitlines())
-        raise ValueError(f"{Path(folder) / CONFIG_NAME}: {lines}") from None
-
-
-def parameter_shapes(config: dict, num_blocks: int) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the weights a P2R (or Llama, or Mixtral) checkpoint of `config` with `num_blocks` layer blocks
-    stores, in the order `save_pretrained` writes them, tied aliases left out: the model's inventory on disk
-    (`inventory_p2r.Inventory.disk_shapes`). Plain Python: tests/checkpoint/test_ranges.py (dense) and
-    test_convert_moe.py (MoE) check it against the model built on the meta device."""
-    return inventory(config, num_blocks).disk_shapes()
 
 
 def rewrite_checkpoint(
@@ -356,7 +289,7 @@ def rewrite_checkpoint(
             f"has (at most {MAX_TENSORS})"
         )
     weights, views = split_experts(src, read_weights(src), config)
-    _check_blocks(src, weights, config)
+    check_blocks(src, weights, config)
     if (count := tensor_count(config, stored_blocks)) > 2 * len(weights) + 100:  # the truth on disk bounds the plan
         raise InputError(
             f"{src}: {src / CONFIG_NAME} describes a model of {count} tensors but the weights hold {len(weights)}"
@@ -382,7 +315,7 @@ def rewrite_checkpoint(
         if (m := LAYER_KEY.match(name)) and int(m["block"]) in fresh and RESIDUAL_OUTPUT.match(m["rest"])
     }
 
-    source_dtype = _check_weights(src, weights, config, expected)  # before any output exists
+    source_dtype = check_weights(src, weights, config, expected)  # before any output exists
     out_dtype = dtype or source_dtype
     if num_blocks == stored_blocks and plan is None and not get_target(target).real_only:
         change = "a copy" if out_dtype == source_dtype else f"cast from {source_dtype} to {out_dtype}"
@@ -414,7 +347,7 @@ def rewrite_checkpoint(
             _write_cast(tmp, src, new_to_old, views, order, out_dtype, max_shard_size, progress, zeroed)
             _write_the_rest(src, tmp, out_config, num_blocks, target, out_dtype, dst.name, provenance)
         if verify:
-            files = _verify_against_source(tmp, src, new_to_old, views, out_dtype, zeroed)
+            files = verify_against_source(tmp, src, new_to_old, views, out_dtype, zeroed)
             cast = "" if out_dtype == source_dtype else f" cast to {out_dtype}"
             layers = (
                 f"each of the {num_blocks} blocks is the block its depths ran in {src} ({stored_blocks} blocks)"
@@ -429,12 +362,6 @@ def rewrite_checkpoint(
     return dst
 
 
-def tensor_count(config: dict, num_blocks: int) -> int:
-    """len(parameter_shapes(config, num_blocks)), counted without building it (`Inventory.disk_count`: one pass over
-    the blocks, experts counted, not listed), so that a size can be checked before work grows with it."""
-    return inventory(config, num_blocks).disk_count
-
-
 def growth_note(plan: DelinkPlan, zeroed: set) -> str:
     """How a grown checkpoint's new layers started, for its model card."""
     zeros = f"; {len(zeroed)} residual outputs of the later copies zeroed (function-preserving)" if zeroed else ""
@@ -447,7 +374,7 @@ def _write_the_rest(src, tmp, config, num_blocks, target, dtype, model_id, prove
 
     out_config = output_config(config, num_blocks, target=target, dtype=dtype)
     (tmp / CONFIG_NAME).write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-    _carry_files(src, tmp, remote_code=get_target(target).carries_code and "auto_map" in out_config)
+    carry_files(src, tmp, remote_code=get_target(target).carries_code and "auto_map" in out_config)
     card = redact(str(render_model_card(tmp, model_id=model_id, provenance=provenance)))  # (no token in any output)
     (tmp / "README.md").write_text(card, encoding="utf-8", newline="")  # (what ModelCard.save writes)
 
@@ -492,231 +419,8 @@ def _write_cast(
     from .writer import write_checkpoint
 
     with CheckpointReader(src) as reader:
-        tensors = {new: _source_tensor(reader, new_to_old[new], views, new in zeroed) for new in order}
+        tensors = {new: source_tensor(reader, new_to_old[new], views, new in zeroed) for new in order}
         write_checkpoint(tmp, tensors, max_shard_size=max_shard_size, dtype=getattr(torch, dtype), progress=progress)
-
-
-def _verify_against_source(
-    tmp: Path, src: Path, new_to_old: dict, views: dict, dtype: str, zeroed: set = frozenset()
-) -> int:
-    import torch
-
-    from .reader import CheckpointReader
-
-    with CheckpointReader(src) as reader:
-        expected = {
-            new: (_source_tensor(reader, old, views, new in zeroed), getattr(torch, dtype))
-            for new, old in new_to_old.items()
-        }
-        return verify_checkpoint(tmp, expected)
-
-
-def _source_tensor(reader, name: str, views: dict, zero: bool = False):
-    """The source tensor of `name`: stored under that name, or a view of a stored 3-D expert (`split_experts`); with
-    `zero`, zeros of its shape and dtype (one element, expanded: no memory)."""
-    tensor = reader.get(name) if name not in views else reader.get(views[name][0])[views[name][1]]
-    return tensor.new_zeros(()).expand(tensor.shape) if zero else tensor
-
-
-# A sparse layer's tensors as the model holds them in memory (3-D experts), which from_pretrained also loads.
-_FUSED_EXPERTS = re.compile(
-    r"^(?P<layer>(?:.*\.)?layers\.\d+\.)mlp\.(?P<rest>experts\.gate_up_proj|experts\.down_proj|gate\.weight)$"
-)
-
-
-def split_experts(
-    src: Path, weights: dict[str, TensorInfo], config: dict
-) -> tuple[dict[str, TensorInfo], dict[str, tuple]]:
-    """A MoE checkpoint whose sparse layers hold the in-memory layout (`mlp.experts.gate_up_proj` [E, 2I, H],
-    `mlp.experts.down_proj` [E, H, I], `mlp.gate.weight`; from_pretrained loads it too) seen as the layout
-    `save_pretrained` writes: one tensor per expert and projection under Mixtral's names. Every expert's w1, w3
-    (the two halves of its `gate_up_proj` rows) and w2 (its `down_proj`) are contiguous byte ranges of the 3-D tensor,
-    so they are copied like any tensor, without torch. Returns the tensors, and {new name: (stored name, index)} of
-    those that are views, for the torch paths (cast, verify). Other checkpoints are returned as they are."""
-    if config["model_type"] != "p2r_moe" or not any(_FUSED_EXPERTS.match(name) for name in weights):
-        return weights, {}
-    moe = {field: config.get(field, default) for field, default in MOE_DEFAULTS.items()}
-    experts, hidden, size = moe["num_experts"], config.get("hidden_size", 4096), moe["moe_intermediate_size"]
-    shapes = {"experts.gate_up_proj": (experts, 2 * size, hidden), "experts.down_proj": (experts, hidden, size)}
-    out, views = {}, {}
-    for name, info in weights.items():
-        match = _FUSED_EXPERTS.match(name)
-        if match is None:
-            out[name] = info
-            continue
-        moe_prefix = f"{match['layer']}block_sparse_moe."
-        if match["rest"] == "gate.weight":
-            out[f"{moe_prefix}gate.weight"], views[f"{moe_prefix}gate.weight"] = info, (name, ())
-            continue
-        if info.shape != shapes[match["rest"]]:
-            raise ValueError(
-                f"{info.file}: {name} has shape {list(info.shape)} but {src / CONFIG_NAME} implies "
-                f"{list(shapes[match['rest']])}"
-            )
-        item = info.nbytes // info.numel  # bytes per element
-        parts = {"w1": slice(0, size), "w3": slice(size, 2 * size)} if "gate_up" in name else {"w2": None}
-        for expert in range(experts):
-            start = info.offset + expert * info.nbytes // experts
-            for part, rows in parts.items():
-                offset = start + (rows.start * hidden * item if rows else 0)
-                shape = (size, hidden) if rows else (hidden, size)
-                new = f"{moe_prefix}experts.{expert}.{part}.weight"
-                out[new] = TensorInfo(info.file, info.dtype, shape, offset, size * hidden * item)
-                views[new] = (name, (expert, rows) if rows else (expert,))
-    return out, views
-
-
-def verify_checkpoint(folder: str | os.PathLike, expected: dict) -> int:
-    """Check that the weights in `folder` are exactly `expected` ({name: (source tensor, torch dtype)}): same names,
-    shapes and dtypes, and every byte equal to the source cast to that dtype; returns the number of files checked.
-    Raises `ValueError` on the first difference. Compares in chunks, so memory stays small (and Ctrl-C acts between
-    two of them)."""
-    import torch
-
-    from .reader import CheckpointReader
-
-    with CheckpointReader(folder) as out:
-        names = set(out.keys())
-        if names != expected.keys():
-            missing, extra = sorted(expected.keys() - names), sorted(names - expected.keys())
-            raise ValueError(f"{folder}: verify failed: missing {missing[:3]}, unexpected {extra[:3]}")
-        for name, (source, dtype) in expected.items():
-            tensor = out.get(name)
-            if tensor.shape != source.shape or tensor.dtype != dtype:
-                raise ValueError(
-                    f"{out.file_of(name)}: verify failed: {name} is {tensor.dtype} {list(tensor.shape)}, expected "
-                    f"{dtype} {list(source.shape)}"
-                )
-            flat, flat_source = tensor.reshape(-1), source.reshape(-1)
-            step = 1 << 22
-            for start in range(0, flat.numel(), step):
-                chunk = flat[start : start + step]
-                source_chunk = flat_source[start : start + step].to(dtype).contiguous()  # (zeros are expanded)
-                # bytes, not values: NaNs compare equal to themselves, -0.0 differs from 0.0
-                if not torch.equal(chunk.view(torch.uint8), source_chunk.view(torch.uint8)):
-                    raise ValueError(f"{out.file_of(name)}: verify failed: {name} differs from its source")
-        return len(out.files)
-
-
-def _check_blocks(src: Path, weights: dict[str, TensorInfo], config: dict) -> None:
-    """The stored layer blocks must be those `config` describes: 0..k-1 (pseudo) or 0..L-1 (real)."""
-    config_path = src / CONFIG_NAME
-    share = config["share_layers"]
-    num_blocks = config["num_unique_layers"] if share else config["num_hidden_layers"]
-    blocks = sorted({int(match["block"]) for name in weights if (match := LAYER_KEY.match(name))})
-    if blocks != list(range(num_blocks)):
-        shown = f"blocks {blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else f"block {blocks}" if blocks else "none"
-        raise InputError(
-            f"{src}: the weights hold {len(blocks)} layer blocks ({shown}) but {config_path} describes a "
-            f"{'pseudo' if share else 'real'} model with {num_blocks} (share_layers={share}, "
-            f"num_unique_layers={config['num_unique_layers']}, num_hidden_layers={config['num_hidden_layers']})"
-        )
-
-
-def _check_weights(src: Path, weights: dict[str, TensorInfo], config: dict, expected: dict) -> str:
-    """The stored tensors must be exactly those of the model `config` describes, all of one floating-point dtype
-    (returned, as a name: "bfloat16"). A header that relabels a tensor's dtype with one of the same size (F32 as I32,
-    BF16 as F16) is not caught by safetensors: the dtype checks are what catch it."""
-    config_path = src / CONFIG_NAME
-    if missing := sorted(expected.keys() - weights.keys()):
-        raise InputError(f"{src}: missing tensors that {config_path} requires: {', '.join(missing[:3])}")
-    if extra := sorted(weights.keys() - expected.keys()):
-        raise ValueError(
-            f"{weights[extra[0]].file}: holds tensors that the model of {config_path} does not have: "
-            + ", ".join(printable(name, NAME_LIMIT) for name in extra[:3])
-        )
-    by_dtype: dict[str, list[str]] = {}
-    for name, shape in expected.items():
-        info = weights[name]
-        if info.shape != shape:
-            raise ValueError(
-                f"{info.file}: {name} has shape {list(info.shape)} but {config_path} implies {list(shape)}"
-            )
-        if info.dtype not in FLOAT_CODES:
-            raise ValueError(
-                f"{info.file}: {name} is stored as {info.dtype_name}, but model weights are floating point (a header "
-                "with the wrong dtype?)"
-            )
-        by_dtype.setdefault(info.dtype_name, []).append(name)
-    if len(by_dtype) > 1:
-        (common, names), *others = sorted(by_dtype.items(), key=lambda item: -len(item[1]))
-        odd_dtype, odd_names = others[0]
-        raise ValueError(
-            f"{weights[odd_names[0]].file}: {odd_names[0]} is stored as {odd_dtype}, but {len(names)} other tensors "
-            f"(e.g. {names[0]}) are {common}: a checkpoint's weights share one dtype (a header with the wrong dtype?)"
-        )
-    return next(iter(by_dtype))
-
-
-def _carry_files(src: Path, dst: Path, *, remote_code: bool) -> None:
-    """Copy the files that travel with a checkpoint (`CARRIED_FILES`, `CARRIED_FOLDERS`, and the model code when
-    `remote_code`) that lie within `src` (`files_within`); warn about those skipped (a link out of `src`, a FIFO...)."""
-    patterns = CARRIED_FILES + (("*.py",) if remote_code else ())
-
-    def carried(relative: str) -> bool:
-        folder, _, name = relative.partition("/")
-        if name:
-            return folder in CARRIED_FOLDERS
-        return relative in CARRIED_FOLDERS or (
-            relative != CONFIG_NAME and any(fnmatch.fnmatchcase(relative, pattern) for pattern in patterns)
-        )
-
-    kept, skipped = files_within(src)
-    for relative in filter(carried, kept):
-        (dst / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / relative, dst / relative)
-    for relative in filter(carried, skipped):
-        logger.warning(f"skipped {printable(relative)}: {why_skipped(src, src / relative)}")
-
-
-def check_output_folder(dst: str | os.PathLike, sources: Iterable[str | os.PathLike], *, overwrite: bool) -> Path:
-    """Where output folder `dst` is written (`resolve_destination`), after checking that writing it there loses
-    nothing; for every command that writes a folder from folders it reads (`convert`, `export`). Refused:
-
-    - `dst` equal to one of `sources` (the folders read: a checkpoint, its run), inside one or containing one
-      (`InputError`): the output would replace its own input;
-    - a non-empty `dst` without `overwrite` (`FileExistsError`);
-    - with `overwrite`, a `dst` that is not an earlier output (`InputError`): a training run (its `checkpoints/`,
-      `trainer_state.json`, DCP shards, `metrics.jsonl`), or a folder holding anything a model folder of hf-p2r does
-      not (`MODEL_FOLDER_FILES`, `CARRIED_FILES`, `CARRIED_FOLDERS`: your own files are never replaced).
-    """
-    destination = resolve_destination(dst).resolve()
-    for source in sources:
-        source = Path(os.path.realpath(source))
-        if destination == source or destination.is_relative_to(source) or source.is_relative_to(destination):
-            raise InputError(
-                f"{printable(dst)}: the output must not be the source {printable(source)}, inside it, or contain it"
-            )
-    if not destination.is_dir() or not any(destination.iterdir()):
-        return destination
-    if not overwrite:
-        raise FileExistsError(
-            f"{printable(destination)}: folder is not empty (overwrite=True, or --overwrite, replaces it)"
-        )
-    entries = sorted(destination.iterdir())
-    if run := [entry.name for entry in entries if entry.name in TRAINING_RUN_FILES]:
-        raise InputError(
-            f"{printable(dst)}: holds a training run ({', '.join(run)}); --overwrite replaces only an earlier output "
-            "of this command, never a run: choose another output folder"
-        )
-    if foreign := [entry.name for entry in entries if not _model_folder_entry(entry)]:
-        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise InputError(
-            f"{printable(dst)}: holds {', '.join(printable(name, 80) for name in foreign[:3])}{more}, which no model "
-            "folder of hf-p2r holds; --overwrite replaces only an earlier output of this command (a model folder): "
-            "choose another output folder, or empty this one"
-        )
-    return destination
-
-
-def _model_folder_entry(entry: Path) -> bool:
-    """Whether `entry` (of a folder) is what a model folder of hf-p2r holds: its files, or a carried folder."""
-    if entry.is_symlink():
-        return False
-    if entry.is_dir():
-        return entry.name in CARRIED_FOLDERS
-    patterns = MODEL_FOLDER_FILES + CARRIED_FILES
-    return entry.is_file() and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in patterns)
 
 
 def parse_dtype(dtype) -> str | None:

@@ -10,7 +10,7 @@ the largest tensor whatever the model's size (tests/checkpoint/test_dcp_weights.
 
 A mixture-of-experts model's 3-D experts (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`, as the
 model holds and DCP saves them) are written under the names `save_pretrained` writes (one tensor per expert and
-projection, `block_sparse_moe.experts.<e>.w1/w2/w3.weight`, as `convert.split_experts` reads them): a layer's 3-D
+projection, `block_sparse_moe.experts.<e>.w1/w2/w3.weight`, as `source.split_experts` reads them): a layer's 3-D
 tensor is read once and its experts written from it.
 
 ```python

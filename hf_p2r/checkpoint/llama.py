@@ -6,9 +6,10 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from ..models.p2r import P2RConfig, P2RForCausalLM
-from .convert import parse_dtype, read_p2r_config_dict, rewrite_checkpoint
+from .convert import parse_dtype, rewrite_checkpoint
 from .headers import parse_size
 from .save import save_model
+from .source import read_p2r_config_dict
 from .targets import llama_fields
 
 

@@ -1,31 +1,33 @@
 """`hf-p2r convert SRC DST`: stream a pseudo checkpoint into a real (or less shared, or deeper) one, or export a real
-one to vanilla Llama / Mixtral; see `hf_p2r.convert_pseudo_to_real`."""
+one to vanilla Llama / Mixtral; see `hf_p2r.convert_pseudo_to_real`.
+
+Delink a pseudo checkpoint (dense or mixture-of-experts) on disk: every layer gets its own copy of its block's weights
+(experts and router included); grow a checkpoint in depth (--num-hidden-layers: each new layer a copy of one of SRC's);
+or export a real P2R checkpoint to vanilla Llama (--target llama) or Mixtral (--target mixtral). Each output shard is a
+safetensors header followed by byte ranges of the source, copied by the kernel (copy_file_range, or reflinks on XFS and
+btrfs), so the model is never in memory and torch is loaded only for --dtype casts and --verify. Only files within SRC
+are read (a Hugging Face cache snapshot's links into its blobs included); carried files that are not (a link out of SRC,
+a FIFO) are skipped with a line on stderr. DST appears complete or not at all: on an error, Ctrl-C or SIGTERM it is left
+as it was.
+"""
 
 import argparse
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import add_command
 
 HELP = "convert a pseudo checkpoint into a real one, or a real one into Llama/Mixtral (streamed, atomic)"
+DESCRIPTION = (__doc__ or "").rsplit("\n\n", 1)[-1]  # `--help` shows this docstring's last paragraph
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..models.p2r.sharing_p2r import GROWTH_PATTERNS  # plain Python: --help answers at once
 
-    parser = subparsers.add_parser(
-        "convert",
-        help=HELP,
-        description="Delink a pseudo checkpoint (dense or mixture-of-experts) on disk: every layer gets its own copy "
-        "of its block's weights (experts and router included); grow a checkpoint in depth (--num-hidden-layers: each "
-        "new layer a copy of one of SRC's); or export a real P2R checkpoint to vanilla Llama "
-        "(--target llama) or Mixtral (--target mixtral). "
-        "Each output shard is a safetensors header followed by byte ranges of the source, copied by the kernel "
-        "(copy_file_range, or reflinks on XFS and btrfs), so the model is never in memory and torch is loaded only "
-        "for --dtype casts and --verify. Only files within SRC are read (a Hugging Face cache snapshot's links into "
-        "its blobs included); carried files that are not (a link out of SRC, a FIFO) are skipped with a line on "
-        "stderr. DST appears complete or not at all: on an error, Ctrl-C or SIGTERM it is left as it was.",
-    )
+    parser = add_command(subparsers, "convert", HELP, DESCRIPTION, run)
     parser.add_argument(
         "src",
         metavar="SRC",
@@ -67,7 +69,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="reopen the output before the rename and check every tensor's name, shape, dtype and bytes against the "
         "source's; prints what was verified (on stderr)",
     )
-    parser.set_defaults(func=run)
 
 
 def add_output_options(parser: argparse.ArgumentParser, blocks_help: str) -> None:
@@ -97,19 +98,25 @@ def add_output_options(parser: argparse.ArgumentParser, blocks_help: str) -> Non
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import convert_pseudo_to_real
 
+    growth = dict(
+        num_hidden_layers=args.num_hidden_layers, growth=args.growth, function_preserving=args.function_preserving
+    )
+    return write_output(args, convert_pseudo_to_real, args.src, **growth, verify=args.verify)
+
+
+def write_output(args: argparse.Namespace, write: Callable[..., Any], source: str, **options) -> int:
+    """`write(source, DST, ...)` with the options of the folder written (`add_output_options`) and `options`, what it
+    logs as lines on stderr (`notes_on_stderr`); prints DST. The run of `hf-p2r convert` and `hf-p2r export`."""
     with notes_on_stderr(args.command):
-        out = convert_pseudo_to_real(
-            args.src,
+        out = write(
+            source,
             args.dst,
             num_unique_layers=args.num_unique_layers,
-            num_hidden_layers=args.num_hidden_layers,
-            growth=args.growth,
-            function_preserving=args.function_preserving,
             max_shard_size=args.max_shard_size,
             dtype=args.dtype,
             target=args.target,
             overwrite=args.overwrite,
-            verify=args.verify,
+            **options,
         )
     print(out)
     return 0

@@ -10,20 +10,19 @@ import os
 import platform
 
 from ..train import malloc_policy
+from . import add_command
 
 HELP = "print versions, CUDA devices and CPUs for a bug report"
+DESCRIPTION = (
+    "Print hf-p2r's, Python's and the main libraries' versions, the platform, CUDA (availability, "
+    "version, devices) and the number of CPUs, to paste into a bug report. Prints no token or environment "
+    "variable."
+)
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "huggingface_hub", "deepspeed")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "env",
-        help=HELP,
-        description="Print hf-p2r's, Python's and the main libraries' versions, the platform, CUDA (availability, "
-        "version, devices) and the number of CPUs, to paste into a bug report. Prints no token or environment "
-        "variable.",
-    )
-    parser.set_defaults(func=run)
+    add_command(subparsers, "env", HELP, DESCRIPTION, run)
 
 
 def run(args: argparse.Namespace) -> int:

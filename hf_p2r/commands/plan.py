@@ -8,6 +8,11 @@ Every number it takes is bounded (`hf_p2r.planning.assumptions`: GPUs, memory si
 the cost model's assumptions; the model's sizes by its config's validation), so bad input ends within seconds in one
 line (argparse's usage and its line for a flag it cannot parse), and no input makes the planner's work grow without
 limit.
+
+Per-GPU bytes of weights, gradients, optimizer state and activations of the pseudo and the real model under DDP,
+ZeRO-1/2, FSDP2/ZeRO-3, tensor and pipeline parallelism (split as the trainer splits it) and granular CPU offload,
+counted from the model's config; the layouts that fit, fastest first. The config's sizes and every number given are
+checked first (bad input: one line, exit 2).
 """
 
 import argparse
@@ -17,6 +22,8 @@ import os
 import re
 import sys
 from typing import TYPE_CHECKING
+
+from . import add_command
 
 if TYPE_CHECKING:
     from ..planning.plan import PlanInput
@@ -41,25 +48,19 @@ def parse_size(text: str) -> int:
 
 
 HELP = "memory per GPU and estimated step time of parallel layouts (DDP, ZeRO, FSDP2, TP, PP, offload)"
+DESCRIPTION = (__doc__ or "").rsplit("\n\n", 1)[-1]  # `--help` shows this docstring's last paragraph
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..planning.assumptions import OPTIMIZERS, PRECISIONS, Hardware  # torch-free: --help and errors answer at once
 
     assumptions = ", ".join(f"{f.name}={f.default:g}" for f in dataclasses.fields(Hardware) if f.name not in _FLAGS)
-    parser = subparsers.add_parser(
-        "plan",
-        help=HELP,
-        description=(
-            "Per-GPU bytes of weights, gradients, optimizer state and activations of the pseudo and the real model "
-            "under DDP, ZeRO-1/2, FSDP2/ZeRO-3, tensor and pipeline parallelism (split as the trainer splits it) and "
-            "granular CPU offload, counted from the model's config; the layouts that fit, fastest first. The "
-            "config's sizes and every number given are checked first (bad input: one line, exit 2)."
-        ),
-        epilog=f"Cost-model assumptions (override with --assume NAME=VALUE): {assumptions}. Each model's table shows "
-        "its --top best layouts (those that fit first, fastest first; when none fits, the three closest to fitting) "
-        "and says how many it leaves out; --all shows every layout sized.",
+    epilog = (
+        f"Cost-model assumptions (override with --assume NAME=VALUE): {assumptions}. Each model's table shows its "
+        "--top best layouts (those that fit first, fastest first; when none fits, the three closest to fitting) and "
+        "says how many it leaves out; --all shows every layout sized."
     )
+    parser = add_command(subparsers, "plan", HELP, DESCRIPTION, run, epilog=epilog)
     parser.add_argument(
         "--config", required=True, help="a model folder or JSON config (p2r, p2r_moe or llama), or a trainer YAML"
     )
@@ -95,7 +96,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rows.add_argument("--top", type=int, default=10, metavar="N", help="the N best layouts per model (default 10)")
     rows.add_argument("--all", action="store_true", help="every layout sized, fitting or not, one row each")
     parser.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE", help="override an assumption")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

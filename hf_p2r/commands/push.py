@@ -1,19 +1,21 @@
-"""`hf-p2r push DIR REPO_ID`: publish a checkpoint folder to the Hugging Face Hub; see `hf_p2r.push_to_hub`."""
+"""`hf-p2r push DIR REPO_ID`: publish a checkpoint folder to the Hugging Face Hub; see `hf_p2r.push_to_hub`.
+
+Create the repository if needed, render the model card and upload the folder in one commit. Only files within DIR are
+uploaded (a Hugging Face cache snapshot's links into its blobs included): links out of it, FIFOs and devices are
+skipped, and named. REPO_ID and --revision are checked before anything is read or sent. The token comes from HF_TOKEN or
+`hf auth login`; it is never printed.
+"""
 
 import argparse
 
+from . import add_command
+
 HELP = "publish a checkpoint folder to the Hugging Face Hub (with a model card)"
+DESCRIPTION = (__doc__ or "").rsplit("\n\n", 1)[-1]  # `--help` shows this docstring's last paragraph
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "push",
-        help=HELP,
-        description="Create the repository if needed, render the model card and upload the folder in one commit. "
-        "Only files within DIR are uploaded (a Hugging Face cache snapshot's links into its blobs included): links "
-        "out of it, FIFOs and devices are skipped, and named. REPO_ID and --revision are checked before anything is "
-        "read or sent. The token comes from HF_TOKEN or `hf auth login`; it is never printed.",
-    )
+    parser = add_command(subparsers, "push", HELP, DESCRIPTION, run)
     parser.add_argument("folder", metavar="DIR", help="checkpoint folder to upload")
     parser.add_argument("repo_id", metavar="REPO_ID", help="e.g. user/model-name")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
@@ -24,7 +26,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="list the files (and what is skipped) and print the model card; no network access",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,14 +9,15 @@ Every argument goes to the trainer's own parser (`hf-p2r train --help` lists its
 
 import argparse
 
+from . import add_command
+
 HELP = "train a P2R model: pseudo stage -> delink -> real stage (several processes: accelerate launch -m hf_p2r.train)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     # Every token is the trainer's (no option of this parser, not even --help): its parser reads them.
-    parser = subparsers.add_parser("train", help=HELP, add_help=False, prefix_chars="\0")
+    parser = add_command(subparsers, "train", HELP, None, run, add_help=False, prefix_chars="\0")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,52 +14,21 @@ Plain Python: importing it, `hf-p2r train --help` and every configuration error 
 ```
 """
 
+from . import sections
 from .fields import ConfigError
 from .flat import TrainArguments
 from .parse import MAX_CONFIG_BYTES, build_config, parse_config
 from .rules import check_run
 from .run import TrainConfig
-from .sections import (
-    MOE_FIELDS,
-    SECTIONS,
-    CheckpointArguments,
-    ComputeArguments,
-    DataArguments,
-    LearningRateSchedule,
-    LoggingArguments,
-    ModelArguments,
-    OffloadArguments,
-    OptimizerArguments,
-    ParallelArguments,
-    ScheduleArguments,
-    StageArguments,
-    even_delink_steps,
-    offload_text,
-    parse_offload,
-)
+from .sections import *  # noqa: F403  (the sections and their helpers: `sections.__all__`)
 
 __all__ = [
     "MAX_CONFIG_BYTES",
-    "MOE_FIELDS",
-    "SECTIONS",
-    "CheckpointArguments",
-    "ComputeArguments",
     "ConfigError",
-    "DataArguments",
-    "LearningRateSchedule",
-    "LoggingArguments",
-    "ModelArguments",
-    "OffloadArguments",
-    "OptimizerArguments",
-    "ParallelArguments",
-    "ScheduleArguments",
-    "StageArguments",
     "TrainArguments",
     "TrainConfig",
     "build_config",
     "check_run",
-    "even_delink_steps",
-    "offload_text",
     "parse_config",
-    "parse_offload",
+    *sections.__all__,
 ]

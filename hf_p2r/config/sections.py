@@ -29,6 +29,25 @@ import yaml
 from ..distributed.pipeline.schedules import SCHEDULES
 from .fields import ConfigError, above, at_least, between, option, section, short
 
+__all__ = [
+    "MOE_FIELDS",
+    "SECTIONS",
+    "CheckpointArguments",
+    "ComputeArguments",
+    "DataArguments",
+    "LearningRateSchedule",
+    "LoggingArguments",
+    "ModelArguments",
+    "OffloadArguments",
+    "OptimizerArguments",
+    "ParallelArguments",
+    "ScheduleArguments",
+    "StageArguments",
+    "even_delink_steps",
+    "offload_text",
+    "parse_offload",
+]
+
 # ModelArguments fields passed to P2RMoeConfig when num_experts > 0.
 MOE_FIELDS = (
     "num_experts",

@@ -70,22 +70,18 @@ def schedule_events(delink_at) -> list[Delink]:
     if isinstance(delink_at, int) and not isinstance(delink_at, bool):
         pairs = [(delink_at, None)]
     elif isinstance(delink_at, Mapping):
-        pairs = sorted(delink_at.items(), key=lambda item: item[0] if isinstance(item[0], int) else 0)
-    elif isinstance(delink_at, Sequence) and not isinstance(delink_at, str):
+        pairs = _by_step(delink_at)
+    elif _is_sequence(delink_at):
         pairs = [
             (e.step, e.blocks) if isinstance(e, Delink) else tuple(e) if _is_pair(e) else (e, "?") for e in delink_at
         ]
     else:
-        raise ValueError(
-            "delink_at: give a step (int), {step: blocks after it, None for the real model}, or a list of Delink "
-            f"events; got {type(delink_at).__name__}"
-        )
-    if not pairs:
-        raise ValueError("delink_at: the schedule is empty; give at least the step of the delink to the real model")
+        pairs = None
+    usage = "a step (int), {step: blocks after it, None for the real model}, or a list of Delink events"
+    _check_given("delink_at", delink_at, pairs, usage, "give at least the step of the delink to the real model")
     events, previous_step, previous_blocks = [], 0, 1
     for index, (step, blocks) in enumerate(pairs):
-        if isinstance(step, bool) or not isinstance(step, int) or step <= previous_step:
-            raise ValueError(f"delink_at: steps must be integers >= 1, increasing; got {step!r} after {previous_step}")
+        _check_step("delink_at", step, previous_step)
         if blocks is not None and (
             isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= previous_blocks
         ):
@@ -108,19 +104,15 @@ def growth_events(growth) -> list[Grow]:
     if isinstance(growth, Grow):
         growth = [growth]
     if isinstance(growth, Mapping):
-        items = sorted(growth.items(), key=lambda item: item[0] if isinstance(item[0], int) else 0)
-        rows = [(step, *(value if _is_sequence(value) else (value,))) for step, value in items]
+        rows = [(step, *(value if _is_sequence(value) else (value,))) for step, value in _by_step(growth)]
     elif _is_sequence(growth):
         rows = [
             event if isinstance(event, Grow) else tuple(event) if _is_sequence(event) else (event,) for event in growth
         ]
     else:
-        raise ValueError(
-            "growth: give {step: depth after it}, {step: (depth, blocks)}, or a list of Grow events; got "
-            f"{type(growth).__name__}"
-        )
-    if not rows:
-        raise ValueError("growth: the schedule is empty; give at least one Grow event")
+        rows = None
+    usage = "{step: depth after it}, {step: (depth, blocks)}, or a list of Grow events"
+    _check_given("growth", growth, rows, usage, "give at least one Grow event")
     events, previous_step, previous_depth = [], 0, 0
     for row in rows:
         if not isinstance(row, Grow):
@@ -130,8 +122,7 @@ def growth_events(growth) -> list[Grow]:
                 )
             row = Grow(*row)
         step, depth, blocks = row.step, row.num_hidden_layers, row.blocks
-        if isinstance(step, bool) or not isinstance(step, int) or step <= previous_step:
-            raise ValueError(f"growth: steps must be integers >= 1, increasing; got {step!r} after {previous_step}")
+        _check_step("growth", step, previous_step)
         if isinstance(depth, bool) or not isinstance(depth, int) or depth <= previous_depth:
             raise ValueError(
                 f"growth: the depth after each growth must be an integer that grows (a model never loses layers); got "
@@ -168,6 +159,26 @@ def event_plan(event: Delink | Grow, config) -> DelinkPlan:
         )
     depth = config["num_hidden_layers"] if isinstance(config, Mapping) else config.num_hidden_layers
     return plan_delink(config, depth if event.blocks is None else event.blocks, num_hidden_layers=depth)
+
+
+def _by_step(schedule: Mapping) -> list[tuple]:
+    """A {step: ...} schedule's items in step order (a key that is not a step first: `_check_step` names it)."""
+    return sorted(schedule.items(), key=lambda item: item[0] if isinstance(item[0], int) else 0)
+
+
+def _check_given(name: str, given, rows: list | None, usage: str, empty: str) -> None:
+    """`ValueError` naming the schedule `name` when it was `given` as something it cannot be (`rows` None: it says
+    what to give, `usage`) or holds no event (`empty`: what it needs)."""
+    if rows is None:
+        raise ValueError(f"{name}: give {usage}; got {type(given).__name__}")
+    if not rows:
+        raise ValueError(f"{name}: the schedule is empty; {empty}")
+
+
+def _check_step(name: str, step, previous: int) -> None:
+    """`ValueError` naming the schedule `name` unless `step` is an integer after the `previous` event's step."""
+    if isinstance(step, bool) or not isinstance(step, int) or step <= previous:
+        raise ValueError(f"{name}: steps must be integers >= 1, increasing; got {step!r} after {previous}")
 
 
 def _is_pair(value) -> bool:

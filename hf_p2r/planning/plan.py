@@ -37,8 +37,8 @@ from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
 
-from ..checkpoint.convert import read_p2r_config_dict
 from ..checkpoint.io import CONFIG_NAME, read_config_dict
+from ..checkpoint.source import read_p2r_config_dict
 from ..distributed.offload.step_time import Design, HostRates, OffloadStep, predict_step_seconds
 from ..distributed.pipeline.schedules import get_schedule
 from ..distributed.pipeline.split import allowed_cuts

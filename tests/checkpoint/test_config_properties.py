@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_p2r.checkpoint.convert import read_p2r_config, read_p2r_config_dict
+from hf_p2r.checkpoint.source import read_p2r_config, read_p2r_config_dict
 from hf_p2r.models.p2r.inventory_p2r import MOE_DEFAULTS
 from hf_p2r.models.p2r.sharing_p2r import SIZE_FIELDS
 

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from hf_p2r import convert_pseudo_to_real
-from hf_p2r.checkpoint.convert import parameter_shapes, read_p2r_config
 from hf_p2r.checkpoint.mixtral import export_mixtral, mixtral_fields
+from hf_p2r.checkpoint.source import parameter_shapes, read_p2r_config
 from hf_p2r.cli import main
 from hf_p2r.models.p2r.configuration_p2r_moe import P2RMoeConfig
 from hf_p2r.models.p2r.inventory_p2r import MOE_DEFAULTS

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from hf_p2r import P2RForCausalLM, convert_pseudo_to_real
 from hf_p2r.checkpoint import CheckpointReader, save_model, write_checkpoint
 from hf_p2r.checkpoint import ranges as ranges_module
-from hf_p2r.checkpoint.convert import output_config, parameter_shapes, read_p2r_config_dict
+from hf_p2r.checkpoint.convert import output_config
 from hf_p2r.checkpoint.headers import build_header, read_weights
+from hf_p2r.checkpoint.source import parameter_shapes, read_p2r_config_dict
 from hf_p2r.models.p2r.sharing_p2r import delink_names, delink_sources
 
 from ..conftest import tiny_config, tiny_model

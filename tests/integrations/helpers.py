@@ -12,8 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from accelerate import PartialState
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from hf_p2r.integrations import P2RCallback, P2RTrainer
 from hf_p2r.training import TrainConfig, build_model, parse_config
@@ -32,6 +33,19 @@ DETERMINISTIC = (
     "p2r/num_blocks",
     "p2r/delink",
     "p2r/grow",
+)
+# The trainer's fields that TrainingArguments names alike.
+SAME_NAMES = (
+    "output_dir",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "seed",
 )
 
 
@@ -67,23 +81,14 @@ def trainer_for(
     model.config.use_cache = False
     if real_depth is not None:
         model.config.real_num_hidden_layers = real_depth
-    fields = dict(
-        output_dir=t.output_dir,
+    fields = {name: getattr(t, name) for name in SAME_NAMES}
+    fields.update(
         max_steps=t.total_steps,
         per_device_train_batch_size=t.per_device_batch_size,
         per_device_eval_batch_size=t.per_device_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_epsilon=t.adam_epsilon,
-        max_grad_norm=t.max_grad_norm,
         optim="adamw_torch_fused",
         train_sampling_strategy="sequential",
-        seed=t.seed,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -109,6 +114,34 @@ def trainer_for(
 
 def with_labels(batch: dict) -> dict:
     return {"labels": batch["input_ids"]}  # the causal-LM loss shifts them itself
+
+
+def last_layer_dtypes(trainer: Trainer, after_step: int) -> list:
+    """The dtypes the model's last layer computes in (its MLP's output), recorded from the step after `after_step` on
+    (on the model the trainer has then: the one a delink or a growth made); filled as `trainer` trains."""
+    dtypes = []
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == after_step:
+                down_proj = model.model.layers[-1].mlp.down_proj
+                down_proj.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+
+    trainer.add_callback(Probe())
+    return dtypes
+
+
+def assert_state_carried(after: dict, name: str, source: dict, carry: str, ratio: float) -> None:
+    """The Adam state of a new layer's parameter `name` after a delink or a growth: none (`carry` reset), its source
+    block's `source` (copy), or that times `ratio` (scale; ratio**2 for exp_avg_sq), the step count kept."""
+    if carry == "reset":
+        assert name not in after
+        return
+    ratio = ratio if carry == "scale" else 1.0
+    assert torch.equal(after[name]["step"], source["step"])
+    assert torch.equal(after[name]["exp_avg"], source["exp_avg"] * ratio if ratio != 1 else source["exp_avg"])
+    expected_sq = source["exp_avg_sq"] * ratio**2 if ratio != 1 else source["exp_avg_sq"]
+    assert torch.equal(after[name]["exp_avg_sq"], expected_sq)
 
 
 def deterministic(history: list[dict]) -> list[dict]:

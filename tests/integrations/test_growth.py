@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from hf_p2r.integrations import Delink, Grow, P2RCallback
 from hf_p2r.integrations.callback import growth_events
 
 from ..conftest import tiny_model
-from .helpers import deterministic, p2r_config, trainer_for
+from .helpers import assert_state_carried, deterministic, last_layer_dtypes, p2r_config, trainer_for
 
 REPO = Path(__file__).resolve().parents[2]
 # A shallow pseudo model (2 layers sharing 1 block, real depth 4), grown to 4 layers with 2 blocks at step 2 (stacked),
@@ -184,15 +183,7 @@ def test_the_carry_starts_the_grown_layers_optimizer_state(tmp_path, carry):
     new_layers = [name for name in trainer.model.state_dict() if layer(name)]
     assert len({layer(name)[0] for name in new_layers}) == 4
     for name in new_layers:
-        source = before[f"model.layers.0.{layer(name)[1]}"]
-        if carry == "reset":
-            assert name not in after
-            continue
-        ratio = 0.5 if carry == "scale" else 1.0
-        assert torch.equal(after[name]["step"], source["step"])
-        assert torch.equal(after[name]["exp_avg"], source["exp_avg"] * ratio if ratio != 1 else source["exp_avg"])
-        expected_sq = source["exp_avg_sq"] * ratio**2 if ratio != 1 else source["exp_avg_sq"]
-        assert torch.equal(after[name]["exp_avg_sq"], expected_sq)
+        assert_state_carried(after, name, before[f"model.layers.0.{layer(name)[1]}"], carry, ratio=0.5)
 
 
 def test_rewarm_restarts_after_a_growth_as_after_a_delink(tmp_path):
@@ -213,15 +204,7 @@ def test_bf16_autocast_covers_the_grown_model_and_the_forward_keeps_its_decorato
     trainer = shallow_trainer(
         tmp_path, P2RCallback(growth={2: 4}), fields=dict(pseudo_steps=4, gradient_accumulation_steps=2), bf16=True
     )
-    dtypes = []
-
-    class Probe(TrainerCallback):  # from step 3 on (after the growth) records the dtype the last layer computes in
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 3:
-                down_proj = model.model.layers[-1].mlp.down_proj
-                down_proj.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
-
-    trainer.add_callback(Probe())
+    dtypes = last_layer_dtypes(trainer, after_step=3)  # after the growth
     trainer.train()
     assert stage(trainer) == (4, 4) and trainer.accelerator.mixed_precision == "bf16"
     assert dtypes == [torch.bfloat16] * 2  # step 4's 2 micro-batches, on the grown model's new last layer

@@ -9,11 +9,11 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer
 
 from hf_p2r.integrations import P2RCallback, P2RTrainerMixin
 
-from .helpers import deterministic, p2r_config, trainer_for
+from .helpers import assert_state_carried, deterministic, last_layer_dtypes, p2r_config, trainer_for
 
 # 1 block -> 2 at step 2 -> the real model (4 layers) at step 4, 8 steps; a checkpoint every 2 steps: checkpoint-2 and
 # checkpoint-4 hold the model before the delink due at their step, checkpoint-6 the real model.
@@ -112,14 +112,7 @@ def test_the_carry_starts_the_new_blocks_optimizer_state(tmp_path, carry):
     assert len(new_blocks) == 4 * len([name for name in before if ".layers." in name])
     for name in new_blocks:
         source = before[name.replace(name.split(".")[2], "0", 1)]  # model.layers.<j>.… ran block 0
-        if carry == "reset":
-            assert name not in after
-            continue
-        ratio = 0.25 if carry == "scale" else 1.0
-        assert torch.equal(after[name]["step"], source["step"])
-        assert torch.equal(after[name]["exp_avg"], source["exp_avg"] * ratio if ratio != 1 else source["exp_avg"])
-        expected_sq = source["exp_avg_sq"] * ratio**2 if ratio != 1 else source["exp_avg_sq"]
-        assert torch.equal(after[name]["exp_avg_sq"], expected_sq)
+        assert_state_carried(after, name, source, carry, ratio=0.25)
     groups = trainer.optimizer.optimizer.param_groups
     assert type(trainer.optimizer.optimizer) is torch.optim.AdamW and groups[0]["fused"]
     assert [group["weight_decay"] for group in groups] == [0.1, 0.0]
@@ -172,15 +165,7 @@ def test_evaluation_runs_on_the_current_model(tmp_path):
 def test_gradient_accumulation_and_bf16_autocast_go_on_after_the_delink(tmp_path):
     config = p2r_config(tmp_path, gradient_accumulation_steps=2, per_device_batch_size=2, **SCHEDULE)
     trainer = trainer_for(config, bf16=True)
-    dtypes = []
-
-    class Probe(TrainerCallback):  # from step 6 on (after the delink) records the dtype the last block computes in
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 6:
-                layer = model.model.layers[-1].mlp.down_proj
-                layer.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
-
-    trainer.add_callback(Probe())
+    dtypes = last_layer_dtypes(trainer, after_step=6)  # after the delink
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert len(losses) == 8 and all(0 < loss < 10 for loss in losses) and blocks_of_depths(trainer) == 4

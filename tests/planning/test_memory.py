@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks import presets
 from hf_p2r import P2RConfig
 from hf_p2r.planning import (
     PRECISIONS,
@@ -104,15 +105,8 @@ def gpt3_175b() -> P2RConfig:
     hidden 12288, 96 heads (no GQA), sequence 2048, vocabulary 50257 padded as Megatron-LM does to a multiple of
     128 x TP = 1024 (51200), untied embeddings, and a SwiGLU MLP of 32768 = 8h/3 so that the MLP keeps GPT-3's 8h^2
     parameters (175.2B in all)."""
-    return P2RConfig(
-        hidden_size=12288,
-        intermediate_size=32768,
-        num_hidden_layers=96,
-        num_attention_heads=96,
-        num_key_value_heads=96,
-        vocab_size=51200,
-        max_position_embeddings=2048,
-    )
+    shape = presets.model(hidden=12288, ffn=32768, heads=96, kv_heads=96, layers=96, vocab=51200)
+    return P2RConfig(**shape, max_position_embeddings=2048)
 
 
 def megatron_most_loaded_shard(h: int, layers: int, vocab: int, ffn: int, tp: int, pp: int) -> float:

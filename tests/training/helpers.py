@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 import torch.distributed as dist
 
 from hf_p2r.training import parse_config, train
@@ -35,6 +37,9 @@ TINY = {
     "cpu": "true",
 }
 
+# L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps.
+TWO_DELINKS = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2])
+
 # A two-stage pipeline (1F1B, two microbatches) of the tiny model with two blocks, their learning rate unscaled.
 TWO_STAGES = dict(
     pipeline_parallel_size=2,
@@ -54,6 +59,19 @@ def tiny_argv(output_dir, **overrides) -> list[str]:
     return argv
 
 
+def trained_run(fixture_name: str, **fields):
+    """A module-scoped fixture named `fixture_name`: a tiny run with `fields` (`tiny_argv`'s overrides) trained once, in
+    this process, into a fresh folder; its output_dir (tests copy it before they resume or change it)."""
+
+    @pytest.fixture(scope="module", name=fixture_name)
+    def run(tmp_path_factory):
+        output_dir = tmp_path_factory.mktemp(fixture_name) / "run"
+        assert train(parse_config(tiny_argv(output_dir, **fields))) == 0
+        return output_dir
+
+    return run
+
+
 def run_trainer(argv: list[str], command: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """The trainer (`command`, default `python -m hf_p2r.train`) run on `argv` in a process of its own, from the
     repository root with `subprocess_env()`, its output captured as text."""
@@ -61,6 +79,23 @@ def run_trainer(argv: list[str], command: list[str] | None = None, timeout: int 
     return subprocess.run(
         [*command, *argv], capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=timeout
     )
+
+
+def token_batches(n: int, batch: int = 2, seq: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    """`n` batches of random token ids of the tiny model's vocabulary (3-100: no special token), the same for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 101, (batch, seq), generator=generator) for _ in range(n)]
+
+
+class LastMicroBatch:
+    """`GranularOffload`'s `last_micro_batch` for `n` micro-batches per step, counted at each training forward."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls % self.n == 0
 
 
 def loss_and_grads(model, ids, **kwargs):

@@ -12,16 +12,13 @@ from hf_p2r.config import ConfigError, parse_config
 from hf_p2r.config.resume import differing
 from hf_p2r.training import train
 
+from ..tiny import TINY_SHAPE
 from .helpers import tiny_argv
 
-# A small Llama config.json as transformers writes one (v5: rope_parameters), with non-default values everywhere.
+# A small Llama config.json as transformers writes one (v5: rope_parameters): the tiny model's shape, with non-default
+# values everywhere else.
 LLAMA = dict(
-    vocab_size=320,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    TINY_SHAPE,
     head_dim=16,
     hidden_act="gelu",
     max_position_embeddings=256,
@@ -49,10 +46,10 @@ def _argv(tmp_path, **fields) -> list[str]:
 @pytest.mark.parametrize("form", ["folder", "file"])
 def test_a_llama_config_gives_every_model_field_and_the_flags_override_it(tmp_path, llama_json, form):
     source = llama_json if form == "folder" else llama_json / "config.json"
-    config = parse_config(_argv(tmp_path, model_config=source, intermediate_size=64))
+    config = parse_config(_argv(tmp_path, model_config=source, intermediate_size=48))
     m = config.model
-    assert (m.hidden_size, m.num_hidden_layers, m.num_key_value_heads, m.head_dim, m.vocab_size) == (32, 4, 2, 16, 320)
-    assert m.intermediate_size == 64  # the flag, over the file
+    assert (m.hidden_size, m.num_hidden_layers, m.num_key_value_heads, m.head_dim, m.vocab_size) == (32, 8, 2, 16, 101)
+    assert m.intermediate_size == 48  # the flag, over the file
     assert (m.hidden_act, m.rms_norm_eps, m.attention_bias, m.mlp_bias) == ("gelu", 1e-5, True, True)
     assert (m.rope_theta, m.rope_scaling) == (50000.0, {"rope_type": "linear", "factor": 2.0})
     assert m.max_position_embeddings == 256

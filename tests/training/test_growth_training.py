@@ -14,28 +14,15 @@ from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.data import load_tokenizer
 from hf_p2r.training.metrics import read_metrics, stage_summary, training_flops_per_token
 
-from .helpers import TINY, tiny_argv, trajectory
+from .helpers import TINY, TWO_DELINKS, tiny_argv, trained_run, trajectory
 
 # L=4: 1 layer (1 block) -> grown to 2 layers (2 blocks) at step 2 -> the real model (4 layers) at step 4, 3 real steps;
 # a checkpoint every step.
-GROW = dict(
-    pseudo_num_hidden_layers=1,
-    num_unique_layers=1,
-    pseudo_steps=4,
-    real_steps=3,
-    partial_delink_steps=[2],
-    partial_delink_blocks=[2],
-    partial_delink_depths=[2],
-    save_steps=1,
-)
+GROW = dict(TWO_DELINKS, pseudo_num_hidden_layers=1, num_unique_layers=1, partial_delink_depths=[2], save_steps=1)
 COUNTS = ("num_hidden_layers", "tokens", "flops")
 
 
-@pytest.fixture(scope="module")
-def grown_run(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("grow") / "run"
-    assert train(parse_config(tiny_argv(output_dir, **GROW))) == 0
-    return output_dir
+grown_run = trained_run("grown_run", **GROW)
 
 
 def with_counts(output_dir) -> list[dict]:

@@ -148,9 +148,9 @@ def test_evaluation_runs_the_same_forward_passes_on_every_process(tmp_path):
     """9 validation blocks over 2 processes with batches of 4: process 0 has 2 batches, process 1 one. Under FSDP2 /
     ZeRO-3 each forward is a collective, so process 1 runs its last batch again (the worker puts a collective in every
     forward, as they do) and drops its loss: the validation loss is still the mean over the 9 blocks."""
-    worker = str(Path(__file__).with_name("uneven_eval_worker.py"))
     launch = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
-    _run([*launch, worker, str(tmp_path)], timeout=480)  # the worker's collectives time out after 300 s
+    worker = ["-m", "tests.training.uneven_eval_worker", str(tmp_path)]
+    _run([*launch, *worker], timeout=480)  # the worker's collectives time out after 300 s
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["forwards"] for r in results] == [2, 2]
     assert results[0]["val_loss"] == results[1]["val_loss"]

@@ -26,7 +26,7 @@ from hf_p2r.training.optim import (
 
 from ..conftest import tiny_model
 from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, REPO, TWO_DELINKS, subprocess_env, tiny_argv, trained_run, trajectory
 
 MUON = dict(optimizer="muon", weight_decay=0.1, learning_rate=1e-2, muon_learning_rate=2e-2)
 IDS = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -245,15 +245,10 @@ def test_a_flat_tensor_in_a_muon_group_is_one_line():
         MuonAdamW([{"params": [flat], "algorithm": "muon"}])
 
 
-# The trainer: L=4, k=1 -> 2 blocks at step 2 -> 4 (real) at step 4, 3 real steps; a checkpoint every step.
-SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2], save_steps=1)
+SCHEDULE = dict(TWO_DELINKS, save_steps=1)  # the trainer's run; a checkpoint every step
 
 
-@pytest.fixture(scope="module")
-def muon_run(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("muon") / "run"
-    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE, optimizer="muon"))) == 0
-    return output_dir
+muon_run = trained_run("muon_run", **SCHEDULE, optimizer="muon")
 
 
 @pytest.mark.parametrize("resume_step", [2, 5])  # at the partial delink, and in the real stage

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import presets
 from hf_p2r.compat import tensor_version
 from hf_p2r.distributed.offload import (
     GranularOffload,
@@ -26,13 +27,25 @@ from hf_p2r.distributed.offload import (
 )
 
 from ..conftest import requires_cuda, tiny_model
+from .helpers import LastMicroBatch, token_batches
 
 PSEUDO = dict(share_layers=True, num_unique_layers=2)
 
 
-def _batches(n, batch=2, seq=12, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 101, (batch, seq), generator=generator) for _ in range(n)]
+def _assert_trained_alike(offloaded, plain, steps=3, lr=None):
+    """Each (model, optimizer) pair through the same `steps` batches, an optimizer step each (at learning rate `lr`
+    set before each, as the trainer's schedule does, where given); then their parameters are equal, bit for bit."""
+    from hf_p2r.training.optim import set_learning_rate
+
+    for model, optimizer in (offloaded, plain):
+        for batch in token_batches(steps):
+            if lr is not None:
+                set_learning_rate(optimizer, lr)
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, p), q in zip(offloaded[0].named_parameters(), plain[0].parameters()):
+        assert torch.equal(p, q), name
 
 
 def _train(
@@ -70,7 +83,7 @@ def _train(
                 torch.optim.AdamW(resident, **hyper),
                 torch.optim.AdamW(offload.offloaded_parameters, **{**hyper, **host_optimizer}),
             )
-    for i, batch in enumerate(_batches(steps * accumulation), 1):
+    for i, batch in enumerate(token_batches(steps * accumulation), 1):
         batch = batch.to(device)
         model(input_ids=batch, labels=batch).loss.backward()
         if i % accumulation == 0:
@@ -196,7 +209,7 @@ def test_remove_restores_the_model():
     offloaded = {id(p) for p in offload.offloaded_parameters}
     assert offloaded and _hooks(model) > 0
     model.train()
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     model(input_ids=batch, labels=batch).loss.backward()
     offload.remove()
     assert _hooks(model) == 0
@@ -237,7 +250,7 @@ def test_each_block_lives_in_one_host_allocation_and_saves_like_a_plain_model(tm
         assert torch.equal(loaded[name], value), name
     # The host estimate is what was allocated (unpinned here: no rounding), plus the gradients and AdamW state.
     optimizer = offload.build_optimizer(lr=1e-2)
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
@@ -269,7 +282,7 @@ def test_weights_are_on_the_device_only_while_their_block_runs():
 
     for i, layer in enumerate(decoder_layers(model)):
         layer.register_forward_pre_hook(lambda module, args, i=i: probe(i, module, args))
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     loss = model(input_ids=batch, labels=batch).loss
     # Forward: at depth d only blocks d and d+1 (prefetch) hold memory.
     assert seen == [(d, [d, d + 1] if d < 7 else [7]) for d in range(8)]
@@ -307,7 +320,7 @@ def test_weights_in_flight_match_the_shared_working_set_estimate(prefetch, check
     for layer in decoder_layers(model):
         layer.register_forward_pre_hook(measure)
         layer.register_forward_hook(backward_starts)
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     model(input_ids=batch, labels=batch).loss.backward()
     block = _block_bytes(model)
     assert peak == offload_working_set_bytes(block, 0, offloaded=8, prefetch=prefetch) == min(prefetch + 1, 8) * block
@@ -369,7 +382,7 @@ def test_backward_prefetch_has_the_next_block_ready(mode, monkeypatch):
         layer.register_forward_pre_hook(lambda module, args, i=i: started(i))  # recomputation through the block
         layer.register_forward_hook(lambda module, args, output, i=i: output_hook(i, module, args, output))
     optimizer = offload.build_optimizer(lr=1e-2)
-    for batch in _batches(2):
+    for batch in token_batches(2):
         copies.clear()
         starts.clear()
         model(input_ids=batch, labels=batch).loss.backward()
@@ -387,7 +400,7 @@ def test_shared_block_is_copied_once_and_its_gradient_moves_once_per_backward(ch
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
     offload = GranularOffload(model, [0])
-    for batch in _batches(2):
+    for batch in token_batches(2):
         model(input_ids=batch, labels=batch).loss.backward()
     block = _block_bytes(model)
     # The block stays fetched through all 16 forward/backward positions: one copy in per step.
@@ -401,7 +414,7 @@ def test_no_grad_forward_and_exceptions_close_the_window():
     model = tiny_model()
     reference = copy.deepcopy(model)
     offload = GranularOffload(model, 0.5)
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     with torch.no_grad():
         logits = model(input_ids=batch).logits
     assert torch.equal(logits, reference(input_ids=batch).logits)
@@ -421,7 +434,7 @@ def test_no_grad_forward_and_exceptions_close_the_window():
 def test_a_second_backward_through_one_forward_is_an_error():
     model = tiny_model().train()
     GranularOffload(model, [3])
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran after its forward's window closed"):
@@ -433,7 +446,7 @@ def test_moving_the_model_while_applied_is_an_error():
     GranularOffload(model, [3])
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match=r"call offload.remove\(\) first"):
-        model(input_ids=_batches(1)[0])
+        model(input_ids=token_batches(1)[0])
 
 
 def test_distributed_wrappers_are_refused(monkeypatch, tmp_path):
@@ -486,7 +499,7 @@ def test_recomputation_through_the_block_call_fetches_the_block(reentrant):
             checkpoint_wrapper(layer, checkpoint_impl=impl) for layer in model.model.layers
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        for batch in _batches(2):
+        for batch in token_batches(2):
             model(input_ids=batch, labels=batch).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -513,13 +526,7 @@ def test_optimizer_splits_groups_and_equals_one_plain_adamw():
     kinds = [(all(id(p) in offloaded for p in g["params"]), g["weight_decay"], g["lr"]) for g in optimizer.param_groups]
     assert kinds == [(False, 0.1, 1e-2), (False, 0.0, 5e-3), (True, 0.1, 1e-2), (True, 0.0, 5e-3)]
     assert optimizer.defaults["fused"] is True
-    for batch in _batches(3):
-        for m, opt in ((model, optimizer), (reference, plain)):
-            m(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
+    _assert_trained_alike((model, optimizer), (reference, plain))
     # State per parameter, on the parameter's device; a state_dict round trip into a new optimizer continues exactly.
     assert all(optimizer.state[p]["exp_avg"].device == p.device for p in model.parameters())
     resumed = offload.build_optimizer(groups(model), lr=1e-2)
@@ -535,7 +542,7 @@ def test_delink_then_offload_continues_like_delink_alone():
     def run(spec):
         model = tiny_model(**PSEUDO).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        batches = _batches(4)
+        batches = token_batches(4)
         for batch in batches[:2]:
             model(input_ids=batch, labels=batch).loss.backward()
             optimizer.step()
@@ -570,7 +577,7 @@ def test_compute_dtype_runs_blocks_in_bf16_and_keeps_fp32_masters():
             all(p.dtype == torch.bfloat16 and torch.equal(p, masters[id(p)].bfloat16()) for p in m.parameters())
         )
     )
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     losses = []
     for m in (model, reference):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -597,7 +604,7 @@ def test_compute_dtype_runs_blocks_in_bf16_and_keeps_fp32_masters():
 def test_autocast_without_compute_dtype_warns_once():
     """Autocast would cache a bf16 cast of every offloaded weight from forward to backward: offload would free no
     weight memory. Running the blocks in the autocast dtype (`compute_dtype`) avoids it, and then nothing warns."""
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     model = tiny_model().train()
     GranularOffload(model, 0.5)
     with pytest.warns(UserWarning, match=r"offload: cpu autocast to torch.bfloat16 .* compute_dtype=torch.bfloat16"):
@@ -627,7 +634,7 @@ def test_low_precision_gradients_accumulate_into_the_masters_dtype_exactly(monke
         collect(p, event, norm)
 
     monkeypatch.setattr(offload, "_collect", spy)
-    for batch in _batches(3):
+    for batch in token_batches(3):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=batch, labels=batch).loss.backward()
     for p in offload.offloaded_parameters:
@@ -678,7 +685,7 @@ def test_device_chunked_steps_each_chunk_alone_within_the_bound():
     optimizer = offload.build_optimizer(lr=1e-2)
     calls = _step_calls(optimizer)
     offloaded = offload.offloaded_parameters
-    for batch in _batches(2):
+    for batch in token_batches(2):
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
         assert all(p.grad is not None and p.device.type == "cpu" for p in offloaded)  # as after any step
@@ -723,13 +730,7 @@ def test_any_torch_optimizer_through_build_optimizer_equals_it_without_offload(o
     optimizer = offload.build_optimizer(optimizer_cls=optimizer_cls, **options)
     plain = optimizer_cls(reference.parameters(), **options)
     assert type(optimizer) is optimizer_cls
-    for batch in _batches(3):
-        for m, opt in ((model, optimizer), (reference, plain)):
-            m(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
+    _assert_trained_alike((model, optimizer), (reference, plain))
     assert all(v.device.type == "cpu" for p in offload.offloaded_parameters for v in optimizer.state[p].values())
 
 
@@ -742,21 +743,15 @@ def test_the_trainers_muon_steps_offloaded_blocks_in_both_designs(design):
     """The trainer's `optimizer: muon` (MuonAdamW: torch's Muon and AdamW as inner optimizers) through
     `build_optimizer`: on the device in chunks, and on the host (at once: `overlap_step` copies only torch classes)."""
     from hf_p2r.training.config import TrainArguments
-    from hf_p2r.training.optim import MuonAdamW, build_optimizer, set_learning_rate
+    from hf_p2r.training.optim import MuonAdamW, build_optimizer
 
     args = TrainArguments(optimizer="muon", weight_decay=0.1, learning_rate=1e-2, muon_learning_rate=2e-2)
     model, reference = tiny_model().train(), tiny_model().train()
     offload = GranularOffload(model, [1, 3], **design)
     optimizer = build_optimizer(model, args, offload)
     assert isinstance(optimizer, MuonAdamW) and not offload._overlapping
-    for m, opt in ((model, optimizer), (reference, build_optimizer(reference, args))):
-        for batch in _batches(2):
-            set_learning_rate(opt, 1e-2)
-            m(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p, q), name
+    reference_optimizer = build_optimizer(reference, args)
+    _assert_trained_alike((model, optimizer), (reference, reference_optimizer), steps=2, lr=1e-2)
 
 
 def test_device_chunked_casts_the_copies_to_send_on_the_device():
@@ -765,7 +760,7 @@ def test_device_chunked_casts_the_copies_to_send_on_the_device():
     model = tiny_model().train()
     offload = GranularOffload(model, 1.0, compute_dtype=torch.bfloat16, optimizer_step="device_chunked", chunk_bytes=1)
     optimizer = offload.build_optimizer(lr=1e-2)
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
@@ -783,7 +778,7 @@ def test_device_chunked_state_round_trips_through_a_state_dict():
         model = tiny_model().train()
         offload = GranularOffload(model, 0.5, optimizer_step="device_chunked", chunk_bytes=40_000)
         optimizer = offload.build_optimizer(lr=1e-2, weight_decay=0.1)
-        for i, batch in enumerate(_batches(4)):
+        for i, batch in enumerate(token_batches(4)):
             if resume and i == 2:
                 saved = copy.deepcopy(optimizer.state_dict())
                 optimizer = offload.build_optimizer(lr=1e-2, weight_decay=0.1)
@@ -839,7 +834,7 @@ def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
     monkeypatch.setattr(offload, "_step_block", gated)
     for index, layer in enumerate(decoder_layers(model)):
         layer.register_forward_pre_hook(lambda module, args, index=index: events.append(("forward", index)))
-    for i, batch in enumerate(_batches(3)):
+    for i, batch in enumerate(token_batches(3)):
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
         events.append(("returned", i))
@@ -848,7 +843,7 @@ def test_overlapped_steps_finish_before_their_block_is_used(monkeypatch):
         optimizer.zero_grad()
         threading.Timer(0.05, gate.release, args=(2,)).start()  # the next forward (or state_dict) starts at once
     saved = model.state_dict()  # waits for the last step's blocks
-    for batch in _batches(3):
+    for batch in token_batches(3):
         reference(input_ids=batch, labels=batch).loss.backward()
         plain.step()
         plain.zero_grad()
@@ -934,7 +929,7 @@ def test_clip_norm_equals_torch_without_measuring_offloaded_gradients(
         for model in models:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
     offload = GranularOffload(models[0], 0.5)
-    for batch in _batches(accumulation):
+    for batch in token_batches(accumulation):
         for model in models:
             model(input_ids=batch, labels=batch).loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(models[1].parameters(), max_norm)
@@ -952,7 +947,7 @@ def test_clip_measures_gradients_changed_since_they_left_the_device(monkeypatch)
     norm recorded when it left the device."""
     model = tiny_model().train()
     offload = GranularOffload(model, [1, 3])
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     model(input_ids=batch, labels=batch).loss.backward()
     offloaded = offload.offloaded_parameters
     offloaded[0].grad.mul_(0.5)  # in place: its version counter moves
@@ -971,7 +966,7 @@ def test_clip_norm_under_bf16_equals_torch_over_the_fp32_gradients(monkeypatch, 
     rounding), and no offloaded gradient is measured by the clip."""
     model = tiny_model().train()
     offload = GranularOffload(model, 0.5, compute_dtype=torch.bfloat16)
-    for batch in _batches(accumulation):
+    for batch in token_batches(accumulation):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=batch, labels=batch).loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -990,16 +985,8 @@ def test_clip_norm_under_bf16_equals_torch_over_the_fp32_gradients(monkeypatch, 
 def _cuda_model(num_hidden_layers=8, **overrides):
     # Eager attention: fp32 SDPA backward on CUDA may pick a nondeterministic kernel, and the equality test compares
     # two runs.
-    return tiny_model(
-        attn_implementation="eager",
-        hidden_size=256,
-        intermediate_size=768,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        num_hidden_layers=num_hidden_layers,
-        vocab_size=512,
-        **overrides,
-    ).train()
+    shape = presets.model(hidden=256, ffn=768, heads=8, kv_heads=4, layers=num_hidden_layers, vocab=512)
+    return tiny_model(attn_implementation="eager", **shape, **overrides).train()
 
 
 @requires_cuda
@@ -1074,17 +1061,6 @@ CUDA_DESIGNS = {
 }
 
 
-class _Every:
-    """`last_micro_batch` for `n` micro-batches per step."""
-
-    def __init__(self, n: int):
-        self.n, self.calls = n, 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls % self.n == 0
-
-
 @requires_cuda
 @pytest.mark.parametrize("overrides", [{}, PSEUDO], ids=["real", "pseudo"])
 @pytest.mark.parametrize("checkpointing", [None, False])
@@ -1101,7 +1077,7 @@ def test_cuda_training_with_offload_matches_training_without(overrides, checkpoi
     )
     options = dict(CUDA_DESIGNS[design])
     if "micro_batches" in options:
-        options["last_micro_batch"] = _Every(options.pop("micro_batches"))
+        options["last_micro_batch"] = LastMicroBatch(options.pop("micro_batches"))
     got, offload = _train(
         _cuda_model(**overrides),
         0.5,

@@ -22,25 +22,10 @@ from hf_p2r.distributed.delay import feed_back_error_
 from hf_p2r.distributed.offload import GranularOffload, decoder_layers, estimate_device_bytes, estimate_host_bytes
 
 from ..conftest import tiny_model
+from .helpers import LastMicroBatch, token_batches
 
 PSEUDO = dict(share_layers=True, num_unique_layers=2)
 HYPER = dict(lr=1e-2, weight_decay=0.1, fused=True)
-
-
-def _batches(n, batch=2, seq=12, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 101, (batch, seq), generator=generator) for _ in range(n)]
-
-
-class Counter:
-    """`last_micro_batch` for `accumulation` micro-batches per step, counted at each training forward."""
-
-    def __init__(self, accumulation: int):
-        self.accumulation, self.calls = accumulation, 0
-
-    def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls % self.accumulation == 0
 
 
 def _train(
@@ -55,10 +40,10 @@ def _train(
     if offload is None:
         optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
     else:
-        kw.setdefault("last_micro_batch", Counter(accumulation))
+        kw.setdefault("last_micro_batch", LastMicroBatch(accumulation))
         offload = GranularOffload(model, offload, **kw)
         optimizer = offload.build_optimizer(**HYPER)
-    for i, batch in enumerate(_batches(steps * accumulation), 1):
+    for i, batch in enumerate(token_batches(steps * accumulation), 1):
         (model(input_ids=batch, labels=batch).loss / accumulation).backward()
         if i % accumulation == 0:
             if clip:
@@ -114,11 +99,11 @@ def test_micro_batches_before_the_last_wait_for_nothing(monkeypatch):
     """A backward that is not the step's last hands nothing over and waits for no gradient; the last one hands the
     device sums over as `.grad`, each the parameter's staging buffer itself (no host copy), with its norm."""
     model = tiny_model().train()
-    offload = GranularOffload(model, 0.5, grad_accumulation="device", last_micro_batch=Counter(3))
+    offload = GranularOffload(model, 0.5, grad_accumulation="device", last_micro_batch=LastMicroBatch(3))
     finished = []
     finish = offload._finish_gradients
     monkeypatch.setattr(offload, "_finish_gradients", lambda: (finished.append(1), finish()))
-    batches = _batches(3)
+    batches = token_batches(3)
     for batch in batches[:2]:
         model(input_ids=batch, labels=batch).loss.backward()
         assert all(p.grad is None for p in offload.offloaded_parameters)
@@ -139,7 +124,7 @@ def test_a_step_before_the_last_micro_batch_is_an_error():
     model = tiny_model().train()
     offload = GranularOffload(model, 0.5, grad_accumulation="device", overlap_step=True, last_micro_batch=lambda: False)
     optimizer = offload.build_optimizer(**HYPER)
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     model(input_ids=batch, labels=batch).loss.backward()
     with pytest.raises(RuntimeError, match="^offload: the optimizer steps while the gradients of .* still summed"):
         optimizer.step()
@@ -150,9 +135,9 @@ def test_bf16_accumulation_sums_and_sends_in_bf16():
     masters' dtype; the result is the bf16 sum of the parts, not the fp32 one."""
     model, reference = tiny_model().train(), tiny_model().train()
     offload = GranularOffload(
-        model, [1], grad_accumulation="device", accumulation_dtype=torch.bfloat16, last_micro_batch=Counter(2)
+        model, [1], grad_accumulation="device", accumulation_dtype=torch.bfloat16, last_micro_batch=LastMicroBatch(2)
     )
-    for batch in _batches(2):
+    for batch in token_batches(2):
         model(input_ids=batch, labels=batch).loss.backward()
         reference(input_ids=batch, labels=batch).loss.backward()
     params = list(decoder_layers(model)[1].parameters())
@@ -208,7 +193,7 @@ def test_update_during_backward_steps_blocks_before_the_backward_ends(monkeypatc
 
     monkeypatch.setattr(offload._worker, "submit", spy_submit)
     monkeypatch.setattr(offload, "_step_early", spy_step)
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     model(input_ids=batch, labels=batch).loss.backward()
     assert sorted(submitted) == [(1, True), (3, True)] and landed == [True, True]
     assert all(p.grad is None for p in offload.offloaded_parameters)  # consumed by their steps
@@ -221,7 +206,7 @@ def test_update_during_backward_steps_blocks_before_the_backward_ends(monkeypatc
 def test_update_during_backward_needs_the_optimizer_first():
     model = tiny_model().train()
     GranularOffload(model, [1], update="during_backward")
-    batch = _batches(1)[0]
+    batch = token_batches(1)[0]
     with pytest.raises(RuntimeError, match="^offload: update='during_backward' steps each block with the optimizer"):
         model(input_ids=batch, labels=batch)
 
@@ -238,7 +223,7 @@ def _train_delayed_reference(model, offloaded, *, steps, accumulation, correctio
     stale_params = [p for i in offloaded for p in decoder_layers(model)[i].parameters()]
     sent = [p.detach().clone() for p in stale_params]
     previous: dict[int, torch.Tensor] = {}
-    for i, batch in enumerate(_batches(steps * accumulation), 1):
+    for i, batch in enumerate(token_batches(steps * accumulation), 1):
         current = [p.data for p in stale_params]
         for p, weights in zip(stale_params, sent):
             p.data = weights.clone()
@@ -284,7 +269,7 @@ def test_delayed_update_equals_its_rule(overrides, accumulation, correction):
     _assert_equal(got, expected)
     reference = tiny_model(**overrides).eval()
     reference.load_state_dict(got)
-    batch = _batches(4 * accumulation)[-1]
+    batch = token_batches(4 * accumulation)[-1]
     with torch.no_grad():
         assert torch.equal(evals[-1], reference(input_ids=batch).logits)  # the last evaluation: the final weights
     plain, _ = _train(tiny_model(**overrides), steps=4, accumulation=accumulation)
@@ -298,7 +283,7 @@ def test_delayed_update_runs_during_the_next_step_and_synchronize_drains_it():
     model = tiny_model().train()
     offload = GranularOffload(model, [1], update="delayed", grad_accumulation="device")
     optimizer = offload.build_optimizer(**HYPER)
-    batches = _batches(6)
+    batches = token_batches(6)
     for batch in batches[:2]:
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()

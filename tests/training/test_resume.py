@@ -17,17 +17,13 @@ from hf_p2r.training import parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 
 from ..security.payload import CraftedPickle
-from .helpers import PYTHON, REPO, run_trainer, subprocess_env, tiny_argv, trajectory
+from .helpers import PYTHON, REPO, run_trainer, subprocess_env, tiny_argv, trained_run, trajectory
 
 # L=4, k=1: delinked to the real model at step 2; a checkpoint every step (1, 2 pseudo; 3, 4 real).
 SCHEDULE = dict(pseudo_steps=2, real_steps=2, save_steps=1)
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("resume") / "run"
-    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
-    return output_dir
+finished = trained_run("finished", **SCHEDULE)
 
 
 @pytest.fixture

@@ -22,18 +22,12 @@ from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.engines.accelerate import check_gpu_per_process
 from hf_p2r.training.metrics import delink_points, read_metrics
 
-from .helpers import PYTHON, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import PYTHON, REPO, TWO_DELINKS, subprocess_env, tiny_argv, trained_run, trajectory
 
-# L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps; a checkpoint every step.
-SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2], save_steps=1)
+SCHEDULE = dict(TWO_DELINKS, save_steps=1)  # a checkpoint every step
 
 
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """One uninterrupted run, shared by the tests below (they copy it before resuming)."""
-    output_dir = tmp_path_factory.mktemp("full") / "run"
-    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
-    return output_dir
+full_run = trained_run("full_run", **SCHEDULE)  # one uninterrupted run, shared by the tests below
 
 
 def test_run_writes_both_models_metrics_and_checkpoints(full_run):

@@ -14,17 +14,12 @@ from hf_p2r.training.metrics import read_metrics
 from hf_p2r.training.offload import apply_offload, estimate_device_bytes, measure_offload_activations, spread_layers
 from hf_p2r.training.train import build_model
 
-from .helpers import tiny_argv, trajectory
+from .helpers import TWO_DELINKS, tiny_argv, trained_run, trajectory
 
-# L=4, k=1 -> 2 blocks at step 2 -> 4 blocks (real) at step 4, then 3 real steps.
-SCHEDULE = dict(pseudo_steps=4, real_steps=3, partial_delink_steps=[2], partial_delink_blocks=[2])
+SCHEDULE = TWO_DELINKS
 
 
-@pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("plain") / "run"
-    assert train(parse_config(tiny_argv(output_dir, **SCHEDULE))) == 0
-    return output_dir
+plain_run = trained_run("plain_run", **SCHEDULE)
 
 
 def _final_weights(output_dir):

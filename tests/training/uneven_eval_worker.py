@@ -1,6 +1,6 @@
-"""Run by test_launch.py under `accelerate launch` with two gloo processes: the Accelerate engine's `evaluate` on an
-odd number of validation blocks, with a collective in every forward pass, as under FSDP2 / ZeRO-3 (their parameter
-all-gather).
+"""Run by test_launch.py as `accelerate launch ... -m tests.training.uneven_eval_worker DIR` with two gloo processes:
+the Accelerate engine's `evaluate` on an odd number of validation blocks, with a collective in every forward pass, as
+under FSDP2 / ZeRO-3 (their parameter all-gather).
 
 Writes `rank{N}.json` into the folder given as the only argument: forward passes run, the validation loss, and the
 same loss computed block by block in this one process.
@@ -16,8 +16,10 @@ import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from datasets import Dataset
 
-from hf_p2r import P2RConfig, P2RForCausalLM
+from hf_p2r import P2RForCausalLM
 from hf_p2r.training.engines.accelerate import evaluate
+
+from ..tiny import tiny_config
 
 NUM_BLOCKS, EVAL_BLOCKS, BATCH_SIZE = 40, 9, 4  # process 0 takes 5 blocks (2 batches), process 1 takes 4 (1 batch)
 CHOSEN = [0, 4, 8, 13, 17, 22, 26, 31, 35]  # 9 blocks spread evenly over 40
@@ -28,15 +30,7 @@ def main(output_dir: Path) -> None:
     # fails). Long enough for the start-up too (it also bounds the wait for the other process to join).
     accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=5))])
     torch.manual_seed(0)
-    config = P2RConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-    )
-    model = P2RForCausalLM(config).eval()
+    model = P2RForCausalLM(tiny_config(vocab_size=64, num_hidden_layers=2, max_position_embeddings=16)).eval()
     ids = torch.randint(0, 64, (NUM_BLOCKS, 16), generator=torch.Generator().manual_seed(1))
     blocks = Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
     with torch.no_grad():  # one process, block by block: the mean of the chosen blocks' mean losses

@@ -15,10 +15,11 @@ import tempfile
 from pathlib import Path
 
 from ...checkpoint import convert_pseudo_to_real, save_model
-from ...checkpoint.convert import check_output_folder, conversion_blocks, parse_dtype
+from ...checkpoint.convert import conversion_blocks, parse_dtype
 from ...checkpoint.dcp_weights import dcp_weights, write_dcp_weights
 from ...checkpoint.headers import parse_size
 from ...checkpoint.io import file_within, why_skipped
+from ...checkpoint.output_folder import check_output_folder
 from ...checkpoint.targets import get_target
 from ...config import TrainConfig
 from ...errors import InputError
