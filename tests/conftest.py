@@ -9,6 +9,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed runs on CPU here: named, its accelerator is not detected, which logs a warning to stdout in whichever test
+# first asks for it (a command's stdout that a test reads whole, once another test of the process imported DeepSpeed).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import platform  # noqa: E402
+
+# The processor's name, which `platform` reads from `uname -p` once per process, read now, before tests/tiers.py
+# watches the tests for processes they start (a benchmark's machine line would be the first to read it).
+platform.processor()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
