@@ -180,8 +180,8 @@ def groups_of(corpora: list[str], optimizers: list[str], depth: int, steps: dict
 
 def optimizer_steps(preset: dict, overrides: list[tuple[str, int]] | None) -> dict[str, int]:
     """{optimizer: scratch's steps}: the preset's total, except `overrides` ((optimizer, steps) pairs of
-    --optimizer-steps: e.g. a Muon step costs about 5x an AdamW one on a CPU without bf16 matrix units, as torch's
-    Newton-Schulz runs in bf16)."""
+    --optimizer-steps: a smaller budget for an optimizer whose steps cost more, e.g. Muon's on a CPU, where torch's
+    Newton-Schulz iterations run in bf16)."""
     return {**dict.fromkeys(OPTIMIZERS, preset["total_steps"]), **dict(overrides or [])}
 
 
