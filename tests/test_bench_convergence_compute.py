@@ -82,7 +82,7 @@ def test_compare_measures_compute_to_scratchs_final_loss():
     assert row["flops_to_target"] == 200.0 and row["speedup_flops"] == 2.0
     assert row["depth_at_target"] == 8  # reached by the grown model
     # the last evaluation at depth 2 (step 100, 100 FLOPs of scratch's 400) and the first at 8 (step 200)
-    assert row["growth"] == {"flops_share": 0.25, "loss_before": 3.0, "loss_after": 2.0}
+    assert row["growth"] == {"depth_before": 2, "flops_share": 0.25, "loss_before": 3.0, "loss_after": 2.0}
     assert base["growth"] is None  # scratch never grows
     assert (row["tokens_to_target"], row["steps_to_target"]) == (2000, 200)
     assert row["budget_ratio"] == 1.0 and row["delta_vs_scratch"] == pytest.approx(-0.2)
@@ -156,8 +156,16 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
         compute.markdown(result)
     )
     group["speedups"]["gstack-2to8-at50"] = [1.5]
+    seed["runs"][1].update(speedup_flops=1.5, flops_to_target=400 / 1.5)
     result["recommended"] = compute.recommend([group])
-    assert "misses the 2x target by 0.50x at its worst" in compute.markdown(result)
+    page = compute.markdown(result)
+    assert "misses the 2x target by 0.50x at its worst" in page
+    # the measured reason, from the run's own curve: FLOPs before the growth, the losses around it, the crossing
+    assert (
+        "- stdlib-L8-adamw seed 0: 1.50x: 25% of scratch's FLOPs went to the shallow start, which ended at "
+        "3.0000 (+1.0000 from scratch's final 2.0000); at the first evaluation after the growth the loss was 2.0000 "
+        "(-1.0000); the grown model reached scratch's final loss at 67% of scratch's FLOPs (50% or less is 2x)."
+    ) in page
 
 
 def test_an_optimizer_can_run_its_own_scratch_budget(tmp_path):

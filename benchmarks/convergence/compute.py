@@ -247,6 +247,7 @@ def compare(records: dict[str, list[dict]]) -> dict:
         growth = None
         if shallow and grown:
             growth = {
+                "depth_before": shallow[-1].get("num_hidden_layers"),
                 "flops_share": shallow[-1]["flops"] / budget["flops"],
                 "loss_before": shallow[-1]["val_loss"],
                 "loss_after": grown[0]["val_loss"],
@@ -397,6 +398,28 @@ def _growth(growth: dict | None) -> str:
     return f"{growth['loss_before']:.4f} -> {growth['loss_after']:.4f} ({growth['flops_share']:.0%})"
 
 
+def _why(row: dict, seed: dict) -> str:
+    """Why a run's speed-up is under the target, from its measured curve: where its FLOPs went before the growth,
+    the loss there and after it, and where it reached scratch's final loss."""
+    target, growth = seed["target"], row.get("growth")
+    if growth is None:
+        return "no growth to L recorded (the run's stages are in its metrics)."
+    text = (
+        f"{growth['flops_share']:.0%} of scratch's FLOPs went to the "
+        + (f"{growth['depth_before']}-layer" if growth.get("depth_before") else "shallow")
+        + f" start, which ended at {growth['loss_before']:.4f} ({growth['loss_before'] - target:+.4f} from scratch's "
+        f"final {target:.4f}); at the first evaluation after the growth the loss was {growth['loss_after']:.4f} "
+        f"({growth['loss_after'] - growth['loss_before']:+.4f}); "
+    )
+    if not row["flops_to_target"]:
+        return text + "the grown model never reached scratch's final loss."
+    shallow = row.get("depth_at_target") and row["depth_at_target"] <= (growth.get("depth_before") or 0)
+    return text + (
+        f"the {'shallow' if shallow else 'grown'} model reached scratch's final loss at {row['flops_to_target'] / seed['scratch']['flops']:.0%} of "
+        f"scratch's FLOPs ({1 / TARGET:.0%} or less is {TARGET:g}x)."
+    )
+
+
 def markdown(result: dict) -> str:
     p, plan, groups = result["preset"], result["plan"], result["groups"]
     f = p["fields"]
@@ -522,6 +545,13 @@ def markdown(result: dict) -> str:
                 "steps its depth needs), so the speed-up measures the shallow start, not the growth; the final loss "
                 "below scratch's is what the run reaches after growing."
             )
+        for group in groups:
+            for seed in group["per_seed"]:
+                row = next((r for r in seed["runs"] if r["name"] == best["name"]), None)
+                if row is not None and (row["speedup_flops"] or 0.0) < TARGET:
+                    lines.append(
+                        f"- {group['name']} seed {seed['seed']}: {_x(row['speedup_flops'])}: {_why(row, seed)}"
+                    )
         if set(plan["seeds"]) - set(seeds_run) or len(groups) < len(plan["corpora"]) * len(plan["optimizers"]):
             lines.append(
                 "- The target is judged at every seed on both corpora with AdamW and Muon; the groups and seeds "
