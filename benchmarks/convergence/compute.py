@@ -414,9 +414,10 @@ def _why(row: dict, seed: dict) -> str:
     if not row["flops_to_target"]:
         return text + "the grown model never reached scratch's final loss."
     shallow = row.get("depth_at_target") and row["depth_at_target"] <= (growth.get("depth_before") or 0)
+    share = row["flops_to_target"] / seed["scratch"]["flops"]
     return text + (
-        f"the {'shallow' if shallow else 'grown'} model reached scratch's final loss at {row['flops_to_target'] / seed['scratch']['flops']:.0%} of "
-        f"scratch's FLOPs ({1 / TARGET:.0%} or less is {TARGET:g}x)."
+        f"the {'shallow' if shallow else 'grown'} model reached scratch's final loss at {share:.0%} of scratch's "
+        f"FLOPs ({1 / TARGET:.0%} or less is {TARGET:g}x)."
     )
 
 
