@@ -1,6 +1,8 @@
 """benchmarks/convergence/compute.py (issue 39's compute-to-loss study): the recipes' schedules, the equal-compute
 step counts, the comparison by FLOPs and the page, on synthetic records (no training)."""
 
+import argparse
+
 import pytest
 
 from benchmarks.convergence import compute
@@ -79,6 +81,9 @@ def test_compare_measures_compute_to_scratchs_final_loss():
     assert base["speedup_flops"] == 1.0 and base["budget_ratio"] == 1.0
     assert row["flops_to_target"] == 200.0 and row["speedup_flops"] == 2.0
     assert row["depth_at_target"] == 8  # reached by the grown model
+    # the last evaluation at depth 2 (step 100, 100 FLOPs of scratch's 400) and the first at 8 (step 200)
+    assert row["growth"] == {"depth_before": 2, "flops_share": 0.25, "loss_before": 3.0, "loss_after": 2.0}
+    assert base["growth"] is None  # scratch never grows
     assert (row["tokens_to_target"], row["steps_to_target"]) == (2000, 200)
     assert row["budget_ratio"] == 1.0 and row["delta_vs_scratch"] == pytest.approx(-0.2)
     assert row["loss_at_scratch_tokens"] == 3.0  # after scratch's 1000 tokens, mid-run
@@ -138,14 +143,50 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
     assert "Not run (no scratch run, so nothing to compare): stdlib-L8-adamw seed 1," in page
     assert "prose-L8-muon seed 2." in page
     assert "Recipes not run in any group: bu-1to8-at60," in page
-    assert "| gstack-2to8-at50 | 0 | 1.8000 | -0.2000 | 1.00 | 250 | 2,500 | 400 | 200 | 2.00x | - | +1.0000 |" in page
+    assert (
+        "| gstack-2to8-at50 | 0 | 1.8000 | -0.2000 | 1.00 | 250 | 2,500 | 400 | 200 | 2.00x | - | - | +1.0000 |" in page
+    )
     assert "**gstack-2to8-at50**, worst 2.00x over 1 group(s) and seed(s) [0]: it meets the 2x target" in page
     assert "the target is not shown met for them" in page
     assert "before its growth" not in page  # reached at depth 8 (or, here, no depth recorded)
     seed["runs"][1]["depth_at_target"] = 2
+    seed["runs"][1]["growth"] = {"flops_share": 0.25, "loss_before": 3.0, "loss_after": 2.0}
+    assert "| 2.00x | 2 | 3.0000 -> 2.0000 (25%) | +1.0000 |" in compute.markdown(result)
     assert "gstack-2to8-at50 reached scratch's final loss before its growth, with its shallow model, in " in (
         compute.markdown(result)
     )
     group["speedups"]["gstack-2to8-at50"] = [1.5]
+    seed["runs"][1].update(speedup_flops=1.5, flops_to_target=400 / 1.5)
     result["recommended"] = compute.recommend([group])
-    assert "misses the 2x target by 0.50x at its worst" in compute.markdown(result)
+    page = compute.markdown(result)
+    assert "misses the 2x target by 0.50x at its worst" in page
+    # the measured reason, from the run's own curve: FLOPs before the growth, the losses around it, the crossing
+    assert (
+        "- stdlib-L8-adamw seed 0: 1.50x: 25% of scratch's FLOPs went to the shallow start, which ended at "
+        "3.0000 (+1.0000 from scratch's final 2.0000); at the first evaluation after the growth the loss was 2.0000 "
+        "(-1.0000); the grown model reached scratch's final loss at 67% of scratch's FLOPs (50% or less is 2x)."
+    ) in page
+
+
+def test_an_optimizer_can_run_its_own_scratch_budget(tmp_path):
+    """--optimizer-steps muon=400: the Muon groups' scratch runs 400 steps (their warm-up and evaluation scaled alike)
+    and every recipe spends that scratch run's FLOPs; the AdamW groups keep --steps."""
+    from benchmarks.convergence.cli import _optimizer_steps
+    from benchmarks.convergence.runs import scaled
+
+    preset = scaled(PRESETS["cpu"], 1000)
+    steps = compute.optimizer_steps(preset, [_optimizer_steps("muon=400")])
+    assert steps == {"adamw": 1000, "muon": 400}
+    groups = compute.groups_of(["stdlib"], ["adamw", "muon"], 8, steps)
+    runs = compute.study_runs(preset, groups, ["bu-1to8-at80"], [0], tmp_path / "compute")
+    configs = {key: parse_config(argv) for key, (_, argv) in runs.items()}
+    adamw, muon = configs["stdlib-L8-adamw", 0, "scratch"], configs["stdlib-L8-muon", 0, "scratch"]
+    assert (adamw.stages.total_steps, muon.stages.total_steps) == (1000, 400)
+    assert (adamw.schedule.warmup_steps, muon.schedule.warmup_steps) == (67, 27)  # 20 of 300, scaled
+    # the recipe spends its own group's scratch FLOPs: the same multiple of scratch's steps in both
+    bu = {opt: runs[f"stdlib-L8-{opt}", 0, "bu-1to8-at80"][0] for opt in ("adamw", "muon")}
+    assert abs(bu["muon"] - bu["adamw"] * 400 / 1000) <= 1 and bu["adamw"] > 3 * 1000
+    assert configs["stdlib-L8-muon", 0, "bu-1to8-at80"].optim.optimizer == "muon"
+    for bad in ("sgd=400", "muon=1", "muon", "muon=x"):  # the command line refuses these in one line
+        with pytest.raises(argparse.ArgumentTypeError, match="OPTIMIZER=STEPS"):
+            _optimizer_steps(bad)

@@ -30,6 +30,7 @@ not with a machine running one. For a quick check of the whole pipeline:
         --workdir /tmp/bench --out /tmp/bench/report
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -52,6 +53,16 @@ from benchmarks.convergence.sweeps import CORPORA, SWEEPS, merge_sweep, run_swee
 from benchmarks.harness import write_json
 
 
+def _optimizer_steps(text: str) -> tuple[str, int]:
+    """--optimizer-steps' OPTIMIZER=STEPS as (optimizer, steps)."""
+    optimizer, _, steps = text.partition("=")
+    if optimizer not in compute.OPTIMIZERS or not steps.isdigit() or int(steps) < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected OPTIMIZER=STEPS (OPTIMIZER one of {', '.join(compute.OPTIMIZERS)}, STEPS >= 2), got {text!r}"
+        )
+    return optimizer, int(steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = command_line(__doc__, PRESETS, "runs/bench")
     parser.add_argument("--runs", nargs="+", help="only these runs (scratch is always run: it is the reference)")
@@ -71,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--optimizers", nargs="+", choices=compute.OPTIMIZERS, default=list(compute.OPTIMIZERS), help="--compute"
+    )
+    parser.add_argument(
+        "--optimizer-steps",
+        type=_optimizer_steps,
+        nargs="+",
+        metavar="OPTIMIZER=STEPS",
+        help="--compute: scratch's steps for one optimizer's groups (default: --steps for all), e.g. muon=400",
     )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv

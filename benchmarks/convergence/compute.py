@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.convergence.analysis import crossing, value_at
-from benchmarks.convergence.runs import finished, load_at_end, machine, output_dir_of, run_tasks, trainer_argv
+from benchmarks.convergence.runs import finished, load_at_end, machine, output_dir_of, run_tasks, scaled, trainer_argv
 from benchmarks.convergence.sweeps import CORPORA, corpus_fields
 from benchmarks.harness import write_json, write_text
 from hf_p2r.training.metrics import read_metrics
@@ -163,29 +163,45 @@ def model_flops(fields: dict):
     return flops_per_token
 
 
-def groups_of(corpora: list[str], optimizers: list[str], depth: int) -> list[dict]:
+def groups_of(corpora: list[str], optimizers: list[str], depth: int, steps: dict[str, int]) -> list[dict]:
+    """The groups (corpus x optimizer) of a study: each with its scratch run's `steps` (`steps[optimizer]`)."""
     return [
-        {"name": f"{corpus}-L{depth}-{optimizer}", "corpus": corpus, "optimizer": optimizer, "depth": depth}
+        {
+            "name": f"{corpus}-L{depth}-{optimizer}",
+            "corpus": corpus,
+            "optimizer": optimizer,
+            "depth": depth,
+            "steps": steps[optimizer],
+        }
         for corpus in corpora
         for optimizer in optimizers
     ]
 
 
+def optimizer_steps(preset: dict, overrides: list[tuple[str, int]] | None) -> dict[str, int]:
+    """{optimizer: scratch's steps}: the preset's total, except `overrides` ((optimizer, steps) pairs of
+    --optimizer-steps: a smaller budget for an optimizer whose steps cost more, e.g. Muon's on a CPU, where torch's
+    Newton-Schulz iterations run in bf16)."""
+    return {**dict.fromkeys(OPTIMIZERS, preset["total_steps"]), **dict(overrides or [])}
+
+
 def study_runs(preset: dict, groups: list[dict], names: list[str], seeds: list[int], workdir: Path) -> dict:
     """{(group, seed, recipe): (steps, trainer argv)} of each run of `names` (scratch always) in every group and seed,
-    in workdir/GROUP/seedS/NAME; every argv checked by the trainer's parser."""
+    in workdir/GROUP/seedS/NAME; every argv checked by the trainer's parser. A group whose scratch `steps` differ from
+    the preset's runs the preset scaled to them (warm-up, evaluation and logging steps scaled alike)."""
     from hf_p2r.training import parse_config
 
-    fields = {**preset["fields"], **STUDY_FIELDS}
-    flops_per_token = model_flops(fields)
+    flops_per_token = model_flops({**preset["fields"], **STUDY_FIELDS})
     runs = {}
     for group in groups:
         book = recipes(group["depth"])
-        group_fields = {**fields, "num_hidden_layers": group["depth"], "optimizer": group["optimizer"]}
-        group_fields.update(corpus_fields(group["corpus"], preset, workdir.parent))
+        total = group.get("steps", preset["total_steps"])
+        own = preset if total == preset["total_steps"] else scaled(preset, total)
+        group_fields = {**own["fields"], **STUDY_FIELDS, "num_hidden_layers": group["depth"]}
+        group_fields.update(optimizer=group["optimizer"], **corpus_fields(group["corpus"], preset, workdir.parent))
         for seed in seeds:
             for name in dict.fromkeys(["scratch", *names]):
-                steps = solve_steps(book[name], preset["total_steps"], flops_per_token)
+                steps = solve_steps(book[name], total, flops_per_token)
                 output_dir = workdir / group["name"] / f"seed{seed}" / name
                 run = {**group_fields, **schedule_of(book[name], steps), "seed": seed}
                 run.update(output_dir=str(output_dir), overwrite_output_dir=True)
@@ -224,6 +240,18 @@ def compare(records: dict[str, list[dict]]) -> dict:
         to_target = {x: crossing(curve(run, x), target) for x in ("flops", "tokens", "step")}
         flops = to_target["flops"]
         reached = next((r for r in evaluations if r["val_loss"] <= target), None)
+        # the growth to the real depth: the last evaluation of a shallower model and the first of the grown one
+        depth = end.get("num_hidden_layers")
+        shallow = [r for r in evaluations if depth and r.get("num_hidden_layers", depth) < depth]
+        grown = [r for r in evaluations if shallow and r["step"] > shallow[-1]["step"]]
+        growth = None
+        if shallow and grown:
+            growth = {
+                "depth_before": shallow[-1].get("num_hidden_layers"),
+                "flops_share": shallow[-1]["flops"] / budget["flops"],
+                "loss_before": shallow[-1]["val_loss"],
+                "loss_after": grown[0]["val_loss"],
+            }
         rows.append(
             {
                 "name": name,
@@ -239,6 +267,8 @@ def compare(records: dict[str, list[dict]]) -> dict:
                 "speedup_flops": None if not flops else budget["flops"] / flops,
                 # the depth of the model at the first evaluation at or below the target (shallow: before the growth)
                 "depth_at_target": None if reached is None else reached.get("num_hidden_layers"),
+                # the loss before and after the growth to L, and the share of scratch's FLOPs spent before it
+                "growth": growth,
                 # the loss where it has seen scratch's tokens in all (mid-schedule when it runs more tokens)
                 "loss_at_scratch_tokens": value_at(curve(run, "tokens"), budget["tokens"]),
                 "flops_curve": curve(run, "flops"),
@@ -304,12 +334,13 @@ def run_study(args, preset: dict) -> dict:
         raise SystemExit(f"--only: unknown recipes {unknown}; the study has {list(book)}")
     seeds = args.seeds or preset["seeds"]
     workdir = Path(args.workdir) / "compute"
+    steps = optimizer_steps(preset, getattr(args, "optimizer_steps", None))
     info = machine()
     info["torch_threads"] = args.threads
     started = time.perf_counter()
     ran = 0
     if not args.report:
-        wanted = study_runs(preset, groups_of(args.corpora, args.optimizers, depth), names, seeds, workdir)
+        wanted = study_runs(preset, groups_of(args.corpora, args.optimizers, depth, steps), names, seeds, workdir)
         todo = tasks_of(wanted)
         jobs = args.jobs or preset["jobs"]
         print(f"compute: {len(todo)} of {len(wanted)} runs, {jobs} at a time; logs in {workdir}", flush=True)
@@ -318,7 +349,7 @@ def run_study(args, preset: dict) -> dict:
             raise RuntimeError("a run of the compute study failed (see its log)")
         load_at_end(info, loads)
         ran = len(todo)
-    every = groups_of(list(CORPORA), list(OPTIMIZERS), depth)
+    every = groups_of(list(CORPORA), list(OPTIMIZERS), depth, steps)
     all_seeds = sorted({*preset["seeds"], *seeds})
     groups = collect(study_runs(preset, every, list(book), all_seeds, workdir), every, all_seeds)
     invocation = {
@@ -337,6 +368,7 @@ def run_study(args, preset: dict) -> dict:
             "corpora": list(CORPORA),
             "optimizers": list(OPTIMIZERS),
             "seeds": preset["seeds"],
+            "steps": steps,
         },
         "invocations": [invocation],
         "groups": groups,
@@ -358,6 +390,35 @@ def _x(value: float | None) -> str:
 
 def _e(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
+
+
+def _growth(growth: dict | None) -> str:
+    if growth is None:
+        return "-"
+    return f"{growth['loss_before']:.4f} -> {growth['loss_after']:.4f} ({growth['flops_share']:.0%})"
+
+
+def _why(row: dict, seed: dict) -> str:
+    """Why a run's speed-up is under the target, from its measured curve: where its FLOPs went before the growth,
+    the loss there and after it, and where it reached scratch's final loss."""
+    target, growth = seed["target"], row.get("growth")
+    if growth is None:
+        return "no growth to L recorded (the run's stages are in its metrics)."
+    text = (
+        f"{growth['flops_share']:.0%} of scratch's FLOPs went to the "
+        + (f"{growth['depth_before']}-layer" if growth.get("depth_before") else "shallow")
+        + f" start, which ended at {growth['loss_before']:.4f} ({growth['loss_before'] - target:+.4f} from scratch's "
+        f"final {target:.4f}); at the first evaluation after the growth the loss was {growth['loss_after']:.4f} "
+        f"({growth['loss_after'] - growth['loss_before']:+.4f}); "
+    )
+    if not row["flops_to_target"]:
+        return text + "the grown model never reached scratch's final loss."
+    shallow = row.get("depth_at_target") and row["depth_at_target"] <= (growth.get("depth_before") or 0)
+    share = row["flops_to_target"] / seed["scratch"]["flops"]
+    return text + (
+        f"the {'shallow' if shallow else 'grown'} model reached scratch's final loss at {share:.0%} of scratch's "
+        f"FLOPs ({1 / TARGET:.0%} or less is {TARGET:g}x)."
+    )
 
 
 def markdown(result: dict) -> str:
@@ -391,9 +452,14 @@ def markdown(result: dict) -> str:
         f"{f['num_attention_heads']} heads, the byte-level tokenizer; {f['per_device_batch_size']} x "
         f"{f['block_size']} tokens per step, peak learning rate {f['learning_rate']}, warm-up {f['warmup_steps']} "
         f"steps, every run under `lr_scheduler: wsd` (decay: the last fifth of its own steps), evaluated every "
-        f"{f['eval_steps']} steps on {f['eval_blocks']} held-out blocks. Scratch runs {p['total_steps']} steps; "
-        "every other run spends scratch's FLOPs (its steps solved from the FLOPs of each stage's depth), except the "
-        "`-tok` runs, which run scratch's steps (equal tokens).",
+        f"{f['eval_steps']} steps on {f['eval_blocks']} held-out blocks. Scratch runs {p['total_steps']} steps"
+        + "".join(
+            f" ({optimizer}: {steps}, its step counts scaled alike)"
+            for optimizer, steps in plan.get("steps", {}).items()
+            if steps != p["total_steps"]
+        )
+        + "; every other run spends its scratch run's FLOPs (its steps solved from the FLOPs of each stage's depth), "
+        "except the `-tok` runs, which run scratch's steps (equal tokens).",
         "",
         "| recipe | what | stages (start of run, depth, blocks) | fields |",
         "|---|---|---|---|",
@@ -425,14 +491,16 @@ def markdown(result: dict) -> str:
         "FLOPs / scratch's. Loss at scratch's tokens: the run's validation loss after as many tokens as scratch saw "
         "in all (mid-schedule for a run with more tokens), minus scratch's final loss. Depth there: the depth of the "
         "model at the first evaluation at or below scratch's final loss (below L: the shallow model reached it before "
-        "the growth, so scratch's budget is short of what its depth needs)."
+        "the growth, so scratch's budget is short of what its depth needs). Growth: the validation loss at the last "
+        "evaluation before the growth to L and at the first after it, and the share of scratch's FLOPs spent before "
+        "it."
     )
     for group in groups:
-        lines += ["", f"### {group['name']}", ""]
+        lines += ["", f"### {group['name']} (scratch: {group.get('steps', p['total_steps'])} steps)", ""]
         lines += [
             "| run | seed | final val loss | Δ vs scratch | budget | steps | tokens | FLOPs | FLOPs to target "
-            "| speed-up | depth there | Δ at scratch's tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| speed-up | depth there | growth: loss before -> after (FLOPs spent) | Δ at scratch's tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for seed in group["per_seed"]:
             for row in seed["runs"]:
@@ -441,6 +509,7 @@ def markdown(result: dict) -> str:
                     f"{row['delta_vs_scratch']:+.4f} | {row['budget_ratio']:.2f} | {row['steps']} | "
                     f"{row['tokens']:,} | {_e(row['flops'])} | {_e(row['flops_to_target'])} | "
                     f"{_x(row['speedup_flops'])} | {row.get('depth_at_target') or '-'} | "
+                    f"{_growth(row.get('growth'))} | "
                     f"{row['loss_at_scratch_tokens'] - seed['target']:+.4f} |"
                 )
     lines += ["", "## Verdict", ""]
@@ -477,6 +546,13 @@ def markdown(result: dict) -> str:
                 "steps its depth needs), so the speed-up measures the shallow start, not the growth; the final loss "
                 "below scratch's is what the run reaches after growing."
             )
+        for group in groups:
+            for seed in group["per_seed"]:
+                row = next((r for r in seed["runs"] if r["name"] == best["name"]), None)
+                if row is not None and (row["speedup_flops"] or 0.0) < TARGET:
+                    lines.append(
+                        f"- {group['name']} seed {seed['seed']}: {_x(row['speedup_flops'])}: {_why(row, seed)}"
+                    )
         if set(plan["seeds"]) - set(seeds_run) or len(groups) < len(plan["corpora"]) * len(plan["optimizers"]):
             lines.append(
                 "- The target is judged at every seed on both corpora with AdamW and Muon; the groups and seeds "
