@@ -492,6 +492,22 @@ def test_cli_reader_errors_are_one_line_naming_the_file(tmp_path, capsys, damage
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
 
+# The lines of a slow CLI script that make every signal handler installed after them set `signalled` (a
+# threading.Event) before it runs, SIGINT's (Python's KeyboardInterrupt) included.
+NOTE_SIGNALS = """
+install = signal.signal
+def noting(signum, handler):
+    if callable(handler):
+        def noted(number, frame, inner=handler):
+            signalled.set()
+            inner(number, frame)
+        return install(signum, noted)
+    return install(signum, handler)
+signal.signal = noting
+signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+
 # `hf-p2r ARGS` that prints WROTE once its first bytes are in the output, then holds every copy until a signal has
 # reached one of its handlers (or the file RELEASE exists): the test signals a conversion that is surely mid-way, and
 # the copies go on only once the signal is being handled, whatever the load on the machine.
@@ -507,19 +523,10 @@ _SLOW_CLI = textwrap.dedent("""
         while not (signalled.is_set() or os.path.exists(release)) and time.monotonic() < deadline:
             time.sleep(0.02)
     ranges.copy_range = held
-    install = signal.signal
-    def noting(signum, handler):  # every handler hf-p2r installs notes the signal first
-        if callable(handler):
-            def noted(number, frame, inner=handler):
-                signalled.set()
-                inner(number, frame)
-            return install(signum, noted)
-        return install(signum, handler)
-    signal.signal = noting
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    {NOTE_SIGNALS}
     from hf_p2r.cli import main
     sys.exit(main(sys.argv[1:]))
-""")
+""").replace("{NOTE_SIGNALS}\n", NOTE_SIGNALS.lstrip("\n"))
 
 
 def _default_signals() -> None:

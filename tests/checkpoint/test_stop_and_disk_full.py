@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from .test_convert import _hashes, _leftovers, _pseudo, _run_cli
+from .test_convert import NOTE_SIGNALS, _hashes, _leftovers, _pseudo, _run_cli
 
 # `hf-p2r ARGS` whose every piece written (cast path) or range chunk copied (copy path) is 64 bytes and takes 0.05 s:
 # a whole conversion would take a minute. It prints WROTE after the first piece and holds there until the test's
@@ -42,21 +42,12 @@ _SLOW_CLI = textwrap.dedent("""
         counted()
         return done
     writer.write_all, ranges.os.copy_file_range = write_all, copy_file_range
-    install = signal.signal
-    def noting(signum, handler):  # every handler installed from here on notes the signal first
-        if callable(handler):
-            def noted(number, frame, inner=handler):
-                signalled.set()
-                inner(number, frame)
-            return install(signum, noted)
-        return install(signum, handler)
-    signal.signal = noting
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    {NOTE_SIGNALS}
     from hf_p2r.cli import main
     code = main(sys.argv[1:])
     print("PIECES", len(pieces), flush=True)
     sys.exit(code)
-""")
+""").replace("{NOTE_SIGNALS}\n", NOTE_SIGNALS.lstrip("\n"))
 
 
 @pytest.mark.parametrize("path", ["cast", "copy"])
