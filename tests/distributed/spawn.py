@@ -12,7 +12,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -77,6 +76,7 @@ def shared_run(body: Callable[[int, int], dict] | dict[str, Callable[[int, int],
     dict of bodies, one run calls each in turn and returns {name: what it returned}."""
     if isinstance(body, dict):
         body = functools.partial(_each, body)
+    import pytest  # here, not at the top: every spawned worker imports this module, none needs pytest
 
     @pytest.fixture(scope="module")
     def fixture(tmp_path_factory) -> dict:
