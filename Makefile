@@ -3,7 +3,7 @@
 #   make test       the fast tier of the test suite: every test that runs in one process (tiny models, no launcher, no
 #                   compiled op), on every core (pytest-xdist); minutes
 #   make test-all   the whole suite: the fast tier, then the tests marked `processes` (spawned workers, `accelerate
-#                   launch`, scripts, DeepSpeed) or `slow` (end-to-end runs, the README's commands), one at a time
+#                   launch`, scripts, DeepSpeed) or `slow` (end-to-end runs, the README's commands), two at a time
 # tests/tiers.py marks the tiers as it collects (and fails a test that starts a process unmarked).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,9 +13,13 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 # The tested set of every other package (pip constraints); regenerate on purpose with `make lock`.
 LOCK   ?= requirements/tested.txt
-# pytest-xdist workers for the in-process tests (auto: one per core). The tests that start processes run one at a
-# time: each keeps the cores busy with its own processes.
+# pytest-xdist workers for the in-process tests (auto: one per core).
 WORKERS ?= auto
+# And for the tests that start processes: two at a time. About half of them start one process (a script, a command
+# line) and leave a second core idle when run alone; the others start 2-4 (one intra-op thread each, gloo's waits
+# block, they do not spin), so two such tests side by side share the cores without wasting them. More than two would
+# multiply the processes (and memory) of the 4-process tests.
+REST_WORKERS ?= 2
 # Each test's time limit is its tier's (tests/tiers.py) times this factor: raise it on a slow or busy machine.
 export P2R_TEST_TIME_FACTOR ?= 1
 FAST   = -m "not processes and not slow"
@@ -65,9 +69,10 @@ test-all: $(VENV)/.installed
 	$(MAKE) test
 	$(MAKE) test-rest
 
-# The tests `make test` leaves out, one at a time (what `make test-all` runs after `make test`).
+# The tests `make test` leaves out (what `make test-all` runs after `make test`), REST_WORKERS at a time; worksteal:
+# a worker that runs out of tests takes queued ones from the other, so one long test does not hold a queue behind it.
 test-rest: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -p no:xdist $(REST) --durations=30
+	$(VENV)/bin/python -m pytest -n $(REST_WORKERS) --dist worksteal $(REST) --durations=30
 
 # One GPU, under fifteen minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
 # by ratio and design against FSDP2, a bf16 trainer run with offload: auto, the trainer under Accelerate's FSDP2 with

@@ -54,6 +54,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Accelerate's process-wide state forgotten after every test, so a test sees the same state whatever ran before
+    it in its process (pytest-xdist sends tests to its workers in no fixed order). Accelerate keeps the first
+    Accelerator's settings in shared singletons: after TRL's SFTTrainer run in bf16 (tests/integrations/test_trl.py),
+    test_parity's P2RTrainer inherited bf16 and its losses differed from hf-p2r's own trainer by 5e-4."""
+    yield
+    if "accelerate.state" in sys.modules:  # no import where no test used Accelerate
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def _build_deepspeed_ops(*builders: str) -> None:
     """DeepSpeed's C++ ops built into this venv's TORCH_EXTENSIONS_DIR (above), in a fresh process. On a fresh machine a
     build takes minutes, more than the few minutes a test allows each launch it starts; built, a process loads an op
