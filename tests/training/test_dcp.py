@@ -7,7 +7,6 @@ damaged or missing shard is one line naming the file, before anything changes.""
 import functools
 import pickle
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,12 @@ from hf_p2r.training import parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 
 from ..distributed import spawn
-from ..distributed.spawn import free_port
 from ..security.payload import CraftedPickle
 from .helpers import (
-    ACCELERATE,
-    REPO,
     TWO_STAGES,
     losses,
     run_on_every_process,
     run_trainer,
-    subprocess_env,
     tiny_argv,
     trajectory,
 )
@@ -107,24 +102,16 @@ def test_a_damaged_shard_is_one_line_naming_its_file_and_changes_nothing(one_pro
     assert not (run / "checkpoints/checkpoint-3/ran").exists()  # the crafted pickle's call was never made
 
 
-def launch(output_dir, *options: str, resume_from: int | None = None, **fields) -> None:
-    """The trainer in two CPU processes started by `accelerate launch` (DDP, or what `options`' config says)."""
-    if resume_from is not None:
-        fields["resume_from_checkpoint"] = f"{output_dir}/checkpoints/checkpoint-{resume_from}"
-    command = [
-        ACCELERATE, "launch", "-q", *options, "--num_processes", "2", "--mixed_precision", "no",
-        "--main_process_port", str(free_port()), "-m", "hf_p2r.train", *tiny_argv(output_dir, **SCHEDULE, **fields),
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _data_parallel(folder: str, rank: int, world: int) -> None:
+    run_on_every_process(folder, "ddp", dict(SCHEDULE, per_device_batch_size=2))
 
 
 @pytest.fixture(scope="module")
 def data_parallel(tmp_path_factory):
     """Two DDP processes of 2 blocks each: the same global batch as one process of 4."""
-    output_dir = tmp_path_factory.mktemp("dcp_ddp") / "ddp"
-    launch(output_dir, "--multi_gpu", per_device_batch_size=2)
-    return output_dir
+    folder = tmp_path_factory.mktemp("dcp_ddp")
+    spawn.run(functools.partial(_data_parallel, str(folder)), 2, folder)
+    return folder / "ddp"
 
 
 # Measured: the one-process resume of the two-process run differs by at most 9e-8 (relative) in loss (the mean of
