@@ -144,12 +144,13 @@ def _pipelines(folder: str, rank: int, world: int) -> dict:
         out[name] = run_on_every_process(root, name, {**PIPELINE, **fields}, checkpoint, source)
 
     run("1f1b")  # split [2, 2]
-    run("1f1b split 1-3 from 1", 1, "1f1b", pipeline_split=[1, 3])
-    run("1f1b split 3-1 from 3", 3, "1f1b", pipeline_split=[3, 1])
+    # A resumed flush run that no other run resumes saves only at its end (a flush schedule's saves change nothing)
+    run("1f1b split 1-3 from 1", 1, "1f1b", pipeline_split=[1, 3], save_steps=0)
+    run("1f1b split 3-1 from 3", 3, "1f1b", pipeline_split=[3, 1], save_steps=0)
     run("2bw from 1f1b 3", 3, "1f1b", **TWO_BW)
     run("2bw", **TWO_BW)
     run("2bw split 1-3 from 3", 3, "2bw", **TWO_BW, pipeline_split=[1, 3])
-    run("1f1b from 2bw 3", 3, "2bw")
+    run("1f1b from 2bw 3", 3, "2bw", save_steps=0)
     correction = dict(TWO_BW, pipeline_delay_correction="error_feedback")
     run("2bw corrected", **correction)
     run("2bw corrected split 1-3 from 3", 3, "2bw corrected", **correction, pipeline_split=[1, 3])
@@ -359,10 +360,10 @@ def _sharded_pipelines(folder: str, rank: int, world: int) -> dict:
     pipeline of 4 stages (the same global batch)."""
     root, out = Path(folder), {}
     out["sharded"] = run_on_every_process(root, "sharded", SHARDED_PIPELINES)
-    replicated = dict(SHARDED_PIPELINES, data_parallel_shard="false")
+    replicated = dict(SHARDED_PIPELINES, data_parallel_shard="false", save_steps=0)  # (saves at its end only)
     out["replicated"] = run_on_every_process(root, "replicated", replicated, 3, "sharded")
     four_stages = dict(PIPELINE, pipeline_parallel_size=4, num_microbatches=4, data_parallel_size=1)  # (given: a
-    four_stages.update(data_parallel_shard="false")  # resume takes the saved run's layout otherwise)
+    four_stages.update(data_parallel_shard="false", save_steps=0)  # resume takes the saved run's layout otherwise)
     out["4 stages"] = run_on_every_process(root, "4 stages", four_stages, 3, "sharded")
     if rank == 0:
         from torch.distributed.checkpoint import FileSystemReader
