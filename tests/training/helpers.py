@@ -140,7 +140,13 @@ def run_on_every_process(
 ) -> list[float]:
     """One run of a body started by `spawn.run`, trained by every process into `root / name` with `fields`; with
     `checkpoint`, resumed from its checkpoint of that step (the run `source` copied there first by process 0). The
-    processes wait for each other before it and after it; returns its losses."""
+    processes wait for each other before it and after it; returns its losses.
+
+    The process group is the spawner's, kept for the next run: Accelerate's `end_training` leaves the default group to
+    a caller that says it launched the processes itself (`FORK_LAUNCHED`, read when its state is first built, as
+    `notebook_launcher` sets it); a data-parallel run would end it otherwise. `accelerate launch` runs of the trainer
+    (tests/training/test_launch.py) keep the ending of the group covered."""
+    os.environ["FORK_LAUNCHED"] = "1"
     output_dir = Path(root) / name
     if source is not None and dist.get_rank() == 0:
         shutil.copytree(Path(root) / source, output_dir)

@@ -10,10 +10,11 @@ inductor fuses and reorders reductions (rtol 1e-4, atol 1e-5).
 """
 
 import copy
-import subprocess
+from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
 from transformers import AutoModelForCausalLM
 
@@ -24,8 +25,7 @@ from hf_p2r.training.compile import compile_blocks
 from hf_p2r.training.metrics import read_metrics
 
 from ..distributed import spawn
-from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, loss_and_grads, subprocess_env, tiny_argv, trajectory
+from .helpers import loss_and_grads, run_on_every_process, tiny_argv, trajectory
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2)
 EXACT = dict(rtol=1e-5, atol=1e-6)
@@ -224,32 +224,31 @@ def test_the_trainer_with_compile_follows_the_eager_run_through_the_delinks(tmp_
     assert graphs.unique == expected_graphs and graphs.delta("graph_break") == {} and graphs.delta("recompiles") == {}
 
 
+def plain_and_compiled_runs(folder: str, rank: int, world_size: int) -> dict:
+    """The trainer in two gloo processes (DDP), plain and with compile (aot_eager) and the chunked loss: each run's
+    trajectory, and what dynamo compiled in the second on each process (graphs, graph breaks, recompiles)."""
+    fields = dict(pseudo_steps=2, real_steps=2, eval_steps=2, mixed_precision="no")
+    run_on_every_process(folder, "plain", fields)
+    graphs = Graphs()
+    run_on_every_process(
+        folder, "fast", {**fields, "compile": "true", "compile_backend": "aot_eager", "loss_kernel": "chunked"}
+    )
+    compiled = [None] * world_size
+    dist.all_gather_object(compiled, [graphs.unique, graphs.delta("graph_break"), graphs.delta("recompiles")])
+    return {name: trajectory(f"{folder}/{name}") for name in ("plain", "fast")} | {"compiled": compiled}
+
+
 @pytest.mark.slow
 def test_two_data_parallel_processes_with_compiled_blocks_and_the_chunked_loss_follow_the_plain_run(tmp_path):
-    """Two CPU processes under `accelerate launch --multi_gpu` (DDP over gloo), 1 -> 4 blocks: compile (aot_eager) and
-    loss_kernel chunked against neither, loss, gradient norm and validation loss at every step; the engine compiles
-    the delinked blocks again, and dynamo traces two graphs per process in the whole run (the training forward and the
-    validation forward), none after the delinks. (Accelerate runs FSDP only on GPUs: with the FSDP2 config a CPU run
+    """Two CPU processes (DDP over gloo), 1 -> 4 blocks: compile (aot_eager) and loss_kernel chunked against neither,
+    loss, gradient norm and validation loss at every step; the engine compiles the delinked blocks again, and dynamo
+    compiles two graphs per process in the whole run (the training forward and the validation forward), none after
+    the delinks: no graph break, no recompilation. (Accelerate runs FSDP only on GPUs: with the FSDP2 config a CPU run
     is DDP, so FSDP2 around the compiled blocks is test_ddp_and_fsdp2_wrap_the_compiled_blocks, on fully_shard.)"""
-    fields = dict(pseudo_steps=2, real_steps=2, eval_steps=2, mixed_precision="no")
-    runs = {}
-    for name, extra in (
-        ("plain", {}),
-        ("fast", {"compile": "true", "compile_backend": "aot_eager", "loss_kernel": "chunked"}),
-    ):
-        command = [
-            ACCELERATE, "launch", "-q", "--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no",
-            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-            "-m", "hf_p2r.train", *tiny_argv(tmp_path / name, **fields, **extra),
-        ]  # fmt: skip
-        env = {**subprocess_env(), "TORCH_LOGS": "dynamo"}
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = trajectory(tmp_path / name), done.stderr
-    (fast, log), (plain, _) = runs["fast"], runs["plain"]
+    runs = spawn.run(partial(plain_and_compiled_runs, str(tmp_path)), 2, tmp_path)
+    fast, plain = runs["fast"], runs["plain"]
     assert [r.get("event") for r in fast] == [r.get("event") for r in plain] and len(fast) == 6
     for key in ("loss", "grad_norm", "val_loss"):
         got, want = ([r[key] for r in run if key in r] for run in (fast, plain))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
-    traced = [line for line in log.splitlines() if "torchdynamo start tracing" in line]
-    assert sorted(line[:7] for line in traced) == ["[rank0]", "[rank0]", "[rank1]", "[rank1]"]
+    assert runs["compiled"] == [[2, {}, {}], [2, {}, {}]]  # each process: 2 graphs, no break, no recompile

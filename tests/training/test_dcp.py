@@ -7,7 +7,6 @@ damaged or missing shard is one line naming the file, before anything changes.""
 import functools
 import pickle
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,12 @@ from hf_p2r.training import parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 
 from ..distributed import spawn
-from ..distributed.spawn import free_port
 from ..security.payload import CraftedPickle
 from .helpers import (
-    ACCELERATE,
-    REPO,
     TWO_STAGES,
     losses,
     run_on_every_process,
     run_trainer,
-    subprocess_env,
     tiny_argv,
     trajectory,
 )
@@ -107,24 +102,16 @@ def test_a_damaged_shard_is_one_line_naming_its_file_and_changes_nothing(one_pro
     assert not (run / "checkpoints/checkpoint-3/ran").exists()  # the crafted pickle's call was never made
 
 
-def launch(output_dir, *options: str, resume_from: int | None = None, **fields) -> None:
-    """The trainer in two CPU processes started by `accelerate launch` (DDP, or what `options`' config says)."""
-    if resume_from is not None:
-        fields["resume_from_checkpoint"] = f"{output_dir}/checkpoints/checkpoint-{resume_from}"
-    command = [
-        ACCELERATE, "launch", "-q", *options, "--num_processes", "2", "--mixed_precision", "no",
-        "--main_process_port", str(free_port()), "-m", "hf_p2r.train", *tiny_argv(output_dir, **SCHEDULE, **fields),
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _data_parallel(folder: str, rank: int, world: int) -> None:
+    run_on_every_process(folder, "ddp", dict(SCHEDULE, per_device_batch_size=2))
 
 
 @pytest.fixture(scope="module")
 def data_parallel(tmp_path_factory):
     """Two DDP processes of 2 blocks each: the same global batch as one process of 4."""
-    output_dir = tmp_path_factory.mktemp("dcp_ddp") / "ddp"
-    launch(output_dir, "--multi_gpu", per_device_batch_size=2)
-    return output_dir
+    folder = tmp_path_factory.mktemp("dcp_ddp")
+    spawn.run(functools.partial(_data_parallel, str(folder)), 2, folder)
+    return folder / "ddp"
 
 
 # Measured: the one-process resume of the two-process run differs by at most 9e-8 (relative) in loss (the mean of
@@ -157,12 +144,13 @@ def _pipelines(folder: str, rank: int, world: int) -> dict:
         out[name] = run_on_every_process(root, name, {**PIPELINE, **fields}, checkpoint, source)
 
     run("1f1b")  # split [2, 2]
-    run("1f1b split 1-3 from 1", 1, "1f1b", pipeline_split=[1, 3])
-    run("1f1b split 3-1 from 3", 3, "1f1b", pipeline_split=[3, 1])
+    # A resumed flush run that no other run resumes saves only at its end (a flush schedule's saves change nothing)
+    run("1f1b split 1-3 from 1", 1, "1f1b", pipeline_split=[1, 3], save_steps=0)
+    run("1f1b split 3-1 from 3", 3, "1f1b", pipeline_split=[3, 1], save_steps=0)
     run("2bw from 1f1b 3", 3, "1f1b", **TWO_BW)
     run("2bw", **TWO_BW)
     run("2bw split 1-3 from 3", 3, "2bw", **TWO_BW, pipeline_split=[1, 3])
-    run("1f1b from 2bw 3", 3, "2bw")
+    run("1f1b from 2bw 3", 3, "2bw", save_steps=0)
     correction = dict(TWO_BW, pipeline_delay_correction="error_feedback")
     run("2bw corrected", **correction)
     run("2bw corrected split 1-3 from 3", 3, "2bw corrected", **correction, pipeline_split=[1, 3])
@@ -372,10 +360,10 @@ def _sharded_pipelines(folder: str, rank: int, world: int) -> dict:
     pipeline of 4 stages (the same global batch)."""
     root, out = Path(folder), {}
     out["sharded"] = run_on_every_process(root, "sharded", SHARDED_PIPELINES)
-    replicated = dict(SHARDED_PIPELINES, data_parallel_shard="false")
+    replicated = dict(SHARDED_PIPELINES, data_parallel_shard="false", save_steps=0)  # (saves at its end only)
     out["replicated"] = run_on_every_process(root, "replicated", replicated, 3, "sharded")
     four_stages = dict(PIPELINE, pipeline_parallel_size=4, num_microbatches=4, data_parallel_size=1)  # (given: a
-    four_stages.update(data_parallel_shard="false")  # resume takes the saved run's layout otherwise)
+    four_stages.update(data_parallel_shard="false", save_steps=0)  # resume takes the saved run's layout otherwise)
     out["4 stages"] = run_on_every_process(root, "4 stages", four_stages, 3, "sharded")
     if rank == 0:
         from torch.distributed.checkpoint import FileSystemReader

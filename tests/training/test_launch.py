@@ -1,7 +1,6 @@
 """The training script as users run it: through `accelerate launch`, on one and on two CPU processes, and stopped
 by SIGTERM / SIGINT, sent to the trainer or to its launcher."""
 
-import json
 import os
 import shlex
 import signal
@@ -17,7 +16,9 @@ from hf_p2r.training import parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.metrics import read_metrics
 
+from ..distributed import spawn
 from .helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajectory
+from .uneven_eval_worker import uneven_evaluation
 
 TRAIN_SCRIPT = str(REPO / "scripts/train.py")
 # How long a test waits for a run to get somewhere (start, reach a step, stop after a signal) before failing. Only a
@@ -147,11 +148,9 @@ def test_two_processes_match_one_process_at_equal_global_batch(tmp_path):
 def test_evaluation_runs_the_same_forward_passes_on_every_process(tmp_path):
     """9 validation blocks over 2 processes with batches of 4: process 0 has 2 batches, process 1 one. Under FSDP2 /
     ZeRO-3 each forward is a collective, so process 1 runs its last batch again (the worker puts a collective in every
-    forward, as they do) and drops its loss: the validation loss is still the mean over the 9 blocks."""
-    launch = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
-    worker = ["-m", "tests.training.uneven_eval_worker", str(tmp_path)]
-    _run([*launch, *worker], timeout=480)  # the worker's collectives time out after 300 s
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    forward, as they do) and drops its loss: the validation loss is still the mean over the 9 blocks. (Two spawned
+    processes: what is tested is the engine's evaluation, not the launcher.)"""
+    results = spawn.run(uneven_evaluation, 2, tmp_path)
     assert [r["forwards"] for r in results] == [2, 2]
     assert results[0]["val_loss"] == results[1]["val_loss"]
     assert results[0]["val_loss"] == pytest.approx(results[0]["expected"], rel=1e-6)

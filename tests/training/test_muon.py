@@ -5,7 +5,8 @@ processes against one."""
 
 import copy
 import shutil
-import subprocess
+from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +26,8 @@ from hf_p2r.training.optim import (
 )
 
 from ..conftest import tiny_model
-from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, TWO_DELINKS, subprocess_env, tiny_argv, trained_run, trajectory
+from ..distributed import spawn
+from .helpers import TWO_DELINKS, run_on_every_process, tiny_argv, trained_run, trajectory
 
 MUON = dict(optimizer="muon", weight_decay=0.1, learning_rate=1e-2, muon_learning_rate=2e-2)
 IDS = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -281,14 +282,14 @@ def test_an_moe_run_under_muon_delinks_and_resumes_exactly(tmp_path):
     assert trajectory(output_dir) == full
 
 
-def _launch_two(argv: list[str]) -> None:
-    """The trainer in two gloo processes (DDP) started by `accelerate launch`."""
-    command = [
-        ACCELERATE, "launch", "-q", "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no",
-        "--main_process_port", str(free_port()), "-m", "hf_p2r.train", *argv,
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _two_ddp_processes(folder: str, rank: int, world_size: int) -> dict:
+    """The trainer under Muon in two gloo processes (DDP, 2 blocks each), then resumed from its checkpoint at the
+    partial delink: the trajectory of each run."""
+    fields = dict(**SCHEDULE, optimizer="muon", per_device_batch_size=2)
+    run_on_every_process(folder, "ddp", fields)
+    two = trajectory(Path(folder) / "ddp")
+    run_on_every_process(folder, "ddp", fields, checkpoint=2)
+    return {"two": two, "resumed": trajectory(Path(folder) / "ddp")}
 
 
 DDP_TOLERANCE = {"loss": 1e-5, "val_loss": 1e-5, "grad_norm": 1e-4}
@@ -296,22 +297,19 @@ DDP_TOLERANCE = {"loss": 1e-5, "val_loss": 1e-5, "grad_norm": 1e-4}
 
 @pytest.mark.slow
 def test_two_ddp_processes_under_muon_match_one_process_through_the_delinks(muon_run, tmp_path):
-    """DDP (`accelerate launch`, 2 gloo processes of 2 blocks each) under Muon against the one-process run of 4 blocks:
+    """DDP (2 gloo processes of 2 blocks each) under Muon against the one-process run of 4 blocks:
     DDP averages the gradients before the step, so each process orthogonalises the same whole matrices; the only
     difference is the order of floating-point sums in the averaged gradient, which torch's Newton-Schulz (run in
     bfloat16) amplifies: measured at most 1.3e-6 relative in the losses and 2.1e-5 in the gradient norms over the 7
     steps. The tolerances stay far below what one step changes (~1e-2), so a process stepping its own gradient, or
     Newton-Schulz run on a part of a matrix, fails them. Then the two-process run resumes from its checkpoint at the
     partial delink, bitwise."""
-    output_dir = tmp_path / "ddp"
-    fields = dict(**SCHEDULE, optimizer="muon", per_device_batch_size=2)
-    _launch_two(tiny_argv(output_dir, **fields))
-    one, two = trajectory(muon_run), trajectory(output_dir)
+    runs = spawn.run(partial(_two_ddp_processes, str(tmp_path)), 2, tmp_path)
+    one, two = trajectory(muon_run), runs["two"]
     assert [(r["step"], r.get("event")) for r in one] == [(r["step"], r.get("event")) for r in two]
     for a, b in zip(one, two, strict=True):
         for key in ("loss", "val_loss", "grad_norm"):
             assert (key in a) == (key in b)
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=DDP_TOLERANCE[key]), (a["step"], key)
-    _launch_two(tiny_argv(output_dir, **fields, resume_from_checkpoint=f"{output_dir}/checkpoints/checkpoint-2"))
-    assert trajectory(output_dir) == two
+    assert runs["resumed"] == two

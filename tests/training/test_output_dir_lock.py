@@ -65,7 +65,8 @@ def _wait_for(condition, process: subprocess.Popen, timeout: float) -> None:
 
 def test_a_second_trainer_on_the_same_output_dir_is_refused_naming_the_first(tmp_path):
     """Two real trainers: the second exits 2 with one line naming the first's pid and changes nothing; the first,
-    stopped by SIGTERM, saves its checkpoint, exits 143 and releases the lock; its metrics are its own."""
+    stopped by SIGTERM, saves its checkpoint, exits 143 and releases the lock; its metrics are its own. The first is
+    paused (SIGSTOP, its lock held) while the second starts and is refused, so that it does not train meanwhile."""
     output_dir = tmp_path / "run"
     long_run = tiny_argv(output_dir, pseudo_steps=2, real_steps=10**6, save_steps=10**6, eval_steps=0)
     log = open(tmp_path / "first.log", "w+")  # (a pipe would fill with the progress bar and block it)
@@ -77,8 +78,10 @@ def test_a_second_trainer_on_the_same_output_dir_is_refused_naming_the_first(tmp
         cwd=REPO,
     )
     try:
-        _wait_for(lambda: (output_dir / "metrics.jsonl").is_file(), first, timeout=300)  # it trains
+        _wait_for(lambda: any("loss" in r for r in read_metrics(output_dir / "metrics.jsonl")), first, timeout=300)
+        first.send_signal(signal.SIGSTOP)
         second = run_trainer(tiny_argv(output_dir, pseudo_steps=2, real_steps=2))
+        first.send_signal(signal.SIGCONT)
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if "error" in line]
         assert errors == [

@@ -20,8 +20,7 @@ from hf_p2r.training import ConfigError, DataArguments, parse_config, train
 from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.data import BlockStream, byte_level_tokenizer, packing, stream_blocks
 
-from ..distributed.spawn import free_port
-from .helpers import ACCELERATE, REPO, run_trainer, tiny_argv, trajectory
+from .helpers import run_on_every_process, tiny_argv, trajectory
 
 BLOCK = 32
 
@@ -258,18 +257,21 @@ LAYOUTS = {
 }
 
 
-def streaming_argv(folder, layout: str) -> list[str]:
+def streaming_fields(folder, layout: str) -> dict:
     """A streaming run of the shards in `folder` on two processes, a checkpoint every step."""
     files = sorted(str(path) for path in Path(folder).glob("train-*.jsonl"))
-    argv = tiny_argv(Path(folder) / layout, **{**SCHEDULE, **LAYOUTS[layout], "save_steps": 1})
-    return argv + ["--train_files", *files, "--validation_files", f"{folder}/validation-text.jsonl"]
+    fields = {**SCHEDULE, **LAYOUTS[layout], "save_steps": 1}
+    return fields | {"train_files": files, "validation_files": [f"{folder}/validation-text.jsonl"]}
 
 
-def streaming_run(folder: str, layout: str, resume: list[str], rank: int, world_size: int) -> dict:
-    """One streaming run of `layout` on two gloo processes: its losses and the number of stream positions its last
-    checkpoint holds."""
-    assert train(parse_config(streaming_argv(folder, layout) + resume)) == 0
-    return run_result(Path(folder) / layout)
+def streaming_run(folder: str, layout: str, rank: int, world_size: int) -> dict:
+    """A streaming run of `layout` on two gloo processes, then resumed from its checkpoint-3: for each, its losses
+    and the number of stream positions its last checkpoint holds."""
+    results = []
+    for checkpoint in (None, 3):
+        run_on_every_process(folder, layout, streaming_fields(folder, layout), checkpoint)
+        results.append(run_result(Path(folder) / layout))
+    return {"full": results[0], "resumed": results[1]}
 
 
 def run_result(output_dir: Path) -> dict:
@@ -278,14 +280,6 @@ def run_result(output_dir: Path) -> dict:
     state = json.loads((output_dir / "checkpoints/checkpoint-8/trainer_state.json").read_text())["state"]
     losses = [[r["step"], r["loss"]] for r in read_metrics(output_dir / "metrics.jsonl") if "loss" in r]
     return {"losses": losses, "positions": len(state["stream_states"])}
-
-
-def launch_two(argv: list[str]) -> None:
-    """`accelerate launch` of the trainer on two CPU processes (a data-parallel run ends its process group, which a
-    spawned test worker cannot share)."""
-    command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
-    result = run_trainer(argv, [*command, str(REPO / "scripts/train.py")], timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -298,19 +292,13 @@ def test_two_processes_split_the_stream_save_each_position_and_resume_exactly(tm
 
     jsonl_shards(tmp_path, 2, count=5)
     validation_shard(tmp_path)
-    checkpoint = str(tmp_path / layout / "checkpoints/checkpoint-3")
-    results = []
-    for resume in ([], ["--resume_from_checkpoint", checkpoint]):
-        if layout == "data_parallel":
-            launch_two(streaming_argv(tmp_path, layout) + resume)
-            results.append(run_result(tmp_path / layout))
-        else:
-            results.append(spawn.run(partial(streaming_run, str(tmp_path), layout, resume), 2, tmp_path))
-    full, resumed = results
+    results = spawn.run(partial(streaming_run, str(tmp_path), layout), 2, tmp_path)
+    full, resumed = results["full"], results["resumed"]
     assert [step for step, _ in full["losses"]] == list(range(1, 9))
     assert resumed == full and full["positions"] == 2
     if layout == "data_parallel":
-        argv = streaming_argv(tmp_path, layout) + ["--resume_from_checkpoint", checkpoint]
+        checkpoint = tmp_path / layout / "checkpoints/checkpoint-3"
+        argv = tiny_argv(tmp_path / layout, **streaming_fields(tmp_path, layout), resume_from_checkpoint=checkpoint)
         with pytest.raises(InputError, match=r"holds the stream positions of 2 processes, this run has 1: a streaming"):
             train(parse_config(argv))
 
