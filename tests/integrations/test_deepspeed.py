@@ -36,8 +36,8 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
     the new model partitioned straight from the old partitions), so the delinked weights are the same. Then they part
     by design: DeepSpeed restarts the whole optimizer state at a delink, the plain run's reset keeps the state of the
     parameters outside the blocks (step 4's loss differs by far more). The ZeRO-3 run goes on through the delink to
-    the real model, and resuming it from checkpoint-6 (the real model; DeepSpeed's own checkpoint) reproduces it
-    bitwise."""
+    the real model, and resuming it from checkpoint-6 (the real model; DeepSpeed's own checkpoint) in a fresh process
+    with the launcher's environment reproduces it bitwise."""
     plain = trainer_for(p2r_config(tmp_path / "plain", **FIELDS, **RESET))
     plain.train()
     zero3 = launch(tmp_path, "zero3", 1, fields=RESET, args={"use_cpu": False}, launcher=ZERO3, timeout=FIRST_BUILD)
@@ -55,10 +55,8 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
     assert json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["P2RCallback"][
         "attributes"
     ] == {"num_hidden_layers": 4, "num_blocks": 4}
-    resumed = launch(
-        tmp_path, "resumed", processes=1, resume=str(checkpoint), fields=RESET, args={"use_cpu": False}, launcher=ZERO3
-    )
-    assert deterministic(resumed) == deep
+    resume = functools.partial(resumes, str(tmp_path / "resumed"), str(checkpoint))
+    assert deterministic(spawn.run(resume, 1, tmp_path)["history"]) == deep
 
 
 def zero3_environment() -> None:
@@ -79,6 +77,14 @@ def scale_is_refused(folder: str, rank: int, world_size: int) -> dict:
     return {"refused": None}
 
 
+def resumes(folder: str, checkpoint: str, rank: int, world_size: int) -> dict:
+    """The ZeRO-3 run of FIELDS resumed from `checkpoint`; its log history."""
+    zero3_environment()
+    trainer = trainer_for(p2r_config(folder, **FIELDS, **RESET), use_cpu=False, save_strategy="steps", save_steps=2)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return {"history": trainer.state.log_history}
+
+
 def grows(folder: str, rank: int, world_size: int) -> dict:
     """A run of GROWTH_FIELDS growing by GROWTH under ZeRO-3; its log history."""
     zero3_environment()
@@ -90,9 +96,9 @@ def grows(folder: str, rank: int, world_size: int) -> dict:
     return {"history": trainer.state.log_history}
 
 
-# The launcher itself is tested above (a run and its resume, each under `accelerate launch`); the refusal and the growth
-# run in a spawned process with the launcher's environment (its start-up, an interpreter's imports, costs more than
-# either run).
+# The launcher itself is tested above (the ZeRO-3 run under `accelerate launch`); its resume, the refusal and the growth
+# run in a spawned process with the launcher's environment (the launcher's start-up and a fresh interpreter's imports
+# cost more than any of these runs).
 @pytest.mark.slow
 def test_a_carry_other_than_reset_is_refused_under_deepspeed(tmp_path):
     refused = spawn.run(functools.partial(scale_is_refused, str(tmp_path / "scale")), 1, tmp_path)["refused"]
