@@ -4,7 +4,7 @@ P2R's Auto registration once ran inside transformers' own import (`import hf_p2r
 AutoModelForCausalLM` and `... import pipeline` failed with circular-import errors). Each case below imports
 hf_p2r first or second around one transformers import, then uses the Auto classes on P2R (config, base model,
 causal LM, save and load, the MoE sibling). .ci/run's compatibility pass runs this file on the declared floors and on
-the newest releases. The subprocesses start together (they are import-bound) and each test reads its own.
+the newest releases.
 """
 
 import os
@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from .tiers import time_factor
 
 # The compatibility pass (Makefile COMPAT_TESTS) runs this file on the declared floors and the newest releases too:
 # whether registering P2R's Auto classes survives each transformers' import graph.
@@ -48,25 +50,50 @@ def _script(order: str, statement: str) -> str:
     return f"{first}\n{second}\n{USE}"
 
 
+class Cases:
+    """The cases' processes, as many at a time as there are cores, in the tests' order; `cases(case)` waits for one
+    (starting it first if it is not yet) and starts the next. Each is import-bound (~11 CPU s): all twelve started at
+    once share the cores twelve ways, and on this 2-core machine at a load average of ~20 the first one waited for ran
+    past its 300 s timeout (twice)."""
+
+    def __init__(self, scripts: dict, env: dict):
+        self.pending, self.running, self.finished, self.env = dict(scripts), {}, {}, env
+        self.at_once = os.cpu_count() or 1
+        self.fill()
+
+    def start(self, case) -> None:
+        command = [sys.executable, "-c", self.pending.pop(case)]
+        self.running[case] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              env=self.env)  # fmt: skip
+
+    def fill(self) -> None:
+        while self.pending and len(self.running) < self.at_once:
+            self.start(next(iter(self.pending)))
+
+    def __call__(self, case) -> tuple[str, str]:
+        if case not in self.finished:
+            if case in self.pending:
+                self.start(case)
+            self.finished[case] = self.running.pop(case).communicate(timeout=300 * time_factor())
+            self.fill()
+        return self.finished[case]
+
+    def close(self) -> None:
+        for process in self.running.values():
+            process.kill()
+            process.communicate()
+
+
 @pytest.fixture(scope="module")
 def runs():
-    """Every (order, import) case started at once in its own process; finished on first use."""
+    """Every (order, import) case in its own process; each finished on first use."""
     env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
-    started = {
-        (order, name): subprocess.Popen(
-            [sys.executable, "-c", _script(order, statement)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for order in ORDERS
-        for name, statement in IMPORTS.items()
-    }
-    finished = {}
-    yield lambda case: finished.setdefault(case, started[case].communicate(timeout=300))
-    for process in started.values():
-        process.kill()
+    # In the tests' order (by import, then by order), so that the processes running are the next ones waited for.
+    cases = Cases(
+        {(order, name): _script(order, statement) for name, statement in IMPORTS.items() for order in ORDERS}, env
+    )
+    yield cases
+    cases.close()
 
 
 @pytest.mark.parametrize("order", ORDERS)

@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from hf_p2r.compat import dcp_reader
 from hf_p2r.distributed.deepspeed import materialize_zero3, zero3_training_state
+from hf_p2r.training import parse_config, train
 from hf_p2r.training.dcp import is_dcp_checkpoint, load_model_state, load_zero3_state, model_state
 from hf_p2r.training.dcp import save as save_dcp
 
-from ..training.helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajectory
+from ..training.helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
 from . import spawn
 from .test_deepspeed_zero_init import ENGINE, SEED, built
 
@@ -165,23 +166,27 @@ def test_zero3_and_one_process_resume_each_others_dcp_checkpoints(runs, case):
 def test_the_trainer_under_accelerates_zero3_plugin_and_one_plain_process_resume_each_others_dcp_checkpoints(tmp_path):
     """The trainer with `checkpoint_format: dcp` under `accelerate launch --config_file
     configs/accelerate/deepspeed_zero3_offload.yaml` (one process: Accelerate keeps DeepSpeed on a CPU run with `cpu:
-    false`, in one process) saves a real-stage checkpoint; one plain process resumes it and saves its own, which the
-    ZeRO-3 trainer resumes in turn: every step's loss as the uninterrupted ZeRO-3 run's."""
+    false`, in one process) saves a real-stage checkpoint; one plain process (this one) resumes it and saves its own,
+    which the ZeRO-3 trainer resumes in turn: every step's loss as the uninterrupted ZeRO-3 run's."""
     fields = {"seed": SEED, "mixed_precision": "no", "optimizer_carry": "reset", "pseudo_steps": 3, "real_steps": 4}
     fields.update(eval_steps=0, save_steps=2, save_total_limit=5, checkpoint_format="dcp")
     config = str(REPO / "configs/accelerate/deepspeed_zero3_offload.yaml")
     launch = [ACCELERATE, "launch", "--config_file", config, "--num_processes", "1", "--main_process_port", "0"]
     zero3 = [*launch, "-m", "hf_p2r.train"]
-    plain = [PYTHON, "-m", "hf_p2r.train"]
-    runs = {  # name: (command, its extra fields, the checkpoint it resumes)
+    runs = {  # name: (command (None: the plain run, in this process), its extra fields, the checkpoint it resumes)
         "zero3": (zero3, {"cpu": "false"}, None),
-        "plain": (plain, {}, tmp_path / "zero3" / "checkpoints" / "checkpoint-4"),
+        "plain": (None, {}, tmp_path / "zero3" / "checkpoints" / "checkpoint-4"),
         "zero3-again": (zero3, {"cpu": "false"}, tmp_path / "plain" / "checkpoints" / "checkpoint-6"),
     }
     for name, (command, extra, checkpoint) in runs.items():
         resume = [] if checkpoint is None else ["--resume_from_checkpoint", str(checkpoint)]
-        argv = [*command, *tiny_argv(tmp_path / name, **fields, **extra), *resume]
-        done = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        argv = [*tiny_argv(tmp_path / name, **fields, **extra), *resume]
+        if command is None:
+            assert train(parse_config(argv)) == 0, name
+            continue
+        done = subprocess.run(
+            [*command, *argv], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
     losses = {name: {r["step"]: r["loss"] for r in trajectory(tmp_path / name) if "loss" in r} for name in runs}
     assert sorted(losses["zero3"]) == list(range(1, 8))

@@ -1,7 +1,8 @@
 """DeepSpeed is imported only by a run that uses it (issue 37: its import takes seconds and logs "Setting accelerator
 to CPU" into the progress bar of every run): not by importing `hf_p2r.distributed` and every name it exports, nor by a
-plain training run, each checked in a fresh process. Accelerate's unwrapping would import it whenever it is installed
-(the control below); `compat.import_deepspeed_only_when_used` stops that until DeepSpeed is imported.
+plain training run, checked in a fresh process (one for the three checks, in that order). Accelerate's unwrapping
+would import it whenever it is installed (the control below, in a process of its own);
+`compat.import_deepspeed_only_when_used` stops that until DeepSpeed is imported.
 
 Skipped where DeepSpeed is not installed: nothing could import it there.
 """
@@ -9,6 +10,7 @@ Skipped where DeepSpeed is not installed: nothing could import it there.
 import importlib.util
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -32,20 +34,24 @@ def run_python(code: str, timeout: int = 600) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_importing_hf_p2r_distributed_and_its_names_does_not_import_deepspeed():
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> dict:
+    """One fresh interpreter, in this order: what importing `hf_p2r.distributed` and every name it exports imports,
+    then what a plain training run (evaluating, saving, delinking) imports, then Accelerate's unwrapping with the
+    compat shim, before and after DeepSpeed is imported. Each check sees only what ran before it: the imports first
+    (nothing else imported yet), the run after imports that do not load DeepSpeed."""
+    output_dir = tmp_path_factory.mktemp("plain") / "run"
+    argv = tiny_argv(str(output_dir), pseudo_steps=1, real_steps=1, eval_steps=1, save_steps=1)
     found = run_python(
         "import json, sys\n"
         "import hf_p2r.distributed as distributed\n"
         "names = [getattr(distributed, name) for name in distributed.__all__]\n"
         "import hf_p2r.distributed.deepspeed, hf_p2r.distributed.pipeline.delink, hf_p2r.training.engines\n"
-        "print(json.dumps({'names': len(names), 'deepspeed': 'deepspeed' in sys.modules}))\n"
-    )
-    assert found == {"names": len(distributed.__all__), "deepspeed": False}
-
-
-def test_accelerates_unwrapping_imports_deepspeed_only_once_it_is_imported():
-    found = run_python(
-        "import json, sys, torch\n"
+        "imports = {'names': len(names), 'deepspeed': 'deepspeed' in sys.modules}\n"
+        "from hf_p2r.training import parse_config, train\n"
+        f"status = train(parse_config({argv!r}))\n"
+        "run = {'status': status, 'deepspeed': 'deepspeed' in sys.modules}\n"
+        "import torch\n"
         "from accelerate.utils import extract_model_from_parallel\n"
         "from hf_p2r.compat import import_deepspeed_only_when_used\n"
         "module = torch.nn.Linear(1, 1)\n"
@@ -55,10 +61,20 @@ def test_accelerates_unwrapping_imports_deepspeed_only_once_it_is_imported():
         "import deepspeed\n"
         "engine = deepspeed.DeepSpeedEngine.__new__(deepspeed.DeepSpeedEngine)\n"
         "torch.nn.Module.__init__(engine); engine.module = module\n"
-        "print(json.dumps({'unimported': unimported, 'unwrapped': extract_model_from_parallel(engine) is module}))\n"
+        "unwrap = {'unimported': unimported, 'unwrapped': extract_model_from_parallel(engine) is module}\n"
+        "print(json.dumps({'imports': imports, 'run': run, 'unwrap': unwrap}))\n"
     )
-    assert found == {"unimported": True, "unwrapped": True}  # and a DeepSpeed engine is still unwrapped afterwards
-    # The control: without it, Accelerate's unwrapping imports DeepSpeed (the day this fails, drop the compat shim).
+    return found | {"output_dir": str(output_dir)}
+
+
+def test_importing_hf_p2r_distributed_and_its_names_does_not_import_deepspeed(fresh):
+    assert fresh["imports"] == {"names": len(distributed.__all__), "deepspeed": False}
+
+
+def test_accelerates_unwrapping_imports_deepspeed_only_once_it_is_imported(fresh):
+    assert fresh["unwrap"] == {"unimported": True, "unwrapped": True}  # and a DeepSpeed engine is still unwrapped
+    # afterwards. The control, in an interpreter of its own: without the shim, Accelerate's unwrapping imports
+    # DeepSpeed (the day this fails, drop the compat shim).
     control = run_python(
         "import json, sys, torch\n"
         "from accelerate.utils import extract_model_from_parallel\n"
@@ -68,13 +84,6 @@ def test_accelerates_unwrapping_imports_deepspeed_only_once_it_is_imported():
     assert control is True
 
 
-def test_a_plain_training_run_does_not_import_deepspeed(tmp_path):
-    argv = tiny_argv(str(tmp_path / "run"), pseudo_steps=1, real_steps=1, eval_steps=1, save_steps=1)
-    found = run_python(
-        "import json, sys\n"
-        "from hf_p2r.training import parse_config, train\n"
-        f"status = train(parse_config({argv!r}))\n"
-        "print(json.dumps({'status': status, 'deepspeed': 'deepspeed' in sys.modules}))\n"
-    )
-    assert found == {"status": 0, "deepspeed": False}
-    assert (tmp_path / "run" / "real" / "config.json").is_file()  # the run evaluated, saved and delinked
+def test_a_plain_training_run_does_not_import_deepspeed(fresh):
+    assert fresh["run"] == {"status": 0, "deepspeed": False}
+    assert (Path(fresh["output_dir"]) / "real" / "config.json").is_file()  # the run evaluated, saved and delinked

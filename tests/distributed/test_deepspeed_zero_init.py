@@ -28,13 +28,13 @@ from hf_p2r.checkpoint.sharded_write import save_model_from_shards
 from hf_p2r.compat import zero3_full
 from hf_p2r.distributed.deepspeed import delink_deepspeed, materialize_zero3, partition_zero3, zero3_owned_state
 from hf_p2r.distributed.materialize import materialize
-from hf_p2r.training import parse_config
+from hf_p2r.training import parse_config, train
 from hf_p2r.training.checkpointing import save_model as save_model_gathered
 from hf_p2r.training.data import load_tokenizer
 from hf_p2r.training.optim import build_optimizer
 from hf_p2r.training.train import build_model
 
-from ..training.helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajectory
+from ..training.helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
 from . import spawn
 from .test_accelerate_configs import launch_env
 
@@ -324,9 +324,22 @@ def folders_from_partitions(rank: int, world_size: int) -> dict:
     return out
 
 
+# One two-process run for every two-process check of the file (the processes' start-up, DeepSpeed's import and its
+# process group included, is paid once). The engine path runs last: it registers DeepSpeed's configuration with
+# transformers (and drops it again), which the other bodies must not see.
+two = spawn.shared_run(
+    {"builds": meta_builds, "delink": delink_trains, "written": folders_from_partitions, "engine_path": engine_path}, 2
+)
+
+
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict:
-    return spawn.run(meta_builds, 2, tmp_path_factory.mktemp("zero_init"))
+def builds(two) -> dict:
+    return two["builds"]
+
+
+@pytest.fixture(scope="module")
+def written(two) -> dict:
+    return two["written"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -343,8 +356,8 @@ def test_zero3_build_never_holds_more_than_one_module_whole(builds, case):
     assert 0.45 * run["whole"] <= run["mine"] <= 0.55 * run["whole"]  # its half (padded) of every parameter
 
 
-def test_engine_builds_on_meta_and_partitions_under_accelerates_zero3_plugin(tmp_path):
-    run = spawn.run(engine_path, 2, tmp_path)
+def test_engine_builds_on_meta_and_partitions_under_accelerates_zero3_plugin(two):
+    run = two["engine_path"]
     assert run["registered"] and run["unregistered"]  # Accelerate's registration, then the engine's drop of it
     assert run["offloaded"]
     assert run["differ"] == [] and run["all_partitioned"]
@@ -352,8 +365,8 @@ def test_engine_builds_on_meta_and_partitions_under_accelerates_zero3_plugin(tmp
     assert run["groups"] == run["whole_groups"] and {decay for decay, _ in run["groups"]} == {0.0, 0.1}
 
 
-def test_delinks_of_a_zero3_engine_partition_the_new_model_and_train_like_one_process(tmp_path):
-    run = spawn.run(delink_trains, 2, tmp_path)
+def test_delinks_of_a_zero3_engine_partition_the_new_model_and_train_like_one_process(two):
+    run = two["delink"]
     assert run["blocks"] == [2, 4] and run["partitioned"] == [True, True] and run["names"] and run["real"]
     assert all(0 < peak < 0.5 * run["whole_real"] for peak in run["delink_peak"])  # one module whole at a time
     assert run["moved"] > 100 * ATOL  # control: training moved the weights far beyond the tolerance
@@ -394,14 +407,11 @@ def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_pro
     fields["eval_steps"] = 0
     config = str(REPO / "configs/accelerate/deepspeed_zero3_offload.yaml")
     launch = [ACCELERATE, "launch", "--config_file", config, "--num_processes", "1", "--main_process_port", "0"]
-    runs = {
-        "plain": [PYTHON, "-m", "hf_p2r.train", *tiny_argv(tmp_path / "plain", **fields)],
-        "zero3": [*launch, "-m", "hf_p2r.train", *tiny_argv(tmp_path / "zero3", **fields, cpu="false")],
-    }
-    for name, argv in runs.items():
-        done = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-    plain, zero3 = (trajectory(tmp_path / name) for name in runs)
+    argv = [*launch, "-m", "hf_p2r.train", *tiny_argv(tmp_path / "zero3", **fields, cpu="false")]
+    done = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"zero3: {done.stderr[-3000:]}"
+    assert train(parse_config(tiny_argv(tmp_path / "plain", **fields))) == 0  # the plain run, in this process
+    plain, zero3 = (trajectory(tmp_path / name) for name in ("plain", "zero3"))
     steps = [record["step"] for record in zero3 if "loss" in record]
     assert steps == [1, 2, 3, 4, 5, 6] and (tmp_path / "zero3" / "real" / "config.json").is_file()
     first_after_delink = [index for index, record in enumerate(plain) if record.get("step") == 4][0]
@@ -419,11 +429,6 @@ def test_accelerate_launch_with_the_zero3_offload_config_trains_as_one_plain_pro
         if "grad_norm" in theirs:
             assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6), (step, ours, theirs)
             same_updates = same_updates and ours["grad_norm"] == theirs["grad_norm"]
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> dict:
-    return spawn.run(folders_from_partitions, 2, tmp_path_factory.mktemp("zero3_folders"))
 
 
 @pytest.mark.parametrize("case", ["pseudo", "real", "tied", "moe", "pseudo-bf16"])

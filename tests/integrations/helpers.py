@@ -2,10 +2,10 @@
 same model (`build_model`: the same initial weights), the same blocks in the same order (`build_blocks`, `BlockOrder`),
 the same optimizer settings and the same schedule (`P2RCallback.from_config`).
 
-Run as a module (`accelerate launch -m tests.integrations.helpers SPEC.json`) it trains one `P2RTrainer` run described
-by SPEC.json ({"output_dir", "fields": tiny_argv overrides, "args": TrainingArguments overrides, "resume", and for a
-growth run "callback": P2RCallback's arguments and "real_depth"}) and writes its log history to
-output_dir/history.json (the main process).
+Run as a module (`accelerate launch -m tests.integrations.helpers SPECS.json`) it trains the `P2RTrainer` runs that
+SPECS.json lists, one after the other in the same processes (each {"output_dir", "fields": tiny_argv overrides, "args":
+TrainingArguments overrides, "resume", and for a growth run "callback": P2RCallback's arguments and "real_depth"}),
+and writes each run's log history to its output_dir/history.json (the main process).
 """
 
 import json
@@ -155,17 +155,17 @@ def history(output_dir) -> list[dict]:
 
 
 def main(spec_file: str) -> None:
-    spec = json.loads(Path(spec_file).read_text())
-    world_size = spec.get("world_size", 1)
-    callback = P2RCallback(**spec["callback"]) if "callback" in spec else True
-    config = p2r_config(spec["output_dir"], **spec["fields"])
-    trainer = trainer_for(
-        config, world_size=world_size, callback=callback, real_depth=spec.get("real_depth"), **spec["args"]
-    )
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
-    if trainer.is_world_process_zero():
-        (Path(spec["output_dir"]) / "history.json").write_text(json.dumps(trainer.state.log_history))
-    trainer.accelerator.end_training()
+    for spec in json.loads(Path(spec_file).read_text()):
+        world_size = spec.get("world_size", 1)
+        callback = P2RCallback(**spec["callback"]) if "callback" in spec else True
+        config = p2r_config(spec["output_dir"], **spec["fields"])
+        trainer = trainer_for(
+            config, world_size=world_size, callback=callback, real_depth=spec.get("real_depth"), **spec["args"]
+        )
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        if trainer.is_world_process_zero():
+            (Path(spec["output_dir"]) / "history.json").write_text(json.dumps(trainer.state.log_history))
+    trainer.accelerator.end_training()  # once, after the last run: it ends the process group the runs share
 
 
 if __name__ == "__main__":

@@ -4,10 +4,16 @@ Accelerate sets up no several DeepSpeed processes on CPU) against one plain proc
 checkpoint. Skipped without deepspeed (`pip install hf-p2r[deepspeed]`); its first run compiles DeepSpeed's CPU ops
 (minutes)."""
 
+import functools
 import json
+import os
 
 import pytest
 
+from hf_p2r.integrations import P2RCallback
+
+from ..distributed import spawn
+from ..distributed.test_accelerate_configs import launch_env
 from ..training.helpers import REPO
 from .helpers import deterministic, p2r_config, trainer_for
 from .test_launch import FIELDS, launch
@@ -30,8 +36,8 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
     the new model partitioned straight from the old partitions), so the delinked weights are the same. Then they part
     by design: DeepSpeed restarts the whole optimizer state at a delink, the plain run's reset keeps the state of the
     parameters outside the blocks (step 4's loss differs by far more). The ZeRO-3 run goes on through the delink to
-    the real model, and resuming it from checkpoint-6 (the real model; DeepSpeed's own checkpoint) reproduces it
-    bitwise."""
+    the real model, and resuming it from checkpoint-6 (the real model; DeepSpeed's own checkpoint) in a fresh process
+    with the launcher's environment reproduces it bitwise."""
     plain = trainer_for(p2r_config(tmp_path / "plain", **FIELDS, **RESET))
     plain.train()
     zero3 = launch(tmp_path, "zero3", 1, fields=RESET, args={"use_cpu": False}, launcher=ZERO3, timeout=FIRST_BUILD)
@@ -49,16 +55,60 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
     assert json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["P2RCallback"][
         "attributes"
     ] == {"num_hidden_layers": 4, "num_blocks": 4}
-    resumed = launch(
-        tmp_path, "resumed", processes=1, resume=str(checkpoint), fields=RESET, args={"use_cpu": False}, launcher=ZERO3
-    )
-    assert deterministic(resumed) == deep
+    resume = functools.partial(resumes, str(tmp_path / "resumed"), str(checkpoint))
+    assert deterministic(spawn.run(resume, 1, tmp_path)["history"]) == deep
 
 
+def zero3_environment() -> None:
+    """What `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` puts in the environment of
+    its one process (the spawner has set the process's rank and address, and joined its process group)."""
+    spawned = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    os.environ.update({k: v for k, v in launch_env("deepspeed_zero3_offload").items() if k not in spawned})
+
+
+def scale_is_refused(folder: str, rank: int, world_size: int) -> dict:
+    """What a ZeRO-3 run with carry "scale" raises as it starts (None: nothing)."""
+    zero3_environment()
+    trainer = trainer_for(p2r_config(folder, **{**FIELDS, "optimizer_carry": "scale"}), use_cpu=False)
+    try:
+        trainer.train()
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"refused": None}
+
+
+def resumes(folder: str, checkpoint: str, rank: int, world_size: int) -> dict:
+    """The ZeRO-3 run of FIELDS resumed from `checkpoint`; its log history."""
+    zero3_environment()
+    trainer = trainer_for(p2r_config(folder, **FIELDS, **RESET), use_cpu=False, save_strategy="steps", save_steps=2)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return {"history": trainer.state.log_history}
+
+
+def grows(folder: str, rank: int, world_size: int) -> dict:
+    """A run of GROWTH_FIELDS growing by GROWTH under ZeRO-3; its log history."""
+    zero3_environment()
+    callback = P2RCallback(**GROWTH["callback"])
+    config = p2r_config(folder, **{**FIELDS, **GROWTH_FIELDS})
+    trainer = trainer_for(config, callback=callback, real_depth=GROWTH["real_depth"], use_cpu=False,
+                          save_strategy="steps", save_steps=2)  # fmt: skip
+    trainer.train()
+    return {"history": trainer.state.log_history}
+
+
+# The launcher itself is tested above (the ZeRO-3 run under `accelerate launch`); its resume, the refusal and the growth
+# run in a spawned process with the launcher's environment (the launcher's start-up and a fresh interpreter's imports
+# cost more than any of these runs).
 @pytest.mark.slow
 def test_a_carry_other_than_reset_is_refused_under_deepspeed(tmp_path):
-    with pytest.raises(AssertionError, match=r"carry: under DeepSpeed the optimizer state lives in flat ZeRO"):
-        launch(tmp_path, "scale", 1, fields={"optimizer_carry": "scale"}, args={"use_cpu": False}, launcher=ZERO3)
+    refused = spawn.run(functools.partial(scale_is_refused, str(tmp_path / "scale")), 1, tmp_path)["refused"]
+    assert refused is not None and refused.startswith("carry: under DeepSpeed the optimizer state lives in flat ZeRO")
+
+
+# A shallow model (2 layers sharing 1 block) grown to 4 layers at step 2.
+GROWTH_FIELDS = dict(num_hidden_layers=2, pseudo_steps=4, real_steps=0, partial_delink_blocks=[],
+                     partial_delink_steps=[], **RESET)  # fmt: skip
+GROWTH = {"callback": {"growth": [[2, 4]], "carry": "reset"}, "real_depth": 4}
 
 
 @pytest.mark.slow
@@ -66,11 +116,7 @@ def test_depth_growth_runs_under_deepspeed_zero3(tmp_path):
     """A schedule that grows a 2-layer model to 4 layers under ZeRO-3 (`delink_in_training` -> `delink_deepspeed`: the
     grown model partitioned straight from the old partitions; the optimizer restarts, `carry: reset`) trains on to
     the end, logs the growth, and its last checkpoint holds the grown stage."""
-    fields = dict(num_hidden_layers=2, pseudo_steps=4, real_steps=0, partial_delink_blocks=[], partial_delink_steps=[])
-    fields |= RESET
-    growth = {"callback": {"growth": [[2, 4]], "carry": "reset"}, "real_depth": 4}
-    history = launch(tmp_path, "grow", 1, fields=fields, args={"use_cpu": False}, launcher=ZERO3, growth=growth,
-                     timeout=FIRST_BUILD)  # fmt: skip
+    history = spawn.run(functools.partial(grows, str(tmp_path / "grow")), 1, tmp_path)["history"]
     assert [(r["step"], r["p2r/num_hidden_layers"]) for r in history if "p2r/grow" in r] == [(2, 4)]
     losses = [r["loss"] for r in history if "loss" in r]
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses)

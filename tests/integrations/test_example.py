@@ -11,7 +11,7 @@ import pytest
 from ..training.helpers import PYTHON, REPO, subprocess_env
 
 EXAMPLE = str(REPO / "examples/trainer_callback.py")
-STEPS = 30  # delinks at 5 (1 -> 2 blocks) and 10 (-> the real model); a checkpoint every 5 steps
+STEPS = 12  # delinks at 2 (1 -> 2 blocks) and 4 (-> the real model); a checkpoint every 2 steps, an evaluation every 4
 
 
 def run_example(output_dir, *flags: str) -> str:
@@ -28,7 +28,7 @@ def test_the_example_trains_resumes_on_either_side_of_the_delink_and_dry_runs_th
     assert "Dry run: would create (if needed) the model repo me/p2r-demo" in output
     assert "model.safetensors" in output and "A *real* P2R model" in output  # the card, rendered for the real model
     assert "p2r/delink" in output  # Trainer's own log lines show the delinks
-    for checkpoint, flag in ((5, "checkpoint"), (15, "latest")):  # pseudo (before both delinks), real
+    for checkpoint, flag in ((STEPS // 6, "checkpoint"), (STEPS // 2, "latest")):  # pseudo (before both delinks), real
         resumed = tmp_path / f"from-{checkpoint}"
         shutil.copytree(tmp_path / "run" / f"checkpoint-{checkpoint}", resumed / f"checkpoint-{checkpoint}")
         where = str(resumed / f"checkpoint-{checkpoint}") if flag == "checkpoint" else "latest"
