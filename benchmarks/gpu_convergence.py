@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 from benchmarks import presets
-from benchmarks.convergence.compute import STEM, compare, recipes, schedule_of
 from benchmarks.harness import REPO
+
+# benchmarks.convergence.compute (the trainer's packages, datasets) is imported where it is used: `make gpu-report`
+# imports this module to list its parts, and its other parts and its argument errors need none of it.
 
 # The GPU model: 8 layers of width 1024 (SwiGLU 2816), 16 heads: 102.8M parameters with the byte-level vocabulary.
 GPU_FIELDS = {
@@ -40,6 +42,8 @@ SHARED = {"lr_scheduler": "wsd", "shared_lr_scale": "depth", "save_total_limit":
 
 def recommended(depth: int) -> str:
     """The recommended recipe of the CPU study's result (benchmarks/convergence_compute.json), else `FALLBACK`."""
+    from benchmarks.convergence.compute import STEM, recipes
+
     path = REPO / "benchmarks" / f"{STEM}.json"
     try:
         name = (json.loads(path.read_text())["recommended"] or {}).get("name")
@@ -51,6 +55,7 @@ def recommended(depth: int) -> str:
 def part_convergence(out: Path, dry: bool, limit: int) -> dict:
     """Scratch, then the recommended recipe, each for the same steps (`GPU_STEPS`; dry: `DRY_STEPS` of a tiny model),
     both within `limit` seconds; the record of `benchmarks.gpu_report.run` with the result."""
+    from benchmarks.convergence.compute import compare, recipes, schedule_of
     from benchmarks.gpu_report import run
 
     fields, steps = (DRY_FIELDS, DRY_STEPS) if dry else (GPU_FIELDS, GPU_STEPS)

@@ -36,7 +36,6 @@ import torch
 from benchmarks import presets
 from benchmarks.gpu_convergence import part_convergence
 from benchmarks.harness import REPO, machine, utc_now, write_json, write_text
-from benchmarks.offload import design_of
 
 # Dense bf16 peak FLOP/s (no sparsity) of the GPUs MFU is computed for, by a name fragment of
 # torch.cuda.get_device_name(): NVIDIA's datasheets (H100 SXM and H200: 989.4 TFLOP/s; A100: 312).
@@ -445,6 +444,8 @@ def targets(out: Path) -> dict:
         found["mfu_compiled"]["measured"] = compiled["mfu"]["p2r_real"]
     if compiled.get("ratio_pseudo_vs_real"):
         found["pseudo_vs_real"]["measured"] = compiled["ratio_pseudo_vs_real"]["median"]
+    from benchmarks.offload import design_of  # (here: the offload benchmark imports the model and offload packages)
+
     # The offload targets: the best design (rows "granular ratio R" for the host step, "granular ratio R <design>"
     # for another, in one run or one run per design), its name kept.
     offload = read_json(out / "offload.json") or {}

@@ -3,14 +3,14 @@ DCP checkpoint's save and load time against the one-process save, and a 4-proces
 process (issue 25's "no process ever holds a whole copy of the model").
 
     python scripts/bench_scale.py                          # benchmarks/scale.{json,md}; ~25 min on 2 CPU cores
-    python scripts/bench_scale.py --quick --out /tmp/s     # smoke run (~1.5 min): 2 models, 1 and 4 processes
+    python scripts/bench_scale.py --quick --out /tmp/s     # smoke run (~1.5 min): 2 models, 1 and 2 processes
 
 Every run is the trainer itself (`hf_p2r.train.main`, started by `torchrun` on gloo, one thread per process) through
 pseudo stage (1 shared block) -> delink -> real stage -> DCP checkpoints -> `real/`, a few steps of a few short
 sequences: memory is measured, not speed. A wrapper around the trainer (`--worker`, in each process) times the
 engine's phases and reads the process's peak resident size (VmHWM of /proc/self/status, reset through
 /proc/self/clear_refs at each phase boundary, so each phase's own peak is known too): start-up is launch to the first
-training step; save and load are the engine's `save_checkpoint` and `load`.
+training step; save and load are the engine's `write_checkpoint` (its part of a resume checkpoint) and `load`.
 
 The bound checked per row (issue 25): peak RSS above the same layout's run of a tiny model <= 16 bytes per parameter
 / N processes (fp32 weights, gradients and AdamW's two moments, split N ways) + 2 bytes per parameter (half of one
@@ -105,6 +105,9 @@ RESUMED_ON = {
     "2 = 2 stages": engine_layout(2, 1, False, 4),
     "1 process": LAYOUTS["1 process"],
 }
+# `--quick` (the test suite's smoke run: it checks the code, not the figures): the two models and layouts it runs, the
+# sharded one on 2 processes (each process is a trainer's start-up: 2 fewer per sharded run than 4), resumed on 1.
+QUICK = {"models": ["tiny", "w512-L4"], "layouts": ["1 process", "2 sharded (FSDP2)"], "resumed_on": ["1 process"]}
 # Issue 25's bound: state share 16 bytes / parameter / N, plus 2 bytes / parameter.
 STATE_BYTES_PER_PARAMETER, TRANSIENT_BYTES_PER_PARAMETER = 16, 2
 # The resumed run's losses against the uninterrupted 4-process run's (relative): see the page for the measured value.
@@ -180,7 +183,7 @@ def worker(result_dir: str, argv: list[str]) -> int:
             ("delink", "delink"),
             ("evaluate", "evaluate"),
             ("save_model", "save pseudo/, real/"),
-            ("save_checkpoint", "save checkpoint"),
+            ("write_checkpoint", "save checkpoint"),
         ):
             phases.wrap(cls, method, phase)
     code = train_main(argv)
@@ -291,7 +294,7 @@ def run_layout(
     workdir: Path, name: str, layout: str, params: tuple, allocator: str = "fixed", keep: bool = False
 ) -> tuple[dict, Path]:
     """One run measured; its weights and checkpoints deleted after it unless `keep` (a 170M model's are 5 GB)."""
-    spec = LAYOUTS[layout]
+    spec = {**LAYOUTS, **RESUMED_ON}[layout]  # (--quick's sharded layout is one of RESUMED_ON's)
     output_dir = workdir / f"{name}--{layout}--{allocator}".replace(" ", "_").replace("/", "_")
     started = time.perf_counter()
     argv = trainer_argv(output_dir, MODELS[name], spec["fields"])
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(argv[1], argv[3:])  # --worker DIR -- TRAINER ARGS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: tiny and w512-L4 on 1 and 4 processes, tiny resumed on 1"
+        "--quick", action="store_true", help="smoke run: tiny and w512-L4 on 1 and 2 processes, tiny resumed on 1"
     )
     parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), help="default: every layout")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: every model")
@@ -369,10 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="the runs' folders (default: a temporary folder)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "scale"), help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
-    layouts = args.layouts or (["1 process", "4 sharded (FSDP2)"] if args.quick else list(LAYOUTS))
-    models = args.models or (["tiny", "w512-L4"] if args.quick else list(MODELS))
+    layouts = args.layouts or (QUICK["layouts"] if args.quick else list(LAYOUTS))
+    models = args.models or (QUICK["models"] if args.quick else list(MODELS))
     resume_model = "tiny" if args.quick else args.resume_model
-    resumed_on = {"1 process": RESUMED_ON["1 process"]} if args.quick else RESUMED_ON
+    resume_layout = QUICK["layouts"][1] if args.quick else args.resume_layout
+    resumed_on = {name: RESUMED_ON[name] for name in QUICK["resumed_on"]} if args.quick else RESUMED_ON
     command = "python scripts/bench_scale.py " + " ".join(argv)
     report = {"date": now(), "machine": {**harness.machine(), "load_average_start": os.getloadavg()}}
     report["command"] = command
@@ -384,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             for layout in layouts:
                 if name == "170M" and layout not in BIG_LAYOUTS:
                     continue
-                source = name == resume_model and layout == args.resume_layout
+                source = name == resume_model and layout == resume_layout
                 row, output_dir = run_layout(workdir, name, layout, params, keep=source)
                 rows.append(row)
                 if source:
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 difference = max(abs(got[s] - want[s]) / abs(want[s]) for s in after)
                 resume = summarise(resume_model, layout, ranks, spec["processes"], parameters(MODELS[resume_model]), 0)
                 resume.update(
-                    resumed_from=f"{args.resume_layout}, checkpoint-{RESUME_FROM}",
+                    resumed_from=f"{resume_layout}, checkpoint-{RESUME_FROM}",
                     losses={s: got[s] for s in after},
                     uninterrupted_losses={s: want[s] for s in after},
                     max_relative_difference=difference,

@@ -2,6 +2,8 @@
 needs CUDA). On the first GPU run `--part largest` was OOM-killed: its first guesses at ratio 0.5 were all out of
 device memory and the search never went below them, and the host guard under-counted pinned memory."""
 
+import json
+
 import pytest
 
 from benchmarks import offload as bench
@@ -343,31 +345,36 @@ def test_the_host_phases_benchmark_measures_and_predicts(tmp_path):
     assert "smoke run" in out.with_suffix(".md").read_text()
 
 
-def test_the_delayed_update_benchmark_runs_side_by_side(tmp_path):
+@pytest.fixture(scope="module")
+def delayed(tmp_path_factory) -> tuple[dict, str]:
+    """benchmarks/offload_delayed.py --smoke, run once for the module: (its JSON result, its page)."""
+    from benchmarks import offload_delayed
+
+    folder = tmp_path_factory.mktemp("offload_delayed")
+    out = folder / "offload_delayed"
+    assert offload_delayed.main(["--smoke", "--out", str(out), "--work", str(folder / "runs")]) == 0
+    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+
+
+def test_the_delayed_update_benchmark_runs_side_by_side(delayed):
     """benchmarks/offload_delayed.py --smoke: the trainer three times (exact, delayed, delayed + error feedback) from
     the same seed; the exact and delayed runs agree on the first step (nothing to be stale yet) and differ after."""
-    import json
-
     from benchmarks import offload_delayed
 
-    out = tmp_path / "delayed"
-    assert offload_delayed.main(["--smoke", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
-    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    result, page = delayed
+    runs = result["runs"]
     assert list(runs) == list(offload_delayed.RUNS)
-    exact, delayed = runs["after_backward"]["loss"], runs["delayed"]["loss"]
-    assert exact["1"] == delayed["1"] and exact != delayed
-    assert "Final validation loss against the exact update" in out.with_suffix(".md").read_text()
+    exact, stale = runs["after_backward"]["loss"], runs["delayed"]["loss"]
+    assert exact["1"] == stale["1"] and exact != stale
+    assert "Final validation loss against the exact update" in page
 
 
-def test_offload_delayed_smoke_writes_its_page_from_its_runs(tmp_path):
-    """benchmarks/offload_delayed.py --smoke (a few steps of a tiny model, in this process): the exact, delayed and
-    corrected runs all finish and the page is the render of the JSON it wrote (no figure asserted: a smoke run)."""
-    import json
-
+def test_offload_delayed_smoke_writes_its_page_from_its_runs(delayed):
+    """benchmarks/offload_delayed.py --smoke (a few steps of a tiny model, each run the trainer in its own process):
+    the exact, delayed and corrected runs all finish and the page is the render of the JSON it wrote (no figure
+    asserted: a smoke run)."""
     from benchmarks import offload_delayed
 
-    out = tmp_path / "offload_delayed"
-    assert offload_delayed.main(["--smoke", "--out", str(out), "--work", str(tmp_path / "runs")]) == 0
-    result = json.loads(out.with_suffix(".json").read_text())
+    result, page = delayed
     assert result["smoke"] and set(result["runs"]) == set(offload_delayed.RUNS)
-    assert out.with_suffix(".md").read_text() == offload_delayed.render_markdown(result)
+    assert page == offload_delayed.render_markdown(result)

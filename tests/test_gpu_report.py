@@ -94,6 +94,24 @@ def test_the_offload_parts_time_each_report_design_and_profile_where_the_step_go
     assert (out / "offload_profile_trace.json").stat().st_size < 2_000_000
 
 
+def test_the_convergence_part_trains_both_runs_on_the_same_tokens_and_compares_their_flops(dry_run):
+    """benchmarks/gpu_convergence.py's part in the dry run (issue 39): scratch and the recommended recipe, each for
+    `DRY_STEPS` of a tiny model through the trainer's command line, on the same tokens."""
+    from benchmarks import gpu_convergence
+
+    _, out = dry_run
+    record = json.loads((out / "convergence.json").read_text())
+    assert record["status"] == "ok", record["output_tail"]
+    result = record["result"]
+    scratch, grown = result["runs"]
+    assert [row["name"] for row in result["runs"]] == ["scratch", result["recipe"]]
+    assert scratch["steps"] == grown["steps"] == gpu_convergence.DRY_STEPS
+    assert scratch["tokens"] == grown["tokens"]  # the same tokens
+    assert 0 < grown["flops"] < scratch["flops"]  # its shallow steps cost less
+    assert result["target"] == scratch["final_val_loss"] and result["parameters"] > 0
+    assert len(grown["flops_curve"]) >= 3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_without_cuda_the_gpu_run_is_refused_in_one_line(tmp_path):
     done = subprocess.run(
