@@ -334,6 +334,8 @@ def _compare_fsdp2_runs(runs: dict[str, Path], middle: int, real: Path, exported
     folder's logits against the trainer's `real/` folder on one batch (CPU, fp32)."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    import hf_p2r  # noqa: F401  (registers P2R with the Auto classes: `real/` loads through AutoModelForCausalLM)
+
     losses = {
         name: {r["step"]: r["loss"] for r in map(json.loads, _lines(folder / "metrics.jsonl")) if "loss" in r}
         for name, folder in runs.items()
@@ -444,11 +446,11 @@ def targets(out: Path) -> dict:
         found["mfu_compiled"]["measured"] = compiled["mfu"]["p2r_real"]
     if compiled.get("ratio_pseudo_vs_real"):
         found["pseudo_vs_real"]["measured"] = compiled["ratio_pseudo_vs_real"]["median"]
-    from benchmarks.offload import design_of  # (here: the offload benchmark imports the model and offload packages)
-
     # The offload targets: the best design (rows "granular ratio R" for the host step, "granular ratio R <design>"
     # for another, in one run or one run per design), its name kept.
     offload = read_json(out / "offload.json") or {}
+    if offload.get("designs"):
+        from benchmarks.offload import design_of  # (here: it imports the model and offload packages)
     for design in (offload.get("designs") or {}).values():
         runs = ((design.get("result") or {}).get("throughput") or {}).get("runs") or {}
         fsdp2 = runs.get("fsdp2 CPUOffloadPolicy")

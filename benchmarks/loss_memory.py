@@ -260,7 +260,7 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default: the device's preset)")
     parser.add_argument("--chunk-size", type=int, help="tokens per chunk (default: the op's, the hidden size)")
     parser.add_argument("--repeats", type=int, help="timed passes per size and path after the measured one")
-    parser.add_argument("--smoke", action="store_true", help="one tiny size, one repeat: seconds (the test suite's run)")
+    parser.add_argument("--smoke", action="store_true", help="one tiny size, one repeat: seconds (the tests' run)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "loss_memory")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a JSON spec: measure one (size, path), print JSON
     return parser
