@@ -1,6 +1,7 @@
 """Shared settings for the training tests: a model and corpus small enough for a step in milliseconds."""
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,14 @@ def trained_run(fixture_name: str, **fields):
         return output_dir
 
     return run
+
+
+def demo_launch() -> list[str]:
+    """`make demo`'s command line, as the Makefile runs it with no ARGS (continuation lines joined, `$(VENV)/bin/`
+    dropped)."""
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
+    recipe = makefile.split("\ndemo:", 1)[1].splitlines()[1]
+    return shlex.split(recipe.replace("$(VENV)/bin/", "").replace("$(ARGS)", ""))
 
 
 def run_trainer(argv: list[str], command: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -2,7 +2,6 @@
 
 import importlib.util
 import os
-import shlex
 import subprocess
 import threading
 
@@ -13,21 +12,13 @@ from hf_p2r import P2RForCausalLM
 from hf_p2r.training import ConfigError, parse_config
 from hf_p2r.training.config import MAX_CONFIG_BYTES, even_delink_steps
 
-from .helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv
+from .helpers import PYTHON, REPO, demo_launch, subprocess_env
 
 
 def _yaml(tmp_path, text: str) -> str:
     path = tmp_path / "config.yaml"
     path.write_text(text)
     return str(path)
-
-
-def _demo_launch() -> list[str]:
-    """`make demo`'s command line, as the Makefile runs it with no ARGS (continuation lines joined, `$(VENV)/bin/`
-    dropped)."""
-    makefile = (REPO / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
-    recipe = makefile.split("\ndemo:", 1)[1].splitlines()[1]
-    return shlex.split(recipe.replace("$(VENV)/bin/", "").replace("$(ARGS)", ""))
 
 
 def test_command_line_overrides_yaml(tmp_path):
@@ -64,7 +55,7 @@ def test_demo_config_is_what_the_readme_describes():
         f"into the real model ({depth} blocks, same function) and trains that for {train.real_steps} more steps"
         in readme
     )
-    command = " ".join(_demo_launch())
+    command = " ".join(demo_launch())
     assert command.startswith("accelerate launch -q ")
     assert command.endswith(" scripts/train.py --config configs/demo.yaml")
     assert f"make demo # = {command}" in readme
@@ -333,20 +324,6 @@ def test_a_fifo_a_folder_a_device_or_a_missing_file_as_config_is_one_line_withou
     missing = tmp_path / "missing.yaml"
     assert _error(["--config", str(missing)]) == f"config: cannot read {missing}: No such file or directory"
     assert _error(["--config", "bad\nname.yaml"]) == "config: cannot read 'bad\\nname.yaml': No such file or directory"
-
-
-@pytest.mark.slow
-def test_make_demo_launches_without_the_launchers_notice_of_defaults(tmp_path):
-    """`make demo`'s launcher flags give `accelerate launch` every value it would otherwise default and list in a
-    four-line notice (which `-q` does not silence): a tiny run with the same launcher flags prints none."""
-    launch = _demo_launch()
-    launcher = launch[1 : launch.index("scripts/train.py")]
-    trainer = tiny_argv(tmp_path / "run", pseudo_steps=1, real_steps=1, eval_steps=0, corpus_max_bytes=5000)
-    command = [ACCELERATE, *launcher, str(REPO / "scripts/train.py"), *trainer]
-    env = {**subprocess_env(), "HF_HOME": str(tmp_path / "hf")}  # no `accelerate config` file to read the values from
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "not passed to `accelerate launch`" not in result.stdout + result.stderr, result.stderr
 
 
 SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "num_experts")

@@ -17,7 +17,7 @@ from hf_p2r.training.checkpointing import list_checkpoints
 from hf_p2r.training.metrics import read_metrics
 
 from ..distributed import spawn
-from .helpers import ACCELERATE, PYTHON, REPO, subprocess_env, tiny_argv, trajectory
+from .helpers import ACCELERATE, PYTHON, REPO, demo_launch, subprocess_env, tiny_argv, trajectory
 from .uneven_eval_worker import uneven_evaluation
 
 TRAIN_SCRIPT = str(REPO / "scripts/train.py")
@@ -33,17 +33,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(command: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=REPO, timeout=timeout)
+def _run(command: list[str], timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
+    environment = {**subprocess_env(), **env}
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=REPO, timeout=timeout)
     errors = [line for line in result.stderr.splitlines() if "train.py: error" in line]
     assert result.returncode == 0, "\n".join(errors) + result.stderr[-3000:]
     return result
 
 
 @pytest.mark.slow
-def test_demo_through_accelerate_launch(tmp_path):
+def test_make_demo_trains_through_accelerate_launch_without_the_launchers_notice_of_defaults(tmp_path):
+    """The README's command (`make demo`'s command line) with the demo configuration, shrunk to a few steps of a tiny
+    model (its growth too). Its launcher flags give `accelerate launch` every value it would otherwise default and
+    list in a four-line notice (which `-q` does not silence): it prints none."""
     output_dir = tmp_path / "demo"
-    # The README's command with the demo configuration, shrunk to a few steps of a tiny model (its growth too).
     overrides = tiny_argv(
         output_dir,
         pseudo_steps=3,
@@ -53,7 +56,11 @@ def test_demo_through_accelerate_launch(tmp_path):
         partial_delink_steps=[1],
         partial_delink_blocks=[2],
     )
-    _run([ACCELERATE, "launch", "--num_processes", "1", TRAIN_SCRIPT, "--config", "configs/demo.yaml", *overrides])
+    launch = demo_launch()
+    assert launch[0] == "accelerate" and launch[-2:] == ["--config", "configs/demo.yaml"]
+    # HF_HOME: no `accelerate config` file to read the launcher's values from
+    result = _run([ACCELERATE, *launch[1:], *overrides], HF_HOME=str(tmp_path / "hf"))
+    assert "not passed to `accelerate launch`" not in result.stdout + result.stderr, result.stderr
     records = read_metrics(output_dir / "metrics.jsonl")
     assert [(r["step"], r["num_blocks"]) for r in records if r.get("event") == "delink"] == [(1, 2), (3, 4)]
     assert [r["stage"] for r in records if "loss" in r] == ["pseudo"] * 3 + ["real"] * 2
