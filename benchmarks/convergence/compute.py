@@ -320,7 +320,14 @@ def collect(runs: dict, groups: list[dict], seeds: list[int]) -> list[dict]:
         speedups = {
             name: [next(r for r in s["runs"] if r["name"] == name)["speedup_flops"] for s in per_seed] for name in names
         }
-        out.append({**group, "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed, "speedups": speedups})
+        # every recipe with a finished run, and the seeds it has (`speedups` holds only those run at every seed)
+        ran: dict[str, list[int]] = {}
+        for s in per_seed:
+            for r in s["runs"]:
+                ran.setdefault(r["name"], []).append(s["seed"])
+        out.append(
+            {**group, "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed, "speedups": speedups, "ran": ran}
+        )
     return out
 
 
@@ -478,9 +485,17 @@ def markdown(result: dict) -> str:
     ]
     for group in groups:
         names = list(group["speedups"])
-        lines.append(f"- {group['name']}, seeds {group['seeds']}: {', '.join(names)}.")
+        some = [
+            f"{name} (seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))})"
+            for name, seeds in group["ran"].items()
+            if name not in names
+        ]
+        lines.append(
+            f"- {group['name']}, seeds {group['seeds']}: {', '.join(names)}"
+            + (f"; at some seeds only: {', '.join(some)}." if some else ".")
+        )
     missing = [f"{name} seed {seed}" for name, seed in full if (name, seed) not in ran]
-    absent = sorted({name for name in plan["recipes"]} - {n for g in groups for n in g["speedups"]})
+    absent = sorted({name for name in plan["recipes"]} - {n for g in groups for n in g["ran"]})
     if missing:
         lines.append(f"- Not run (no scratch run, so nothing to compare): {', '.join(missing)}.")
     if absent:
@@ -568,7 +583,48 @@ def markdown(result: dict) -> str:
         for name, speedups in sorted(table.items(), key=lambda item: -worst(item[1])):
             if name != "scratch":
                 lines.append(f"- {name}: worst {_x(worst(speedups) or None)} ({len(speedups)} group-seeds)")
+        lines += _partial(groups, best)
     return "\n".join(lines) + "\n"
+
+
+def _partial(groups: list[dict], best: dict) -> list[str]:
+    """The recipes run at some seeds of a group only (not candidates: the recommendation needs every group and seed):
+    each run's speed-up, whether it beats the recommended recipe's worst on every run it has, and, where it does, why
+    each of its runs is under the target (`_why`)."""
+    runs: dict[str, list[tuple[dict, dict, dict]]] = {}
+    for group in groups:
+        for name in group["ran"]:
+            if name in group["speedups"]:
+                continue
+            for seed in group["per_seed"]:
+                row = next((r for r in seed["runs"] if r["name"] == name), None)
+                if row is not None:
+                    runs.setdefault(name, []).append((group, seed, row))
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Recipes run at some seeds only (not candidates for the recommendation, which needs every group and seed):",
+        "",
+    ]
+    for name, rows in runs.items():
+        each = ", ".join(f"{g['name']} seed {s['seed']} {_x(r['speedup_flops'])}" for g, s, r in rows)
+        beats = all((r["speedup_flops"] or 0.0) > best["worst"] for _, _, r in rows)
+        lines.append(
+            f"- {name}: {each}; "
+            + (
+                f"above {best['name']}'s worst ({_x(best['worst'])}) at every run it has: worth its missing seeds."
+                if beats
+                else f"not above {best['name']}'s worst ({_x(best['worst'])}) at every run it has."
+            )
+        )
+        if beats:
+            lines += [
+                f"  - {g['name']} seed {s['seed']}: {_x(r['speedup_flops'])}: {_why(r, s)}"
+                for g, s, r in rows
+                if (r["speedup_flops"] or 0.0) < TARGET
+            ]
+    return lines
 
 
 def write_page(result: dict, out: Path) -> Path:
