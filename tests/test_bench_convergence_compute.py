@@ -211,8 +211,8 @@ def test_the_page_shows_a_recipe_run_at_some_seeds_only():
     never = page.split("Recipes not run in any group: ")[1].split(".\n")[0].split(", ")
     assert "gstack-2to8-at50" not in never and "bu-1to8-at60" in never
     assert (
-        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 2.00x; above bu-1to8-at80's worst (1.00x) at every run it has: "
-        "worth its missing seeds."
+        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 2.00x (bu-1to8-at80: 1.00x); above bu-1to8-at80's worst (1.00x) at "
+        "every run it has, and not below it at the same group and seed."
     ) in page
     assert "  - stdlib-L8-adamw seed 0: 2.00x" not in page  # it meets 2x there: no reason to give
     seeds[0]["runs"][2].update(speedup_flops=1.5, flops_to_target=400 / 1.5)
@@ -220,9 +220,18 @@ def test_the_page_shows_a_recipe_run_at_some_seeds_only():
     assert (
         "  - stdlib-L8-adamw seed 0: 1.50x: 25% of scratch's FLOPs went to the 2-layer start, which ended at 3.0000"
     ) in page
+    # above the recommended recipe's worst, yet below it at the same seed: the page says both
+    seeds[0]["runs"][1].update(speedup_flops=1.8, flops_to_target=400 / 1.8)
+    assert (
+        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 1.50x (bu-1to8-at80: 1.80x); above bu-1to8-at80's worst (1.00x) "
+        "at every run it has, below it at the same group and seed in 1 of 1."
+    ) in compute.markdown(result)
+    seeds[0]["runs"][1].update(speedup_flops=1.0, flops_to_target=400.0)
     seeds[0]["runs"][2].update(speedup_flops=0.9, flops_to_target=400 / 0.9)
     page = compute.markdown(result)
-    assert "- gstack-2to8-at50: stdlib-L8-adamw seed 0 0.90x; not above bu-1to8-at80's worst (1.00x)" in page
+    assert (
+        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 0.90x (bu-1to8-at80: 1.00x); not above bu-1to8-at80's worst" in page
+    )
     assert "  - stdlib-L8-adamw seed 0:" not in page
 
 

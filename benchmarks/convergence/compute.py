@@ -608,12 +608,23 @@ def _partial(groups: list[dict], best: dict) -> list[str]:
         "",
     ]
     for name, rows in runs.items():
-        each = ", ".join(f"{g['name']} seed {s['seed']} {_x(r['speedup_flops'])}" for g, s, r in rows)
+        # the recommended recipe's speed-up at the same group and seed (it ran at every one: None is not reached)
+        theirs = [next(x["speedup_flops"] for x in s["runs"] if x["name"] == best["name"]) for _, s, _ in rows]
+        each = ", ".join(
+            f"{g['name']} seed {s['seed']} {_x(r['speedup_flops'])} ({best['name']}: {_x(other)})"
+            for (g, s, r), other in zip(rows, theirs)
+        )
         beats = all((r["speedup_flops"] or 0.0) > best["worst"] for _, _, r in rows)
+        below = sum((r["speedup_flops"] or 0.0) < (other or 0.0) for (_, _, r), other in zip(rows, theirs))
         lines.append(
             f"- {name}: {each}; "
             + (
-                f"above {best['name']}'s worst ({_x(best['worst'])}) at every run it has: worth its missing seeds."
+                f"above {best['name']}'s worst ({_x(best['worst'])}) at every run it has, "
+                + (
+                    f"below it at the same group and seed in {below} of {len(rows)}."
+                    if below
+                    else "and not below it at the same group and seed."
+                )
                 if beats
                 else f"not above {best['name']}'s worst ({_x(best['worst'])}) at every run it has."
             )
