@@ -72,7 +72,8 @@ def records(points: list[tuple[int, float]], flops_per_step: list[float], tokens
 def test_compare_measures_compute_to_scratchs_final_loss():
     scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)  # 400 FLOPs in all, ends at 2.0
     # cheap steps (1 FLOP) for 200 steps then 4: reaches 2.0 at step 200 (200 FLOPs), ends at 1.8
-    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], [1.0] * 200 + [4.0] * 50)
+    grow_flops = [1.0] * 200 + [4.0] * 50
+    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], grow_flops)
     for record in grow:
         record["num_hidden_layers"] = 2 if record["step"] < 200 else 8  # grown at step 200
     result = compute.compare({"scratch": scratch, "grow": grow})
@@ -87,6 +88,16 @@ def test_compare_measures_compute_to_scratchs_final_loss():
     assert (row["tokens_to_target"], row["steps_to_target"]) == (2000, 200)
     assert row["budget_ratio"] == 1.0 and row["delta_vs_scratch"] == pytest.approx(-0.2)
     assert row["loss_at_scratch_tokens"] == 3.0  # after scratch's 1000 tokens, mid-run
+    assert row["decay"] is None  # no learning rate logged
+    # logged learning rates: warm-up to 1e-3 at step 20, held to step 220, then decaying (logged every 10 steps)
+    logged = [
+        {"step": i, "lr": 1e-3 * min(1.0, i / 20) * (1.0 if i < 220 else (250 - i) / 30), "flops": sum(grow_flops[:i])}
+        for i in range(10, 251, 10)
+    ]
+    decay = compute.compare({"scratch": scratch, "grow": sorted(grow + logged, key=lambda r: r["step"])})
+    # the first logged fall from the peak is step 230 (200 + 30 x 4 = 320 FLOPs of scratch's 400); the last evaluation
+    # before it, step 200
+    assert decay["runs"][1]["decay"] == {"flops_share": 320 / 400, "loss": 2.0}
     slow = records([(0, 5.0), (100, 2.5)], [4.0] * 100)
     assert compute.compare({"scratch": scratch, "slow": slow})["runs"][1]["speedup_flops"] is None
 
@@ -168,6 +179,12 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
         "(-1.0000); the grown model reached scratch's final loss at 67% of scratch's FLOPs (50% or less is 2x)."
     ) in page
     assert "at some seeds only" not in page and "Recipes run at some seeds only" not in page
+    # with the run's learning-rate decay measured, the reason says where it began and the loss then
+    seed["runs"][1]["decay"] = {"flops_share": 0.6, "loss": 2.1}
+    assert (
+        "(-1.0000); its learning rate began to decay at 60% of scratch's FLOPs, the loss then 2.1000 (+0.1000); the "
+        "grown model reached scratch's final loss at 67%"
+    ) in compute.markdown(result)
 
 
 def test_the_page_shows_a_recipe_run_at_some_seeds_only():

@@ -255,6 +255,7 @@ def compare(records: dict[str, list[dict]]) -> dict:
         rows.append(
             {
                 "name": name,
+                "decay": decay_start(run, budget["flops"]),
                 "final_val_loss": end["val_loss"],
                 "delta_vs_scratch": end["val_loss"] - target,
                 "flops": end["flops"],
@@ -275,6 +276,22 @@ def compare(records: dict[str, list[dict]]) -> dict:
             }
         )
     return {"target": target, "scratch": budget, "runs": rows}
+
+
+def decay_start(records: list[dict], flops: float) -> dict | None:
+    """Where a run's learning rate first fell from its peak (WSD: the start of its decay, to the nearest logged step):
+    {"flops_share" (of `flops`, scratch's), "loss": the validation loss at the last evaluation before it}; None when
+    no logged learning rate fell."""
+    logged = [r for r in records if "lr" in r]
+    if not logged:
+        return None
+    peak = max(r["lr"] for r in logged)
+    at_peak = next(i for i, r in enumerate(logged) if r["lr"] == peak)
+    start = next((r for r in logged[at_peak:] if r["lr"] < peak), None)
+    before = [r for r in records if "val_loss" in r and start is not None and r["step"] <= start["step"]]
+    if start is None or not before:
+        return None
+    return {"flops_share": start["flops"] / flops, "loss": before[-1]["val_loss"]}
 
 
 def worst(speedups: list[float | None]) -> float:
@@ -418,6 +435,12 @@ def _why(row: dict, seed: dict) -> str:
         f"final {target:.4f}); at the first evaluation after the growth the loss was {growth['loss_after']:.4f} "
         f"({growth['loss_after'] - growth['loss_before']:+.4f}); "
     )
+    decay = row.get("decay")
+    if decay is not None:
+        text += (
+            f"its learning rate began to decay at {decay['flops_share']:.0%} of scratch's FLOPs, the loss then "
+            f"{decay['loss']:.4f} ({decay['loss'] - target:+.4f}); "
+        )
     if not row["flops_to_target"]:
         return text + "the grown model never reached scratch's final loss."
     shallow = row.get("depth_at_target") and row["depth_at_target"] <= (growth.get("depth_before") or 0)
