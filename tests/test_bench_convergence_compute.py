@@ -72,7 +72,8 @@ def records(points: list[tuple[int, float]], flops_per_step: list[float], tokens
 def test_compare_measures_compute_to_scratchs_final_loss():
     scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)  # 400 FLOPs in all, ends at 2.0
     # cheap steps (1 FLOP) for 200 steps then 4: reaches 2.0 at step 200 (200 FLOPs), ends at 1.8
-    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], [1.0] * 200 + [4.0] * 50)
+    grow_flops = [1.0] * 200 + [4.0] * 50
+    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], grow_flops)
     for record in grow:
         record["num_hidden_layers"] = 2 if record["step"] < 200 else 8  # grown at step 200
     result = compute.compare({"scratch": scratch, "grow": grow})
@@ -87,6 +88,16 @@ def test_compare_measures_compute_to_scratchs_final_loss():
     assert (row["tokens_to_target"], row["steps_to_target"]) == (2000, 200)
     assert row["budget_ratio"] == 1.0 and row["delta_vs_scratch"] == pytest.approx(-0.2)
     assert row["loss_at_scratch_tokens"] == 3.0  # after scratch's 1000 tokens, mid-run
+    assert row["decay"] is None  # no learning rate logged
+    # logged learning rates: warm-up to 1e-3 at step 20, held to step 220, then decaying (logged every 10 steps)
+    logged = [
+        {"step": i, "lr": 1e-3 * min(1.0, i / 20) * (1.0 if i < 220 else (250 - i) / 30), "flops": sum(grow_flops[:i])}
+        for i in range(10, 251, 10)
+    ]
+    decay = compute.compare({"scratch": scratch, "grow": sorted(grow + logged, key=lambda r: r["step"])})
+    # the first logged fall from the peak is step 230 (200 + 30 x 4 = 320 FLOPs of scratch's 400); the last evaluation
+    # before it, step 200
+    assert decay["runs"][1]["decay"] == {"flops_share": 320 / 400, "loss": 2.0}
     slow = records([(0, 5.0), (100, 2.5)], [4.0] * 100)
     assert compute.compare({"scratch": scratch, "slow": slow})["runs"][1]["speedup_flops"] is None
 
@@ -113,6 +124,7 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
     seed = {"seed": 0, **compute.compare({"scratch": scratch, "gstack-2to8-at50": grow})}
     group = {"name": "stdlib-L8-adamw", "corpus": "stdlib", "optimizer": "adamw", "depth": 8, "seeds": [0]}
     group.update(per_seed=[seed], speedups={"scratch": [1.0], "gstack-2to8-at50": [2.0]})
+    group["ran"] = {"scratch": [0], "gstack-2to8-at50": [0]}
     book = compute.recipes(8)
     machine = {
         "date": "2026-11-28T06:00:00+00:00",
@@ -166,6 +178,78 @@ def test_the_page_says_what_ran_what_did_not_and_the_verdict():
         "3.0000 (+1.0000 from scratch's final 2.0000); at the first evaluation after the growth the loss was 2.0000 "
         "(-1.0000); the grown model reached scratch's final loss at 67% of scratch's FLOPs (50% or less is 2x)."
     ) in page
+    assert "at some seeds only" not in page and "Recipes run at some seeds only" not in page
+    # with the run's learning-rate decay measured, the reason says where it began and the loss then
+    seed["runs"][1]["decay"] = {"flops_share": 0.6, "loss": 2.1}
+    assert (
+        "(-1.0000); its learning rate began to decay at 60% of scratch's FLOPs, the loss then 2.1000 (+0.1000); the "
+        "grown model reached scratch's final loss at 67%"
+    ) in compute.markdown(result)
+
+
+def test_the_page_shows_a_recipe_run_at_some_seeds_only():
+    """A recipe finished at seed 0 of a group whose scratch ran at seeds 0 and 1 is no candidate for the
+    recommendation, yet the page lists it as run (not among the recipes never run), gives each of its speed-ups, says
+    whether it beats the recommended recipe's worst on every run it has, and where it does, why each run misses 2x."""
+    preset = PRESETS["cpu"]
+    scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)
+    grow = records([(0, 5.0), (100, 3.0), (200, 2.0), (250, 1.8)], [1.0] * 200 + [4.0] * 50)
+    for record in grow:
+        record["num_hidden_layers"] = 2 if record["step"] < 200 else 8
+    late = records([(0, 5.0), (100, 2.5), (300, 2.0)], [1.0] * 100 + [4.0] * 75)  # 2.0 at 400 FLOPs: 1.00x
+    for record in late:
+        record["num_hidden_layers"] = 1 if record["step"] < 300 else 8
+    seeds = [
+        {"seed": 0, **compute.compare({"scratch": scratch, "bu-1to8-at80": late, "gstack-2to8-at50": grow})},
+        {"seed": 1, **compute.compare({"scratch": scratch, "bu-1to8-at80": late})},
+    ]
+    group = {"name": "stdlib-L8-adamw", "corpus": "stdlib", "optimizer": "adamw", "depth": 8, "seeds": [0, 1]}
+    group.update(per_seed=seeds, speedups={"scratch": [1.0, 1.0], "bu-1to8-at80": [1.0, 1.0]})
+    group["ran"] = {"scratch": [0, 1], "bu-1to8-at80": [0, 1], "gstack-2to8-at50": [0]}
+    assert seeds[0]["runs"][2]["speedup_flops"] == 2.0 and seeds[0]["runs"][1]["speedup_flops"] == 1.0
+    book = compute.recipes(8)
+    result = {
+        "preset": preset,
+        "plan": {
+            "recipes": {n: {"what": r.what, "stages": r.stages, "fields": r.fields} for n, r in book.items()},
+            "corpora": ["stdlib"],
+            "optimizers": ["adamw"],
+            "seeds": [0, 1],
+        },
+        "invocations": [],
+        "groups": [group],
+        "recommended": compute.recommend([group]),
+    }
+    assert result["recommended"]["name"] == "bu-1to8-at80"  # gstack lacks seed 1: no candidate
+    page = compute.markdown(result)
+    assert (
+        "- stdlib-L8-adamw, seeds [0, 1]: scratch, bu-1to8-at80; at some seeds only: gstack-2to8-at50 (seed 0)." in page
+    )
+    never = page.split("Recipes not run in any group: ")[1].split(".\n")[0].split(", ")
+    assert "gstack-2to8-at50" not in never and "bu-1to8-at60" in never
+    assert (
+        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 2.00x (bu-1to8-at80: 1.00x); above bu-1to8-at80's worst (1.00x) at "
+        "every run it has, and not below it at the same group and seed."
+    ) in page
+    assert "  - stdlib-L8-adamw seed 0: 2.00x" not in page  # it meets 2x there: no reason to give
+    seeds[0]["runs"][2].update(speedup_flops=1.5, flops_to_target=400 / 1.5)
+    page = compute.markdown(result)
+    assert (
+        "  - stdlib-L8-adamw seed 0: 1.50x: 25% of scratch's FLOPs went to the 2-layer start, which ended at 3.0000"
+    ) in page
+    # above the recommended recipe's worst, yet below it at the same seed: the page says both
+    seeds[0]["runs"][1].update(speedup_flops=1.8, flops_to_target=400 / 1.8)
+    assert (
+        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 1.50x (bu-1to8-at80: 1.80x); above bu-1to8-at80's worst (1.00x) "
+        "at every run it has, below it at the same group and seed in 1 of 1."
+    ) in compute.markdown(result)
+    seeds[0]["runs"][1].update(speedup_flops=1.0, flops_to_target=400.0)
+    seeds[0]["runs"][2].update(speedup_flops=0.9, flops_to_target=400 / 0.9)
+    page = compute.markdown(result)
+    assert (
+        "- gstack-2to8-at50: stdlib-L8-adamw seed 0 0.90x (bu-1to8-at80: 1.00x); not above bu-1to8-at80's worst" in page
+    )
+    assert "  - stdlib-L8-adamw seed 0:" not in page
 
 
 def test_an_optimizer_can_run_its_own_scratch_budget(tmp_path):

@@ -255,6 +255,7 @@ def compare(records: dict[str, list[dict]]) -> dict:
         rows.append(
             {
                 "name": name,
+                "decay": decay_start(run, budget["flops"]),
                 "final_val_loss": end["val_loss"],
                 "delta_vs_scratch": end["val_loss"] - target,
                 "flops": end["flops"],
@@ -275,6 +276,22 @@ def compare(records: dict[str, list[dict]]) -> dict:
             }
         )
     return {"target": target, "scratch": budget, "runs": rows}
+
+
+def decay_start(records: list[dict], flops: float) -> dict | None:
+    """Where a run's learning rate first fell from its peak (WSD: the start of its decay, to the nearest logged step):
+    {"flops_share" (of `flops`, scratch's), "loss": the validation loss at the last evaluation before it}; None when
+    no logged learning rate fell."""
+    logged = [r for r in records if "lr" in r]
+    if not logged:
+        return None
+    peak = max(r["lr"] for r in logged)
+    at_peak = next(i for i, r in enumerate(logged) if r["lr"] == peak)
+    start = next((r for r in logged[at_peak:] if r["lr"] < peak), None)
+    before = [r for r in records if "val_loss" in r and start is not None and r["step"] <= start["step"]]
+    if start is None or not before:
+        return None
+    return {"flops_share": start["flops"] / flops, "loss": before[-1]["val_loss"]}
 
 
 def worst(speedups: list[float | None]) -> float:
@@ -320,7 +337,14 @@ def collect(runs: dict, groups: list[dict], seeds: list[int]) -> list[dict]:
         speedups = {
             name: [next(r for r in s["runs"] if r["name"] == name)["speedup_flops"] for s in per_seed] for name in names
         }
-        out.append({**group, "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed, "speedups": speedups})
+        # every recipe with a finished run, and the seeds it has (`speedups` holds only those run at every seed)
+        ran: dict[str, list[int]] = {}
+        for s in per_seed:
+            for r in s["runs"]:
+                ran.setdefault(r["name"], []).append(s["seed"])
+        out.append(
+            {**group, "seeds": [s["seed"] for s in per_seed], "per_seed": per_seed, "speedups": speedups, "ran": ran}
+        )
     return out
 
 
@@ -411,6 +435,12 @@ def _why(row: dict, seed: dict) -> str:
         f"final {target:.4f}); at the first evaluation after the growth the loss was {growth['loss_after']:.4f} "
         f"({growth['loss_after'] - growth['loss_before']:+.4f}); "
     )
+    decay = row.get("decay")
+    if decay is not None:
+        text += (
+            f"its learning rate began to decay at {decay['flops_share']:.0%} of scratch's FLOPs, the loss then "
+            f"{decay['loss']:.4f} ({decay['loss'] - target:+.4f}); "
+        )
     if not row["flops_to_target"]:
         return text + "the grown model never reached scratch's final loss."
     shallow = row.get("depth_at_target") and row["depth_at_target"] <= (growth.get("depth_before") or 0)
@@ -478,9 +508,17 @@ def markdown(result: dict) -> str:
     ]
     for group in groups:
         names = list(group["speedups"])
-        lines.append(f"- {group['name']}, seeds {group['seeds']}: {', '.join(names)}.")
+        some = [
+            f"{name} (seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))})"
+            for name, seeds in group["ran"].items()
+            if name not in names
+        ]
+        lines.append(
+            f"- {group['name']}, seeds {group['seeds']}: {', '.join(names)}"
+            + (f"; at some seeds only: {', '.join(some)}." if some else ".")
+        )
     missing = [f"{name} seed {seed}" for name, seed in full if (name, seed) not in ran]
-    absent = sorted({name for name in plan["recipes"]} - {n for g in groups for n in g["speedups"]})
+    absent = sorted({name for name in plan["recipes"]} - {n for g in groups for n in g["ran"]})
     if missing:
         lines.append(f"- Not run (no scratch run, so nothing to compare): {', '.join(missing)}.")
     if absent:
@@ -568,7 +606,59 @@ def markdown(result: dict) -> str:
         for name, speedups in sorted(table.items(), key=lambda item: -worst(item[1])):
             if name != "scratch":
                 lines.append(f"- {name}: worst {_x(worst(speedups) or None)} ({len(speedups)} group-seeds)")
+        lines += _partial(groups, best)
     return "\n".join(lines) + "\n"
+
+
+def _partial(groups: list[dict], best: dict) -> list[str]:
+    """The recipes run at some seeds of a group only (not candidates: the recommendation needs every group and seed):
+    each run's speed-up, whether it beats the recommended recipe's worst on every run it has, and, where it does, why
+    each of its runs is under the target (`_why`)."""
+    runs: dict[str, list[tuple[dict, dict, dict]]] = {}
+    for group in groups:
+        for name in group["ran"]:
+            if name in group["speedups"]:
+                continue
+            for seed in group["per_seed"]:
+                row = next((r for r in seed["runs"] if r["name"] == name), None)
+                if row is not None:
+                    runs.setdefault(name, []).append((group, seed, row))
+    if not runs:
+        return []
+    lines = [
+        "",
+        "Recipes run at some seeds only (not candidates for the recommendation, which needs every group and seed):",
+        "",
+    ]
+    for name, rows in runs.items():
+        # the recommended recipe's speed-up at the same group and seed (it ran at every one: None is not reached)
+        theirs = [next(x["speedup_flops"] for x in s["runs"] if x["name"] == best["name"]) for _, s, _ in rows]
+        each = ", ".join(
+            f"{g['name']} seed {s['seed']} {_x(r['speedup_flops'])} ({best['name']}: {_x(other)})"
+            for (g, s, r), other in zip(rows, theirs)
+        )
+        beats = all((r["speedup_flops"] or 0.0) > best["worst"] for _, _, r in rows)
+        below = sum((r["speedup_flops"] or 0.0) < (other or 0.0) for (_, _, r), other in zip(rows, theirs))
+        lines.append(
+            f"- {name}: {each}; "
+            + (
+                f"above {best['name']}'s worst ({_x(best['worst'])}) at every run it has, "
+                + (
+                    f"below it at the same group and seed in {below} of {len(rows)}."
+                    if below
+                    else "and not below it at the same group and seed."
+                )
+                if beats
+                else f"not above {best['name']}'s worst ({_x(best['worst'])}) at every run it has."
+            )
+        )
+        if beats:
+            lines += [
+                f"  - {g['name']} seed {s['seed']}: {_x(r['speedup_flops'])}: {_why(r, s)}"
+                for g, s, r in rows
+                if (r["speedup_flops"] or 0.0) < TARGET
+            ]
+    return lines
 
 
 def write_page(result: dict, out: Path) -> Path:
