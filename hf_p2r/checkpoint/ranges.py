@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from tqdm import tqdm
@@ -77,13 +77,25 @@ def copying(
             futures = [pool.submit(copier.copy_shard, *shard, bar) for shard in copier.shards]
             try:
                 yield files
-                for future in futures:
-                    future.result()
+                results(futures)
             except BaseException:  # the block or a copy failed, or Ctrl-C: stop after the ranges being copied
                 copier.stop.set()
                 for future in futures:
                     future.cancel()
                 raise
+
+
+def results(futures: list[Future]) -> list:
+    """What each of `futures` returned, in order; a worker's failure raised as soon as it happens. The main thread waits
+    in slices of 0.1 s: Python runs a signal's handler in the main thread once that thread runs, and the kernel may hand
+    the signal (Ctrl-C, SIGTERM) to a worker thread, which does not wake a main thread blocked on a lock, so a stop
+    would wait for the whole copy instead of the next piece."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+    return [future.result() for future in futures]
 
 
 class _Copier:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .headers import DTYPE_CODE_OF, build_header, parse_size, plan_shards, write_index
-from .ranges import Stopped, allocate, copy_range, write_all
+from .ranges import Stopped, allocate, copy_range, results, write_all
 
 _PIECE = 16 << 20  # bytes written (and converted) at a time: the most a stop waits for, and each thread's buffer
 
@@ -80,7 +80,7 @@ def write_checkpoint(
     with bar, ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(write_shard, *item) for item in shards.files.items()]
         try:
-            written = [future.result() for future in futures]
+            written = results(futures)
         except BaseException:  # a failed shard or Ctrl-C: stop the running shards, start no further ones
             stop.set()
             for future in futures:

@@ -134,9 +134,9 @@ def trainer_evaluation(folder: str) -> dict:
     """The pipelined trainer (1F1B, delink at step 2, evaluated at every step) with the evaluations counted."""
     evaluate, seen = PipelineEngine.evaluate, []
 
-    def counted(self, blocks):
+    def counted(self, blocks, count):
         with counting_builds() as counts:
-            value = evaluate(self, blocks)
+            value = evaluate(self, blocks, count)
         seen.append(everyone(counts))
         return value
 
