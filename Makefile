@@ -16,9 +16,9 @@ LOCK   ?= requirements/tested.txt
 # pytest-xdist workers for the in-process tests (auto: one per core).
 WORKERS ?= auto
 # And for the tests that start processes: two at a time. About half of them start one process (a script, a command
-# line) and leave a second core idle when run alone; the others start 2-4 (one intra-op thread each, gloo's waits
-# block, they do not spin), so two such tests side by side share the cores without wasting them. More than two would
-# multiply the processes (and memory) of the 4-process tests.
+# line) and leave a second core idle when run alone; the others start 2-4 with one intra-op thread each. Measured on
+# 2 cores: the tier in 32 min this way, both cores 90-99% busy. More than two would multiply the processes (and
+# memory) of the 4-process tests.
 REST_WORKERS ?= 2
 # Each test's time limit is its tier's (tests/tiers.py) times this factor: raise it on a slow or busy machine.
 export P2R_TEST_TIME_FACTOR ?= 1

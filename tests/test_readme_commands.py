@@ -17,7 +17,7 @@ exits 0 and prints no traceback.
 The commands share the machine's two cores: two at a time, each after every earlier command it depends on (`plan`:
 one that names the same run folder, `runs/NAME`, or the trainer's output_dir; every `make` command, which shares the
 Makefile's $(VENV)/.installed; launchers that open the same rendezvous port), and a command that starts several
-processes runs alone (its gloo workers wait for each other by spinning, so a process beside them slows all of them).
+processes runs alone (its processes take both cores).
 """
 
 import dataclasses
@@ -34,6 +34,7 @@ import pytest
 
 from .docs_pages import REPO, code_blocks, pages, text
 from .test_readme import PYTHON_BLOCKS
+from .training.helpers import demo_launch
 
 COMMAND_WORDS = ("hf-p2r", "accelerate", "torchrun", "python", "python3", "make", "pip", "source")
 # The shortening: a few steps, both stages and every delink still (the partial delinks follow pseudo_steps: 1 -> 2
@@ -130,9 +131,8 @@ def trainer_args(command: str) -> list[str] | None:
     `hf-p2r train` and `-m hf_p2r.train`: the words after them), or None where it does not train (--help)."""
     words = shlex.split(command)
     if (given := make_args(command)) is not None:
-        makefile = (REPO / "Makefile").read_text(encoding="utf-8")
-        recipe = re.search(r"^demo:.*?scripts/train\.py (.*?) \$\(ARGS\)$", makefile, re.M | re.S)
-        args = [*recipe.group(1).split(), *shlex.split(given)]
+        launch = demo_launch()
+        args = [*launch[launch.index("scripts/train.py") + 1 :], *shlex.split(given)]
     elif entry := next((entry for entry in ("scripts/train.py", "hf_p2r.train") if entry in words), None):
         args = words[words.index(entry) + 1 :]
     else:
@@ -162,14 +162,15 @@ def processes(command: str) -> int:
 
 def output_dir(args: list[str]) -> str:
     """Where the trainer given `args` writes: the last --output_dir, else its --config file's, else the default."""
-    from hf_p2r.config.parse import _default, read_yaml
+    from hf_p2r.config.parse import read_yaml
+    from hf_p2r.config.resume import field_defaults
 
     def last(flag: str) -> str | None:
         return next((args[i + 1] for i in reversed(range(len(args) - 1)) if args[i] == flag), None)
 
     config = last("--config")
     return last("--output_dir") or (read_yaml(REPO / config) if config else {}).get(
-        "output_dir", _default("output_dir")
+        "output_dir", field_defaults()["output_dir"]
     )
 
 

@@ -288,8 +288,10 @@ def decay_start(records: list[dict], flops: float) -> dict | None:
     peak = max(r["lr"] for r in logged)
     at_peak = next(i for i, r in enumerate(logged) if r["lr"] == peak)
     start = next((r for r in logged[at_peak:] if r["lr"] < peak), None)
-    before = [r for r in records if "val_loss" in r and start is not None and r["step"] <= start["step"]]
-    if start is None or not before:
+    if start is None:
+        return None
+    before = [r for r in records if "val_loss" in r and r["step"] <= start["step"]]
+    if not before:
         return None
     return {"flops_share": start["flops"] / flops, "loss": before[-1]["val_loss"]}
 

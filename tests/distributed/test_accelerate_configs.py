@@ -33,6 +33,13 @@ def launch_env(name: str, *flags: str) -> dict[str, str]:
     return prepare_deepspeed_cmd_env(args)[1]
 
 
+def use_launch_env(name: str) -> None:
+    """Put `launch_env(name)` into this process's environment, as `accelerate launch` would for one process, keeping
+    the rank, address and port that tests/distributed/spawn.py set for the process group it joined."""
+    spawned = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    os.environ.update({k: v for k, v in launch_env(name).items() if k not in spawned})
+
+
 def test_every_config_is_there():
     names = {path.stem for path in CONFIGS.glob("*.yaml")}
     assert names == {"ddp", "fsdp2", "fsdp2_offload", "deepspeed_zero2", "deepspeed_zero3_offload"}

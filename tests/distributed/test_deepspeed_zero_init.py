@@ -36,7 +36,7 @@ from hf_p2r.training.train import build_model
 
 from ..training.helpers import ACCELERATE, REPO, subprocess_env, tiny_argv, trajectory
 from . import spawn
-from .test_accelerate_configs import launch_env
+from .test_accelerate_configs import launch_env, use_launch_env
 
 pytestmark = pytest.mark.usefixtures("deepspeed_offload_ops")  # built once, before the first launch (conftest)
 
@@ -220,14 +220,7 @@ def trainer_engine(rank: int, world_size: int, case: str = "pseudo") -> dict:
     one): `build` (meta model, partitions, optimizer, `accelerator.prepare`), a step, the delink, a step, `real/`."""
     from hf_p2r.training.engines import engine_for
 
-    env = launch_env("deepspeed_zero3_offload")
-    os.environ.update(
-        {
-            k: v
-            for k, v in env.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-        }
-    )
+    use_launch_env("deepspeed_zero3_offload")
     fields = {"cpu": "false", "mixed_precision": "no", "optimizer_carry": "reset", **CASES[case]}
     config = parse_config(tiny_argv(tempfile.mkdtemp(), seed=SEED, **fields))
     tokenizer = load_tokenizer(config.data.tokenizer_name)

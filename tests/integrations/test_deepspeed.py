@@ -6,14 +6,13 @@ checkpoint. Skipped without deepspeed (`pip install hf-p2r[deepspeed]`); its fir
 
 import functools
 import json
-import os
 
 import pytest
 
 from hf_p2r.integrations import P2RCallback
 
 from ..distributed import spawn
-from ..distributed.test_accelerate_configs import launch_env
+from ..distributed.test_accelerate_configs import use_launch_env
 from ..training.helpers import REPO
 from .helpers import deterministic, p2r_config, trainer_for
 from .test_launch import FIELDS, launch
@@ -61,9 +60,8 @@ def test_zero3_trains_as_one_plain_process_until_the_optimizer_restarts_and_resu
 
 def zero3_environment() -> None:
     """What `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` puts in the environment of
-    its one process (the spawner has set the process's rank and address, and joined its process group)."""
-    spawned = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-    os.environ.update({k: v for k, v in launch_env("deepspeed_zero3_offload").items() if k not in spawned})
+    its one process."""
+    use_launch_env("deepspeed_zero3_offload")
 
 
 def scale_is_refused(folder: str, rank: int, world_size: int) -> dict:
