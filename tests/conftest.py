@@ -71,13 +71,26 @@ def fresh_accelerate_state():
 def _build_deepspeed_ops(*builders: str) -> None:
     """DeepSpeed's C++ ops built into this venv's TORCH_EXTENSIONS_DIR (above), in a fresh process. On a fresh machine a
     build takes minutes, more than the few minutes a test allows each launch it starts; built, a process loads an op
-    in a second."""
+    in a second.
+
+    One build at a time across processes (pytest-xdist's workers each set up this session fixture), under a file lock
+    the kernel releases when its holder dies. torch's own build lock is a plain file (`<op>/lock`) that a build killed
+    part-way leaves behind, and every later build then waits on it forever: a CI run's builds hung 1500 s in both
+    workers. Every build of the tests' ops runs here, under the file lock, so a `lock` found while holding it is such a
+    leftover, and is removed."""
+    from filelock import FileLock
+
     from .training.helpers import PYTHON, subprocess_env
 
-    build = "from deepspeed.accelerator import get_accelerator\n" + "".join(
-        f"get_accelerator().create_op_builder({name!r}).load()\n" for name in builders
-    )
-    done = subprocess.run([PYTHON, "-c", build], env=subprocess_env(), capture_output=True, text=True, timeout=1500)
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(root / "hf-p2r-tests-build.lock", timeout=1500):
+        for leftover in root.glob("*/lock"):
+            leftover.unlink(missing_ok=True)
+        build = "from deepspeed.accelerator import get_accelerator\n" + "".join(
+            f"get_accelerator().create_op_builder({name!r}).load()\n" for name in builders
+        )
+        done = subprocess.run([PYTHON, "-c", build], env=subprocess_env(), capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, f"building DeepSpeed's ops {builders} failed:\n{done.stderr[-3000:]}"
 
 

@@ -60,7 +60,7 @@ def fresh(tmp_path_factory) -> dict:
         "unimported = 'deepspeed' not in sys.modules\n"
         "import deepspeed\n"
         "engine = deepspeed.DeepSpeedEngine.__new__(deepspeed.DeepSpeedEngine)\n"
-        "torch.nn.Module.__init__(engine); engine.module = module\n"
+        "torch.nn.Module.__init__(engine); engine.__dict__['module'] = module\n"  # where DeepSpeed's engine keeps it
         "unwrap = {'unimported': unimported, 'unwrapped': extract_model_from_parallel(engine) is module}\n"
         "print(json.dumps({'imports': imports, 'run': run, 'unwrap': unwrap}))\n"
     )
