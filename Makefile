@@ -74,7 +74,7 @@ test-all: $(VENV)/.installed
 test-rest: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -n $(REST_WORKERS) --dist worksteal $(REST) --durations=30
 
-# One GPU, under fifteen minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
+# One GPU, at most eighteen minutes: the GPU tests, throughput and MFU (eager and compiled), the loss path's memory, offload
 # by ratio and design against FSDP2, a bf16 trainer run with offload: auto, the trainer under Accelerate's FSDP2 with
 # DCP checkpoints, a resume and hf-p2r export; writes benchmarks/gpu/ (report.md names the device). BUDGET=540: every
 # part within 540 s, in order (those left out are recorded as skipped). On a GPU machine without .venv: `source .gpu/device-setup.sh && make gpu-report` (its python3).

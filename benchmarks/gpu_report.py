@@ -6,13 +6,14 @@ Accelerate's FSDP2 config with DCP checkpoints, a resume and `hf-p2r export`. It
 part and `OUT/report.md`, a page that names the device and says, for each of issue 29's and 40's targets, met,
 missed or not measured; a run into benchmarks/gpu also rewrites benchmarks/offload.md from its offload results.
 
-    make gpu-report                                  # = python scripts/gpu_report.py: one CUDA GPU, < 15 min
+    make gpu-report                                  # = python scripts/gpu_report.py: one CUDA GPU, < 18 min
     make gpu-report DRY=1                            # = --dry-run: every part at tiny size on CPU (about a minute)
     python scripts/gpu_report.py --parts throughput,offload --out /tmp/g
     python scripts/gpu_report.py --budget 540        # the parts in order, all within 9 minutes (others skipped)
+    python scripts/gpu_report.py --page RUN/report.json ...  # one page of several runs' parts (the latest of each)
 
 Each part runs as its own process (a failing or hanging part is recorded, with its output's tail, and the next one
-runs) under a time limit (`PARTS`: 15 minutes in all; `--budget` bounds the whole). The parts reuse the project's
+runs) under a time limit (`PARTS`: 18 minutes in all; `--budget` bounds the whole). The parts reuse the project's
 benchmarks through their command lines (`benchmarks/throughput.py`'s runners, `benchmarks/loss_memory.py`,
 `benchmarks/offload.py`) and the trainer (`python -m hf_p2r.train`). The dry run (the test suite runs it) checks the
 commands, not the machine: its figures are not results.
@@ -50,12 +51,11 @@ TARGETS = {
     "full_offload_vs_fsdp2": 3.0,
 }
 
-# (part, time limit in seconds on the GPU, on the dry run). The GPU limits add up to 900 s: set after the two H200
-# sessions of 2026-11-26 (benchmarks/gpu/report.md, benchmarks/gpu/rerun-2026-11-26/), where the parts took tests 52 s,
-# throughput 70, loss_memory 102, offload 154 (10 rows of ~10 s, FSDP2's ~35 s), trainer 96 and fsdp2_dcp 84. The
-# offload part times benchmarks/offload.py's REPORT_DESIGNS (4 designs x 3 ratios, no offload and FSDP2: ~15 rows,
-# ~200 s predicted); offload_profile profiles 3 designs at ratio 0.5 for 2 steps each (~60 s predicted). The dry run's
-# limits only guard against a hang (its parts take 5-30 s each on two idle cores).
+# (part, time limit in seconds on the GPU, on the dry run). The GPU limits add up to 1,080 s: more than one lending of a
+# GPU, so a run names its parts or a --budget. Measured on an H200: on 2026-11-26 (benchmarks/gpu/2026-11-26/,
+# benchmarks/gpu/rerun-2026-11-26/) loss_memory 102 s and fsdp2_dcp 84; on 2026-11-28 (benchmarks/gpu/2026-11-28/)
+# offload_profile 72, convergence 91, offload 186 (4 designs x 3 ratios, no offload and FSDP2), throughput 83, trainer
+# 112 and tests 82. The dry run's limits only guard against a hang (its parts take 5-60 s each on two idle cores).
 PARTS = {
     "tests": (90, 180),
     "throughput": (110, 180),
@@ -64,7 +64,7 @@ PARTS = {
     "offload": (240, 300),
     "trainer": (120, 180),
     "fsdp2_dcp": (120, 300),
-    "convergence": (360, 600),  # issue 39: benchmarks/gpu_convergence.py (not run on a GPU yet)
+    "convergence": (180, 600),  # issue 39: benchmarks/gpu_convergence.py
 }
 
 # The dry run's trainer parts: a CPU run needs a budget for `offload: auto` (the pseudo model fits, the real one
@@ -90,11 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for all the parts together (a GPU lent for a few minutes): each part runs under the smaller of "
         "its limit and what is left, in the order of --parts; a part with under 30 s left is skipped",
     )
+    parser.add_argument(
+        "--page",
+        nargs="+",
+        type=Path,
+        metavar="REPORT_JSON",
+        help="measure nothing: write OUT/report.md and report.json from these runs' report.json (a GPU lent twice "
+        "for a few minutes runs some parts each time; a later run's part replaces an earlier one's), the targets read "
+        "from the parts' records in OUT (copy each part's latest <part>.json there first)",
+    )
     parser.add_argument("--worker", choices=["throughput"], help=argparse.SUPPRESS)  # one part, in its own process
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if args.worker:
         return throughput_worker(args.out, device)
+    if args.page:
+        return write_page(args.page, args.out or REPO / "benchmarks" / "gpu")
     parts = [part for part in args.parts.split(",") if part]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -127,13 +138,60 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and out.resolve() == (REPO / "benchmarks" / "gpu").resolve() and "offload" in parts:
         page = run([sys.executable, "scripts/bench_offload.py", "--page"], 60)  # benchmarks/offload.md: the latest
         print(f"gpu_report: benchmarks/offload.md: {page['status']}", flush=True)
-    report["fsdp2_dcp"] = ((read_json(out / "fsdp2_dcp.json") or {}).get("result") or {}) or None
+    write_report(report, out)
+    return 0 if all(p["status"] in ("ok", "skipped") for p in report["parts"].values()) else 1
+
+
+def write_report(report: dict, out: Path) -> None:
+    """OUT/report.json and OUT/report.md, with the FSDP2 + DCP and convergence results from their parts' records."""
+    for part in ("fsdp2_dcp", "convergence"):
+        report[part] = ((read_json(out / f"{part}.json") or {}).get("result") or {}) or None
     write_json(out / "report.json", report)
     page = render_markdown(report)
     write_text(out / "report.md", page)
     print(page)
     print(f"gpu_report: wrote {out}")
-    return 0 if all(p["status"] in ("ok", "skipped") for p in report["parts"].values()) else 1
+
+
+def write_page(paths: list[Path], out: Path) -> int:
+    """`--page`: one report of several runs' parts (in the order given, a later run's part replacing an earlier one's;
+    skipped parts replace nothing), each part with the date of the run it comes from."""
+    runs = []
+    for path in paths:
+        found = read_json(path)
+        if not isinstance(found, dict) or not isinstance(found.get("parts"), dict) or found.get("dry_run"):
+            print(f"gpu_report: --page: {path}: not the report.json of a GPU run", file=sys.stderr)
+            return 2
+        runs.append((path, found))
+    parts = {}
+    for _, found in runs:
+        for name, part in found["parts"].items():
+            if part["status"] != "skipped":
+                parts[name] = {**part, "date": found["date"]}
+    newest = max((found for _, found in runs), key=lambda found: found["date"])
+    report = {
+        "date": newest["date"],
+        "machine": newest["machine"],
+        "dry_run": False,
+        "device": newest["device"],
+        "parts": parts,
+        "runs": [
+            {"report": _shown(path), "date": found["date"], "device": found["device"], "seconds": found["seconds"]}
+            for path, found in runs
+        ],
+        "seconds": sum(found["seconds"] for _, found in runs),
+        "targets": targets(out),
+    }
+    write_report(report, out)
+    return 0
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the repository where it is inside it (a page names files by where they are in the repo)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def device_name() -> str:
@@ -476,17 +534,29 @@ def _best(target: dict, value: float, design: str) -> None:
 def render_markdown(report: dict) -> str:
     m = report["machine"]
     dry = report["dry_run"]
+    runs = report.get("runs")
+    if runs:
+        produced = (
+            f"Written by `python scripts/gpu_report.py --page {' '.join(run['report'] for run in runs)}` from "
+            f"{len(runs)} runs of `python scripts/gpu_report.py` (each part from the latest run that ran it): "
+            + "; ".join(f"{run['date']}, {run['device']}, {run['seconds']:.0f} s (`{run['report']}`)" for run in runs)
+            + f". Latest run's machine: {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, {m['platform']}."
+        )
+    else:
+        produced = (
+            f"Produced by `python scripts/gpu_report.py{' --dry-run' * dry}` on {report['date']} in "
+            f"{report['seconds']:.0f} s; {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, {m['platform']}."
+        )
     lines = [
         "# GPU report" + (" — dry run on CPU (checks the commands; not a result)" if dry else ""),
         "",
-        f"Device: **{report['device']}**. Produced by `python scripts/gpu_report.py{' --dry-run' * dry}` on "
-        f"{report['date']} in {report['seconds']:.0f} s; {m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, "
-        f"{m['platform']}.",
+        f"Device: **{report['device']}**. {produced}",
         "",
-        "| part | status | seconds | command |",
-        "|---|---|---:|---|",
+        "| part | status | seconds | command |" + (" run |" if runs else ""),
+        "|---|---|---:|---|" + ("---|" if runs else ""),
         *(
             f"| {name} | {part['status']} | {part['seconds']:.0f} | `{part.get('command', '')}` |"
+            + (f" {part['date']} |" if runs else "")
             for name, part in report["parts"].items()
         ),
         "",
@@ -508,6 +578,22 @@ def render_markdown(report: dict) -> str:
             f"{fsdp2['resume_max_abs_loss_difference']:.3g} in loss over steps {fsdp2['resume_steps_compared']}; "
             f"`hf-p2r export --target llama` of its last checkpoint differs from its `real/` folder by at most "
             f"{fsdp2['export_max_abs_logit_difference']:.3g} in logits (fp32, CPU).",
+        ]
+    convergence = report.get("convergence")
+    if convergence and len(convergence.get("runs") or ()) == 2:
+        scratch, grown = convergence["runs"]
+        reached = (
+            f"reached scratch's final loss at {grown['flops_to_target']:.3g} FLOPs ({grown['speedup_flops']:.2f}x less)"
+            if grown.get("flops_to_target")
+            else f"ended {grown['final_val_loss'] - scratch['final_val_loss']:+.4f} above scratch's final loss"
+        )
+        lines += [
+            "",
+            f"Issue 39, growth at GPU scale ({convergence['parameters'] / 1e6:.1f}M parameters, "
+            f"{convergence['steps']} steps each, the same {scratch['tokens']:,} tokens): scratch's final validation "
+            f"loss {scratch['final_val_loss']:.4f} at {scratch['flops']:.3g} FLOPs; `{grown['name']}` spent "
+            f"{grown['budget_ratio']:.2f} of those FLOPs, its final loss {grown['final_val_loss']:.4f}: it {reached} "
+            "(both curves in `convergence.json`).",
         ]
     lines += ["", "Each part's figures, command and output tail: `<part>.json` beside this page."]
     return "\n".join(lines) + "\n"

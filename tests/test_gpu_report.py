@@ -150,3 +150,56 @@ def test_a_budget_skips_the_parts_it_cannot_fit_and_says_so(tmp_path):
         gpu_report.PARTS, "skipped"
     )
     assert "| tests | skipped |" in (tmp_path / "report.md").read_text()
+
+
+def _run_report(path, date, parts, dry_run=False):
+    machine = {"cpu_count": 16, "cpu": "Xeon", "torch": "2.11.0+cu130", "platform": "Linux"}
+    report = {"date": date, "machine": machine, "dry_run": dry_run, "device": "NVIDIA H200", "seconds": 100.0}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**report, "parts": parts}))
+    return path
+
+
+def test_a_page_of_several_runs_takes_each_part_from_the_latest_run_that_ran_it(tmp_path, capsys):
+    """`--page` (a GPU lent twice for minutes): a later run's part replaces an earlier one's, a skipped part replaces
+    nothing, each part keeps its run's date; the growth comparison is read from convergence.json in OUT."""
+    ok = {"status": "ok", "seconds": 10.0}
+    first = _run_report(
+        tmp_path / "1" / "report.json",
+        "2026-11-26T10:00:00+00:00",
+        {"tests": {**ok, "command": "old tests"}, "offload": {**ok, "command": "old offload"}},
+    )
+    second = _run_report(
+        tmp_path / "2" / "report.json",
+        "2026-11-28T10:00:00+00:00",
+        {"tests": {**ok, "command": "new tests"}, "offload": {"status": "skipped", "seconds": 0.0, "command": "-"}},
+    )
+    out = tmp_path / "gpu"
+    out.mkdir()
+    scratch = {"name": "scratch", "final_val_loss": 1.5, "flops": 2e15, "tokens": 4096}
+    grown = {"name": "bu-1to8-at80", "final_val_loss": 1.6, "flops": 6e14, "budget_ratio": 0.3, "flops_to_target": None}
+    (out / "convergence.json").write_text(
+        json.dumps({"result": {"parameters": 1.2e8, "steps": 8, "runs": [scratch, grown]}})
+    )
+
+    assert gpu_report.main(["--page", str(first), str(second), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert {name: (part["command"], part["date"][:10]) for name, part in report["parts"].items()} == {
+        "tests": ("new tests", "2026-11-28"),
+        "offload": ("old offload", "2026-11-26"),
+    }
+    page = (out / "report.md").read_text()
+    assert "| tests | ok | 10 | `new tests` | 2026-11-28T10:00:00+00:00 |" in page
+    assert "from 2 runs of `python scripts/gpu_report.py`" in page
+    assert "`bu-1to8-at80` spent 0.30 of those FLOPs, its final loss 1.6000: it ended +0.1000 above" in page
+    capsys.readouterr()
+
+
+def test_a_page_refuses_a_dry_run_or_a_file_that_is_not_a_report_in_one_line(tmp_path, capsys):
+    dry = _run_report(tmp_path / "dry" / "report.json", "2026-11-28T10:00:00+00:00", {}, dry_run=True)
+    (tmp_path / "other.json").write_text("[1, 2]")
+    for path in (dry, tmp_path / "other.json", tmp_path / "missing.json"):
+        assert gpu_report.main(["--page", str(path), "--out", str(tmp_path / "out")]) == 2
+        error = capsys.readouterr().err
+        assert error == f"gpu_report: --page: {path}: not the report.json of a GPU run\n"
+    assert not (tmp_path / "out").exists()
