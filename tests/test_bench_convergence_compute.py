@@ -62,7 +62,8 @@ def test_a_budget_below_one_spends_that_share_of_scratchs_flops():
     """`-b50`: half of scratch's FLOPs, the recipe's stages (and so its WSD decay, the last fifth of its own steps)
     placed in its own, fewer steps."""
     book = compute.recipes(8)
-    assert {"scratch-b50", "bu-1to8-at80-b50", "bu-1to8-at60-b50", "gstack-2to8-at50-b50"} <= set(book)
+    assert {"scratch-b50", "bu-1to8-at80-b50", "bu-1to8-at80-b70", "gstack-2to8-at50-b50"} <= set(book)
+    assert book["bu-1to8-at80-b70"].budget == 0.7
     half, full = book["bu-1to8-at80-b50"], book["bu-1to8-at80"]
     assert (half.budget, full.budget) == (0.5, 1.0) and (half.stages, half.fields) == (full.stages, full.fields)
     assert compute.solve_steps(book["scratch-b50"], 300, flops_per_token) == 150
@@ -330,4 +331,8 @@ def test_the_page_gives_each_recipes_budget_and_each_runs_share_of_scratchs_flop
     assert (
         "**bu-1to8-at80-b50**, worst not reached over 1 group(s) and seed(s) [0, 1]: it does not reach scratch's final "
         "loss at its worst (its final loss is in the table)."
+    ) in page
+    assert (
+        "- bu-1to8-at80-b50: worst not reached (2 group-seeds); final loss at most +0.1000 from scratch's "
+        "(stdlib-L8-adamw seed 1)"
     ) in page
