@@ -127,7 +127,7 @@ def recipes(depth: int) -> dict[str, Recipe]:
     # loss it brings, comes earlier; reaching scratch's final loss is then a speed-up of 1 / budget or more (b50: 2x)
     by_name = {recipe.name: recipe for recipe in out}
     for name, budgets in (
-        ("scratch", (50,)),
+        ("scratch", (50, 70)),
         (f"bu-1to{L}-at80", (50, 60, 70)),
         (f"bu-1to{L}-at60", (50,)),
         (f"gstack-{quarter}to{L}-at50", (50,)),
