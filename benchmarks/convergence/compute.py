@@ -653,7 +653,8 @@ def markdown(result: dict) -> str:
                 for row in seed["runs"]:
                     if row["name"] in group["speedups"]:
                         ends.setdefault(row["name"], []).append((row["delta_vs_scratch"], group["name"], seed["seed"]))
-        for name, speedups in sorted(table.items(), key=lambda item: -worst(item[1])):
+        # by worst speed-up, then (those never reaching scratch's loss) by how close they ended to it
+        for name, speedups in sorted(table.items(), key=lambda item: (-worst(item[1]), max(ends[item[0]])[0])):
             if name != "scratch":
                 delta, group_name, seed_number = max(ends[name])
                 lines.append(
