@@ -305,11 +305,22 @@ def test_the_page_gives_each_recipes_budget_and_each_runs_share_of_scratchs_flop
     half = records([(0, 5.0), (100, 2.5), (150, 1.9)], [1.0] * 100 + [2.0] * 50)  # 200 FLOPs, 2.0 at 100 + 100 x 5/6
     short = records([(0, 5.0), (100, 2.5), (150, 2.1)], [1.0] * 100 + [2.0] * 50)  # 200 FLOPs, never at 2.0
     control = records([(0, 5.0), (50, 2.3)], [4.0] * 50)  # scratch for half its FLOPs: never at 2.0, ends higher
+    full = records([(0, 5.0), (100, 2.6), (250, 1.8)], [1.0] * 200 + [4.0] * 50)  # the recipe on scratch's 400 FLOPs
+    both = {"scratch": scratch, "bu-1to8-at80-b50": half, "scratch-b50": control, "bu-1to8-at80": full}
     seeds = [
-        {"seed": 0, **compute.compare({"scratch": scratch, "bu-1to8-at80-b50": half, "scratch-b50": control})},
+        {"seed": 0, **compute.compare(both)},
         {"seed": 1, **compute.compare({"scratch": scratch, "bu-1to8-at80-b50": short, "scratch-b50": control})},
     ]
     group = {"name": "stdlib-L8-adamw", "corpus": "stdlib", "optimizer": "adamw", "depth": 8, "seeds": [0, 1]}
+    # at the half-budget run's 200 FLOPs: the full-budget run mid-schedule (2.6 at 100 FLOPs, 1.8 at 400) and
+    # scratch's model on the same budget (its end); scratch-b50 against scratch at its own 200 FLOPs (step 50)
+    rows = {row["name"]: row for row in seeds[0]["runs"]}
+    assert rows["bu-1to8-at80-b50"]["at_same_flops"] == {
+        "bu-1to8-at80": pytest.approx(2.6 - 0.8 / 3),
+        "scratch-b50": 2.3,
+    }
+    assert rows["scratch-b50"]["at_same_flops"] == {"scratch": 3.0} and "at_same_flops" not in rows["bu-1to8-at80"]
+    assert seeds[1]["runs"][1]["at_same_flops"] == {"scratch-b50": 2.3}  # no full-budget run at seed 1
     reached = seeds[0]["runs"][1]["speedup_flops"]
     assert reached == pytest.approx(400 / (100 + 100 * 5 / 6)) and seeds[1]["runs"][1]["speedup_flops"] is None
     speedups = {"scratch": [1.0, 1.0], "scratch-b50": [None, None], "bu-1to8-at80-b50": [reached, None]}
@@ -339,3 +350,10 @@ def test_the_page_gives_each_recipes_budget_and_each_runs_share_of_scratchs_flop
     control = "- scratch-b50: worst not reached (2 group-seeds); final loss at most +0.3000 from scratch's"
     assert growth + "(stdlib-L8-adamw seed 1)" in verdict and control in verdict
     assert verdict.index(growth) < verdict.index(control)
+    assert (
+        "- bu-1to8-at80-b50, stdlib-L8-adamw seed 0: final 1.9000 at 50% of scratch's FLOPs; there: bu-1to8-at80 "
+        "2.3333, scratch-b50 2.3000\n"
+    ) in verdict
+    assert "- scratch-b50, stdlib-L8-adamw seed 1: final 2.3000 at 50% of scratch's FLOPs; there: scratch 3.0000\n" in (
+        verdict
+    )

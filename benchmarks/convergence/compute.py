@@ -22,6 +22,7 @@ what was run and what was not.
 """
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,6 +298,11 @@ def compare(records: dict[str, list[dict]]) -> dict:
                 "flops_curve": curve(run, "flops"),
             }
         )
+    for row in rows:  # a run of a budget below scratch's FLOPs against the full-budget runs at its FLOPs
+        short = re.fullmatch(r"(.+)-b(\d+)", row["name"])
+        if short:
+            others = [name for name in (short[1], f"scratch-b{short[2]}") if name in records and name != row["name"]]
+            row["at_same_flops"] = {name: value_at(curve(records[name], "flops"), row["flops"]) for name in others}
     return {"target": target, "scratch": budget, "runs": rows}
 
 
@@ -661,8 +667,34 @@ def markdown(result: dict) -> str:
                     f"- {name}: worst {_x(worst(speedups) or None)} ({len(speedups)} group-seeds); final loss at most "
                     f"{delta:+.4f} from scratch's ({group_name} seed {seed_number})"
                 )
+        lines += _budgets(groups)
         lines += _partial(groups, best)
     return "\n".join(lines) + "\n"
+
+
+def _budgets(groups: list[dict]) -> list[str]:
+    """The runs of a budget below scratch's FLOPs (`-bNN`): each final loss against, at the same FLOPs, the same
+    recipe run on scratch's whole budget (mid-schedule there: what the earlier decay is worth) and scratch's model run
+    on the same budget (`scratch-bNN`, its own decay: the equal-compute control)."""
+    lines = []
+    for group in groups:
+        for seed in group["per_seed"]:
+            for row in seed["runs"]:
+                if row.get("at_same_flops"):
+                    others = ", ".join(f"{name} {loss:.4f}" for name, loss in row["at_same_flops"].items())
+                    lines.append(
+                        f"- {row['name']}, {group['name']} seed {seed['seed']}: final {row['final_val_loss']:.4f} at "
+                        f"{row['budget_ratio']:.0%} of scratch's FLOPs; there: {others}"
+                    )
+    if not lines:
+        return []
+    return [
+        "",
+        "Runs of a budget below scratch's FLOPs against, at the same FLOPs, the recipe run on scratch's whole budget "
+        "(mid-schedule, its decay still ahead) and scratch's model run on the same budget (its own decay):",
+        "",
+        *lines,
+    ]
 
 
 def _partial(groups: list[dict], best: dict) -> list[str]:
