@@ -58,6 +58,27 @@ def test_equal_compute_steps_spend_scratchs_flops():
     assert compute.solve_steps(book["gstack-2to8-at50-tok"], 300, flops_per_token) == 300  # equal tokens
 
 
+def test_a_budget_below_one_spends_that_share_of_scratchs_flops():
+    """`-b50`: half of scratch's FLOPs, the recipe's stages (and so its WSD decay, the last fifth of its own steps)
+    placed in its own, fewer steps."""
+    book = compute.recipes(8)
+    assert {"scratch-b50", "bu-1to8-at80-b50", "bu-1to8-at80-b70", "gstack-2to8-at50-b50"} <= set(book)
+    assert book["bu-1to8-at80-b70"].budget == 0.7
+    half, full = book["bu-1to8-at80-b50"], book["bu-1to8-at80"]
+    assert (half.budget, full.budget) == (0.5, 1.0) and (half.stages, half.fields) == (full.stages, full.fields)
+    assert compute.solve_steps(book["scratch-b50"], 300, flops_per_token) == 150
+    steps = compute.solve_steps(half, 300, flops_per_token)
+    assert steps == round(0.5 * 300 * 85 / 29)
+    # the FLOPs those steps spend: 80% at depth 1 (15 a token), 20% at 8 (85), against scratch's 300 at 85
+    spent = (0.8 * 15 + 0.2 * 85) * steps
+    assert spent / (300 * 85) == pytest.approx(0.5, abs=0.01)
+    schedule = compute.schedule_of(half, steps)
+    assert (schedule["pseudo_steps"], schedule["real_steps"]) == (round(0.8 * steps), steps - round(0.8 * steps))
+    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0.5, "equal_tokens": True}):
+        with pytest.raises(ValueError, match="budget"):
+            compute.Recipe("x", "x", ((0.0, 8, 8),), **bad)
+
+
 def records(points: list[tuple[int, float]], flops_per_step: list[float], tokens_per_step: int = 10) -> list[dict]:
     """metrics records: a validation loss at each (step, loss), cumulative tokens and flops (step i costs
     flops_per_step[i])."""
@@ -274,3 +295,65 @@ def test_an_optimizer_can_run_its_own_scratch_budget(tmp_path):
     for bad in ("sgd=400", "muon=1", "muon", "muon=x"):  # the command line refuses these in one line
         with pytest.raises(argparse.ArgumentTypeError, match="OPTIMIZER=STEPS"):
             _optimizer_steps(bad)
+
+
+def test_the_page_gives_each_recipes_budget_and_each_runs_share_of_scratchs_flops():
+    """The recipe table states each recipe's budget (equal-token runs: scratch's steps), and a half-budget run's row
+    its measured FLOPs / scratch's (0.50): reaching scratch's final loss within them is a speed-up of 2x or more, and
+    a run that does not reach it shows the loss it ended at."""
+    scratch = records([(0, 5.0), (50, 3.0), (100, 2.0)], [4.0] * 100)  # 400 FLOPs
+    half = records([(0, 5.0), (100, 2.5), (150, 1.9)], [1.0] * 100 + [2.0] * 50)  # 200 FLOPs, 2.0 at 100 + 100 x 5/6
+    short = records([(0, 5.0), (100, 2.5), (150, 2.1)], [1.0] * 100 + [2.0] * 50)  # 200 FLOPs, never at 2.0
+    control = records([(0, 5.0), (50, 2.3)], [4.0] * 50)  # scratch for half its FLOPs: never at 2.0, ends higher
+    full = records([(0, 5.0), (100, 2.6), (250, 1.8)], [1.0] * 200 + [4.0] * 50)  # the recipe on scratch's 400 FLOPs
+    both = {"scratch": scratch, "bu-1to8-at80-b50": half, "scratch-b50": control, "bu-1to8-at80": full}
+    seeds = [
+        {"seed": 0, **compute.compare(both)},
+        {"seed": 1, **compute.compare({"scratch": scratch, "bu-1to8-at80-b50": short, "scratch-b50": control})},
+    ]
+    group = {"name": "stdlib-L8-adamw", "corpus": "stdlib", "optimizer": "adamw", "depth": 8, "seeds": [0, 1]}
+    # at the half-budget run's 200 FLOPs: the full-budget run mid-schedule (2.6 at 100 FLOPs, 1.8 at 400) and
+    # scratch's model on the same budget (its end); scratch-b50 against scratch at its own 200 FLOPs (step 50)
+    rows = {row["name"]: row for row in seeds[0]["runs"]}
+    assert rows["bu-1to8-at80-b50"]["at_same_flops"] == {
+        "bu-1to8-at80": pytest.approx(2.6 - 0.8 / 3),
+        "scratch-b50": 2.3,
+    }
+    assert rows["scratch-b50"]["at_same_flops"] == {"scratch": 3.0} and "at_same_flops" not in rows["bu-1to8-at80"]
+    assert seeds[1]["runs"][1]["at_same_flops"] == {"scratch-b50": 2.3}  # no full-budget run at seed 1
+    reached = seeds[0]["runs"][1]["speedup_flops"]
+    assert reached == pytest.approx(400 / (100 + 100 * 5 / 6)) and seeds[1]["runs"][1]["speedup_flops"] is None
+    speedups = {"scratch": [1.0, 1.0], "scratch-b50": [None, None], "bu-1to8-at80-b50": [reached, None]}
+    group.update(per_seed=seeds, speedups=speedups, ran=dict.fromkeys(speedups, [0, 1]))
+    result = {
+        "preset": PRESETS["cpu"],
+        "plan": {"recipes": compute.described(compute.recipes(8)), "corpora": ["stdlib"], "optimizers": ["adamw"]},
+        "invocations": [],
+        "groups": [group],
+        "recommended": compute.recommend([group]),
+    }
+    result["plan"]["seeds"] = [0, 1]
+    page = compute.markdown(result)
+    recipes = page.split("## What ran")[0].splitlines()
+    table = {line.split(" | ")[0][2:]: line.split(" | ")[-1] for line in recipes if line.startswith("| ")}
+    assert table["bu-1to8-at80"] == "100% |" and table["bu-1to8-at80-b50"] == "50% |"
+    assert table["scratch-b50"] == "50% |" and table["bu-1to8-at80-tok"] == "scratch's steps |"
+    assert "| bu-1to8-at80-b50 | 0 | 1.9000 | -0.1000 | 0.50 | 150 | 1,500 | 200 | 183 | 2.18x |" in page
+    assert "| bu-1to8-at80-b50 | 1 | 2.1000 | +0.1000 | 0.50 | 150 | 1,500 | 200 | - | not reached |" in page
+    assert (
+        "worst not reached over 1 group(s) and seed(s) [0, 1]: it does not reach scratch's final loss at its worst "
+        "(its final loss is in the table)."
+    ) in page
+    # the recipes never reaching scratch's loss at some seed, closest first: the half-budget growth run, then scratch's
+    verdict = page.split("## Verdict")[1]
+    growth = "- bu-1to8-at80-b50: worst not reached (2 group-seeds); final loss at most +0.1000 from scratch's "
+    control = "- scratch-b50: worst not reached (2 group-seeds); final loss at most +0.3000 from scratch's"
+    assert growth + "(stdlib-L8-adamw seed 1)" in verdict and control in verdict
+    assert verdict.index(growth) < verdict.index(control)
+    assert (
+        "- bu-1to8-at80-b50, stdlib-L8-adamw seed 0: final 1.9000 at 50% of scratch's FLOPs; there: bu-1to8-at80 "
+        "2.3333, scratch-b50 2.3000\n"
+    ) in verdict
+    assert "- scratch-b50, stdlib-L8-adamw seed 1: final 2.3000 at 50% of scratch's FLOPs; there: scratch 3.0000\n" in (
+        verdict
+    )

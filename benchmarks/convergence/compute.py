@@ -22,6 +22,7 @@ what was run and what was not.
 """
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +44,21 @@ STUDY_FIELDS = {"lr_scheduler": "wsd", "shared_lr_scale": "depth"}
 class Recipe:
     """A training recipe: its stages as (first step as a fraction of the run's steps, depth d, blocks k), the first at
     0 and the last the real model (L, L), and the trainer fields it sets (growth, carry, function preservation,
-    depth-µP). `equal_tokens`: it runs scratch's steps (not scratch's FLOPs)."""
+    depth-µP). `equal_tokens`: it runs scratch's steps (not scratch's FLOPs). `budget`: the share of scratch's FLOPs
+    it spends (below 1, its schedule, decay included, is compressed into that share: its best loss comes earlier)."""
 
     name: str
     what: str
     stages: tuple[tuple[float, int, int], ...]
     fields: dict = field(default_factory=dict)
     equal_tokens: bool = False
+    budget: float = 1.0
+
+    def __post_init__(self):
+        if not 0.0 < self.budget <= 1.0 or (self.equal_tokens and self.budget != 1.0):
+            raise ValueError(
+                f"recipe {self.name}: budget {self.budget} is not in (0, 1] or is set on an equal-token run"
+            )
 
 
 def doubling(start: float, end: float, depth: int, first: int = 1) -> list[tuple[float, int, int]]:
@@ -115,18 +124,32 @@ def recipes(depth: int) -> dict[str, Recipe]:
             True,
         ),
     ]
+    # a budget below scratch's FLOPs: the whole schedule (growth and WSD decay) in that share, so the decay, and the
+    # loss it brings, comes earlier; reaching scratch's final loss is then a speed-up of 1 / budget or more (b50: 2x)
+    by_name = {recipe.name: recipe for recipe in out}
+    for name, budgets in (
+        ("scratch", (50, 70)),
+        (f"bu-1to{L}-at80", (50, 60, 70)),
+        (f"bu-1to{L}-at60", (50,)),
+        (f"gstack-{quarter}to{L}-at50", (50,)),
+    ):
+        base = by_name[name]
+        out += [
+            Recipe(f"{name}-b{b}", f"{base.what}, {b}% of scratch's FLOPs", base.stages, base.fields, budget=b / 100)
+            for b in budgets
+        ]
     return {recipe.name: recipe for recipe in out}
 
 
 def solve_steps(recipe: Recipe, scratch_steps: int, flops_per_token) -> int:
-    """The run's steps: scratch's for `equal_tokens`, else those that spend scratch's FLOPs (`flops_per_token(depth)`:
-    every step of a stage runs the same tokens, so FLOPs per step are proportional to it)."""
-    if recipe.equal_tokens or len(recipe.stages) == 1:
+    """The run's steps: scratch's for `equal_tokens`, else those that spend `recipe.budget` of scratch's FLOPs
+    (`flops_per_token(depth)`: every step of a stage runs the same tokens, so FLOPs per step are proportional to it)."""
+    if recipe.equal_tokens:
         return scratch_steps
     depth = recipe.stages[-1][1]
     bounds = [start for start, _, _ in recipe.stages[1:]] + [1.0]
     mean = sum((end - start) * flops_per_token(d) for (start, d, _), end in zip(recipe.stages, bounds))
-    return round(scratch_steps * flops_per_token(depth) / mean)
+    return round(recipe.budget * scratch_steps * flops_per_token(depth) / mean)
 
 
 def schedule_of(recipe: Recipe, steps: int) -> dict:
@@ -275,6 +298,11 @@ def compare(records: dict[str, list[dict]]) -> dict:
                 "flops_curve": curve(run, "flops"),
             }
         )
+    for row in rows:  # a run of a budget below scratch's FLOPs against the full-budget runs at its FLOPs
+        short = re.fullmatch(r"(.+)-b(\d+)", row["name"])
+        if short:
+            others = [name for name in (short[1], f"scratch-b{short[2]}") if name in records and name != row["name"]]
+            row["at_same_flops"] = {name: value_at(curve(records[name], "flops"), row["flops"]) for name in others}
     return {"target": target, "scratch": budget, "runs": rows}
 
 
@@ -390,7 +418,7 @@ def run_study(args, preset: dict) -> dict:
         "study_fields": STUDY_FIELDS,
         "target": TARGET,
         "plan": {
-            "recipes": {name: {"what": r.what, "stages": r.stages, "fields": r.fields} for name, r in book.items()},
+            "recipes": described(book),
             "corpora": list(CORPORA),
             "optimizers": list(OPTIMIZERS),
             "seeds": preset["seeds"],
@@ -399,6 +427,20 @@ def run_study(args, preset: dict) -> dict:
         "invocations": [invocation],
         "groups": groups,
         "recommended": recommend(groups),
+    }
+
+
+def described(book: dict[str, Recipe]) -> dict[str, dict]:
+    """The page's (and the JSON's) account of each recipe: what it is, its stages, fields and budget."""
+    return {
+        name: {
+            "what": r.what,
+            "stages": r.stages,
+            "fields": r.fields,
+            "budget": r.budget,
+            "equal_tokens": r.equal_tokens,
+        }
+        for name, r in book.items()
     }
 
 
@@ -490,16 +532,18 @@ def markdown(result: dict) -> str:
             for optimizer, steps in plan.get("steps", {}).items()
             if steps != p["total_steps"]
         )
-        + "; every other run spends its scratch run's FLOPs (its steps solved from the FLOPs of each stage's depth), "
-        "except the `-tok` runs, which run scratch's steps (equal tokens).",
+        + "; every other run spends its budget (the table's) of its scratch run's FLOPs, its steps solved from the "
+        "FLOPs of each stage's depth and its stages and decay placed in its own steps, except the `-tok` runs, which "
+        "run scratch's steps (equal tokens).",
         "",
-        "| recipe | what | stages (start of run, depth, blocks) | fields |",
-        "|---|---|---|---|",
+        "| recipe | what | stages (start of run, depth, blocks) | fields | budget (of scratch's FLOPs) |",
+        "|---|---|---|---|---|",
     ]
     for name, recipe in plan["recipes"].items():
         stages = ", ".join(f"{start:.0%}: {d}/{k}" for start, d, k in recipe["stages"])
         fields = ", ".join(f"{k}={v}" for k, v in recipe["fields"].items()) or "-"
-        lines.append(f"| {name} | {recipe['what']} | {stages} | {fields} |")
+        budget = "scratch's steps" if recipe.get("equal_tokens") else f"{recipe.get('budget', 1.0):.0%}"
+        lines.append(f"| {name} | {recipe['what']} | {stages} | {fields} | {budget} |")
     lines += ["", "## What ran, and what did not", ""]
     ran = {(g["name"], seed) for g in groups for seed in g["seeds"]}
     full = [
@@ -561,11 +605,13 @@ def markdown(result: dict) -> str:
         met = best["worst"] >= TARGET
         lines.append(
             f"Recommended (largest worst-seed speed-up over every group measured): **{best['name']}**, worst "
-            f"{_x(best['worst'])} over {len(groups)} group(s) and seed(s) {seeds_run}: it "
+            f"{_x(best['worst'] or None)} over {len(groups)} group(s) and seed(s) {seeds_run}: it "
             + (
                 f"meets the {TARGET:g}x target in every group measured."
                 if met
                 else f"misses the {TARGET:g}x target by {TARGET - best['worst']:.2f}x at its worst."
+                if best["worst"]
+                else "does not reach scratch's final loss at its worst (its final loss is in the table)."
             )
         )
         for name, speedups in best["by_group"].items():
@@ -599,17 +645,56 @@ def markdown(result: dict) -> str:
                 "listed as not run above are not measured, so the target is not shown met for them."
             )
         lines.append("")
-        lines.append("Every recipe's worst speed-up over the groups it ran in:")
+        lines.append(
+            "Every recipe's worst speed-up over the groups it ran in, and its final validation loss against scratch's "
+            "at the group and seed where it ended highest:"
+        )
         lines.append("")
         table: dict[str, list] = {}
+        ends: dict[str, list] = {}
         for group in groups:
             for name, speedups in group["speedups"].items():
                 table.setdefault(name, []).extend(speedups)
-        for name, speedups in sorted(table.items(), key=lambda item: -worst(item[1])):
+            for seed in group["per_seed"]:
+                for row in seed["runs"]:
+                    if row["name"] in group["speedups"]:
+                        ends.setdefault(row["name"], []).append((row["delta_vs_scratch"], group["name"], seed["seed"]))
+        # by worst speed-up, then (those never reaching scratch's loss) by how close they ended to it
+        for name, speedups in sorted(table.items(), key=lambda item: (-worst(item[1]), max(ends[item[0]])[0])):
             if name != "scratch":
-                lines.append(f"- {name}: worst {_x(worst(speedups) or None)} ({len(speedups)} group-seeds)")
+                delta, group_name, seed_number = max(ends[name])
+                lines.append(
+                    f"- {name}: worst {_x(worst(speedups) or None)} ({len(speedups)} group-seeds); final loss at most "
+                    f"{delta:+.4f} from scratch's ({group_name} seed {seed_number})"
+                )
+        lines += _budgets(groups)
         lines += _partial(groups, best)
     return "\n".join(lines) + "\n"
+
+
+def _budgets(groups: list[dict]) -> list[str]:
+    """The runs of a budget below scratch's FLOPs (`-bNN`): each final loss against, at the same FLOPs, the same
+    recipe run on scratch's whole budget (mid-schedule there: what the earlier decay is worth) and scratch's model run
+    on the same budget (`scratch-bNN`, its own decay: the equal-compute control)."""
+    lines = []
+    for group in groups:
+        for seed in group["per_seed"]:
+            for row in seed["runs"]:
+                if row.get("at_same_flops"):
+                    others = ", ".join(f"{name} {loss:.4f}" for name, loss in row["at_same_flops"].items())
+                    lines.append(
+                        f"- {row['name']}, {group['name']} seed {seed['seed']}: final {row['final_val_loss']:.4f} at "
+                        f"{row['budget_ratio']:.0%} of scratch's FLOPs; there: {others}"
+                    )
+    if not lines:
+        return []
+    return [
+        "",
+        "Runs of a budget below scratch's FLOPs against, at the same FLOPs, the recipe run on scratch's whole budget "
+        "(mid-schedule, its decay still ahead) and scratch's model run on the same budget (its own decay):",
+        "",
+        *lines,
+    ]
 
 
 def _partial(groups: list[dict], best: dict) -> list[str]:
