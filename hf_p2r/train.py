@@ -11,10 +11,13 @@ loss); 128 + signal number when SIGTERM / SIGINT stopped the run after saving a 
 CalledProcessError traceback).
 """
 
+import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _M_MMAP_THRESHOLD = -3  # from <malloc.h>
@@ -62,6 +65,27 @@ def hide_gpus_for_cpu_launch() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+@contextlib.contextmanager
+def long_lived_imports() -> Iterator[None]:
+    """Import the trainer's modules without the cyclic garbage collector, then move every object to its permanent
+    generation (`gc.freeze`), which no later collection visits.
+
+    Those imports (torch, transformers, accelerate, datasets) make ~700,000 objects that live as long as the process
+    and leave ~12,000 garbage. Collected as they came, every full collection walked all of them: in a tiny CPU run
+    (2026-11-28, the 2-core dev machine) the collections during the imports took 1.4 CPU s, and the exit (its last
+    collection, then freeing the modules object by object) 1.8-2.2 CPU s, 0.4-0.5 once frozen. The garbage stays
+    (peak RSS of that run 498 -> 507 MB); what the run makes later is collected as before. A collector disabled before
+    stays disabled."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     """Parse the trainer's arguments (`hf_p2r.config.parse_config`, torch-free: `--help` and every configuration
     error answer before torch is imported) and run it; returns the exit code. Expected errors are one line on stderr,
@@ -76,7 +100,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
         return 2
     hide_gpus_for_cpu_launch()
     set_malloc()  # before torch allocates anything
-    from .training import NonFiniteLossError, train
+    with long_lived_imports():
+        from .training import NonFiniteLossError, train
 
     try:
         return train(config)

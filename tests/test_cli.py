@@ -131,3 +131,38 @@ def test_train_hands_every_argument_to_the_trainers_parser(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "accelerate launch -m hf_p2r.train" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_trainer_imports_its_modules_uncollected_and_frozen(monkeypatch, tmp_path):
+    """`hf_p2r.train.main` imports the trainer with the garbage collector off, freezes what exists (`gc.freeze`) and
+    runs with the collector on (a stand-in for `hf_p2r.training` records the collector's state at each point)."""
+    import gc
+    import types
+
+    from hf_p2r import train as entry
+
+    seen = {}
+
+    def train(config):
+        seen["collector on while training"] = gc.isenabled()
+        seen["frozen"] = gc.get_freeze_count()
+        return 0
+
+    def imported(name):
+        if name not in ("NonFiniteLossError", "train"):
+            raise AttributeError(name)
+        seen.setdefault("collector on while importing", gc.isenabled())
+        return RuntimeError if name == "NonFiniteLossError" else train
+
+    stand_in = types.ModuleType("hf_p2r.training")
+    stand_in.__getattr__ = imported
+    monkeypatch.setitem(sys.modules, "hf_p2r.training", stand_in)
+    monkeypatch.setattr(entry, "set_malloc", lambda: False)  # (this process's allocator is not the test's)
+    frozen_before = gc.get_freeze_count()
+    try:
+        assert entry.main(["--output_dir", str(tmp_path / "run")]) == 0
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
+    assert seen.pop("frozen") > frozen_before
+    assert seen == {"collector on while importing": False, "collector on while training": True}

@@ -5,7 +5,6 @@ environment variable, path or token.
 """
 
 import argparse
-import importlib.metadata
 import os
 import platform
 
@@ -45,6 +44,8 @@ def collect() -> dict[str, str]:
 
 
 def _version(package: str) -> str:
+    import importlib.metadata  # (here: every hf-p2r command imports this module, and it costs 0.03 s)
+
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

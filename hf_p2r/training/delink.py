@@ -14,6 +14,7 @@ gathering the model (`delink_fully_sharded`, `delink_deepspeed`); pipelines wher
 """
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
@@ -23,12 +24,14 @@ from torch import nn
 from ..compat import forget_preparation, restore_forward
 from ..distributed import delink_fully_sharded, gather_shared_once
 from ..distributed.deepspeed import delink_deepspeed
-from ..distributed.pipeline import Pipeline, delink_stages
 from ..models.p2r import P2RForCausalLM
 from ..models.p2r.sharing_p2r import DelinkPlan
 from .carry import ParameterSnapshot, carry_optimizer_state
 from .offload import GranularOffload
 from .optim import OptimizerFactory
+
+if TYPE_CHECKING:  # (a pipeline's modules, torch.distributed.pipelining's among them, load where a pipeline runs)
+    from ..distributed.pipeline import Pipeline
 
 
 def delink_with_optimizer(
@@ -140,7 +143,7 @@ def delink_in_training(
 
 
 def delink_pipeline(
-    pipeline: Pipeline,
+    pipeline: "Pipeline",
     optimizer: torch.optim.Optimizer,
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     carry: str,
@@ -152,6 +155,8 @@ def delink_pipeline(
     block and ran the old one). Call it on every process of every pipeline at the same step, between optimizer
     steps. (A schedule that keeps a second weight version, 2BW, is drained first and delinks it alike.) A depth growth
     the stages cannot do in place is refused in one line before any weight changes (`delink_stages`)."""
+    from ..distributed.pipeline import delink_stages
+
     pipeline.drain()  # the optimizer's last update lands in the weights the snapshot holds
     before = ParameterSnapshot.of(pipeline)
     mapping = delink_stages(pipeline, num_unique_layers)

@@ -10,7 +10,6 @@ import torch
 from accelerate import Accelerator
 
 from ..models.p2r.configuration_p2r_moe import P2RMoeConfig
-from ..models.p2r.modeling_p2r_moe import expert_load
 
 
 class RouterLoad:
@@ -24,6 +23,8 @@ class RouterLoad:
 
     def add(self, outputs) -> None:
         """Count one forward's outputs (`output_router_logits=True`)."""
+        from ..models.p2r.modeling_p2r_moe import expert_load  # (loaded by a MoE run only: 0.1-0.2 CPU s)
+
         load = expert_load(outputs.router_logits, self.config)
         aux_loss = outputs.aux_loss.detach().float()
         self.load = load if self.load is None else self.load + load

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sysconfig
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from hf_p2r.errors import InputError
 from hf_p2r.training import DataArguments, parse_config, train
 from hf_p2r.training.data import BlockOrder, build_blocks, byte_level_tokenizer, load_tokenizer, stdlib_corpus
+from hf_p2r.training.data.documents import python_sources
 
 from .helpers import PYTHON, REPO, subprocess_env, tiny_argv
 
@@ -38,6 +40,76 @@ def test_stdlib_corpus_is_deterministic_and_bounded():
     first, second = stdlib_corpus(50_000), stdlib_corpus(50_000)
     assert first["text"] == second["text"] and len(first) > 1
     assert sum(len(text.encode()) for text in first["text"]) <= 50_000
+
+
+def _candidates_as_before(root: Path) -> list[str | None]:
+    """The corpus's files before it skipped folders and unfitting files unread: every `.py` file under `root` listed
+    with `Path.rglob`, in the hash order, read whole (None: unreadable)."""
+    files = [
+        path
+        for path in root.rglob("*.py")
+        if not {"site-packages", "dist-packages", "test", "tests", "idle_test"} & set(path.relative_to(root).parts)
+    ]
+    files.sort(key=lambda path: hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest())
+    texts = []
+    for path in files:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            texts.append(None)
+    return texts
+
+
+def _selected_as_before(candidates: list[str | None], max_bytes: int) -> list[str]:
+    texts, total = [], 0
+    for text in candidates:
+        if text is not None and total + len(text.encode()) <= max_bytes:
+            texts.append(text)
+            total += len(text.encode())
+    return texts
+
+
+def test_python_sources_selects_what_reading_every_file_selected(tmp_path):
+    """The corpus reads only the files that may fit, and takes the same files, in the same order, with the same text,
+    as reading every file did: on the standard library for budgets from nothing to all of it, and on a folder with
+    the cases the shortcuts must get right (CRLF text shorter than its file, empty files, skipped folders at any
+    depth, a non-UTF-8 file, a folder named like a source, links to a file, to a folder and to nothing)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    candidates = _candidates_as_before(stdlib)
+    everything = sum(len(text.encode()) for text in candidates if text is not None)
+    for max_bytes in (0, 1, 1_000, 40_000, 50_000, 1_000_000, everything):
+        assert python_sources(stdlib, max_bytes) == _selected_as_before(candidates, max_bytes), max_bytes
+
+    root = tmp_path / "src"
+    files = {
+        "crlf.py": b"x = 1\r\n" * 40,  # 280 bytes, 240 as text
+        "lone_cr.py": b"y = 2\r" * 10,
+        "empty.py": b"",
+        "small.py": b"z = 3\n",
+        "mid.py": b"# " + b"m" * 150 + b"\n",
+        "latin1.py": "caf\xe9 = 4\n".encode("latin-1"),
+        "pkg/inner.py": b"a = 5\n" * 20,
+        "pkg/tests/skipped.py": b"b = 6\n",
+        "site-packages/third.py": b"c = 7\n",
+        "deep/er/test/skipped.py": b"d = 8\n",
+        "folder.py/kept.py": b"e = 9\n",
+        "notes.txt": b"not a source\n",
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / "link.py").symlink_to(root / "small.py")
+    (root / "broken.py").symlink_to(root / "missing.py")
+    (root / "linked").symlink_to(root / "pkg", target_is_directory=True)
+    candidates = _candidates_as_before(root)
+    assert sum(text is not None for text in candidates) == 8  # (skipped folders, the bad file and links aside)
+    sizes = range(0, sum(len(text.encode()) for text in candidates if text is not None) + 2)
+    for max_bytes in sizes:
+        assert python_sources(root, max_bytes) == _selected_as_before(candidates, max_bytes), max_bytes
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "crlf.py").write_bytes(files["crlf.py"])
+    assert python_sources(alone, 240) == ["x = 1\n" * 40]  # 280 bytes on disk, 240 as text: it fits
 
 
 def test_validation_is_held_out_by_document_and_the_report_counts_each_split(tmp_path):

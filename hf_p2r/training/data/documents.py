@@ -3,6 +3,7 @@ or a Hub dataset, read through `datasets`; an unreadable file is one line naming
 
 import hashlib
 import json
+import os
 import re
 import sysconfig
 from collections.abc import Iterator
@@ -23,37 +24,49 @@ PARQUET_SUFFIXES = {".parquet"}
 DATA_SUFFIXES = TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES
 BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line break, then one or more lines of whitespace only
 READ_CHARS = 1 << 20  # a text file is read this many characters at a time
+SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idle_test"}  # not in the built-in corpus
 
 
 def stdlib_corpus(max_bytes: int, column: str = "text") -> Dataset:
-    """Python standard-library sources, about `max_bytes` of them, as a dataset with one file per row.
-
-    Files are taken in the order of a hash of their relative path (a fixed, well-mixed order; the same on every
-    machine with the same Python version), skipping tests, third-party packages and any file that would take the
-    total past `max_bytes`.
-    """
+    """Python standard-library sources, about `max_bytes` of them, as a dataset with one file per row: the
+    `python_sources` of the standard library's folder (the same on every machine with the same Python version)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        path
-        for path in root.rglob("*.py")
-        if not {"site-packages", "dist-packages", "test", "tests", "idle_test"} & set(path.relative_to(root).parts)
-    ]
-    files.sort(key=lambda path: hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest())
-    texts, total = [], 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        size = len(text.encode())
-        if total + size <= max_bytes:  # skip files that would overflow the budget, keep filling with smaller ones
-            texts.append(text)
-            total += size
+    texts = python_sources(root, max_bytes)
     if not texts:
         raise FileNotFoundError(
             f"corpus_max_bytes: no Python source under {root} fits in {max_bytes} bytes; set train_files"
         )
     return Dataset.from_dict({column: texts})
+
+
+def python_sources(root: Path, max_bytes: int) -> list[str]:
+    """The texts of `.py` files under `root`, at most `max_bytes` of UTF-8 in all.
+
+    Files are taken in the order of a hash of their relative path (a fixed, well-mixed order; the same on every
+    machine with the same files), skipping tests and third-party packages (any file under a folder named in
+    `SKIPPED_FOLDERS`), unreadable files and any file that would take the total past `max_bytes` (smaller ones after
+    it still fill the budget). A skipped folder is not entered, and a file is read only if it may fit: its text, read
+    with universal newlines, has at least half the bytes of the file (a "\\r\\n" becomes "\\n", every other byte
+    stays), so a file of more than twice the room left is passed over unread.
+    """
+    files = []
+    for folder, subfolders, names in os.walk(root):  # (a link to a folder is not followed, as `Path.rglob` does not)
+        subfolders[:] = [name for name in subfolders if name not in SKIPPED_FOLDERS]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
+    files.sort(key=lambda path: hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest())
+    texts, total = [], 0
+    for path in files:
+        try:
+            if (path.stat().st_size + 1) // 2 > max_bytes - total:
+                continue
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        size = len(text.encode())
+        if total + size <= max_bytes:
+            texts.append(text)
+            total += size
+    return texts
 
 
 def load_documents(args: DataArguments, split: str = "train") -> Dataset | IterableDataset:

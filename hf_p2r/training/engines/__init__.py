@@ -6,10 +6,14 @@ values it reads; a new engine is a module here and a line there."""
 from pathlib import Path
 
 from ...config import TrainConfig
+from ...lazy import lazy_exports
 from ..optim import optimizer_factory
 from .accelerate import AccelerateEngine
 from .base import Engine
-from .pipeline import PipelineEngine
+
+# `PipelineEngine` loads on first use: a pipeline's modules (torch.distributed.pipelining's among them) load only
+# where a pipeline runs.
+__getattr__, __dir__, _ = lazy_exports(__name__, {".pipeline": ("PipelineEngine",)})
 
 
 def engine_for(config: TrainConfig) -> Engine:
@@ -29,6 +33,8 @@ def engine_for(config: TrainConfig) -> Engine:
         project_dir=Path(saving.output_dir),
     )
     if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+        from .pipeline import PipelineEngine
+
         first, depth = config.initial_blocks(), config.model.num_hidden_layers
         return PipelineEngine(config.compute, parallel, initial_blocks=first, num_hidden_layers=depth, **common)
     return AccelerateEngine(

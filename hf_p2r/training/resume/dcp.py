@@ -46,6 +46,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -62,8 +63,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ...checkpoint.dcp_metadata import METADATA, CoveringLoadPlanner, read_dcp_metadata
 from ...compat import dcp_reader
-from ...distributed.pipeline import Pipeline
 from ...errors import printable
+
+if TYPE_CHECKING:  # (a pipeline's modules, torch.distributed.pipelining's among them, load where a pipeline runs)
+    from ...distributed.pipeline import Pipeline
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
@@ -220,7 +223,7 @@ def load_zero3_state(path: Path, engine) -> None:
 
 
 # --- pipelines -------------------------------------------------------------------------------------------------------
-def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> dict:
+def pipeline_state(pipeline: "Pipeline", optimizer: torch.optim.Optimizer) -> dict:
     """What this process saves of a pipelined run (the schedule drained first), under the model's names: its stages'
     weights, their optimizer state, 2BW's older weight version, delay-correction buffers and counters."""
     pipeline.drain()
@@ -241,7 +244,7 @@ def pipeline_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> dict
     return state
 
 
-def load_pipeline_state(path: Path, pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> None:
+def load_pipeline_state(path: Path, pipeline: "Pipeline", optimizer: torch.optim.Optimizer) -> None:
     """Load DCP checkpoint `path` into this process's stages and `optimizer` (over `pipeline.parameters()`), in place,
     whatever split, number of stages or schedule saved it (see the module docstring for 2BW <-> a flush schedule)."""
     init_optimizer_state(optimizer)
