@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REPORT_JSON",
         help="measure nothing: write OUT/report.md and report.json from these runs' report.json (a GPU lent twice "
         "for a few minutes runs some parts each time; a later run's part replaces an earlier one's), the targets read "
-        "from the parts' records in OUT (copy each part's latest <part>.json there first)",
+        "from the parts' records in OUT (copy each part's latest <part>.json there first: a record of another run is "
+        "refused)",
     )
     parser.add_argument("--worker", choices=["throughput"], help=argparse.SUPPRESS)  # one part, in its own process
     args = parser.parse_args(argv)
@@ -168,6 +169,15 @@ def write_page(paths: list[Path], out: Path) -> int:
         for name, part in found["parts"].items():
             if part["status"] != "skipped":
                 parts[name] = {**part, "date": found["date"]}
+    for name, part in parts.items():  # the targets come from OUT's records: each must be the run's own
+        record = read_json(out / f"{name}.json") or {}
+        if record.get("command") != part.get("command"):
+            print(
+                f"gpu_report: --page: {out / f'{name}.json'} is not the record of the {part['date']} run's {name} part "
+                "(another command): copy that run's one there",
+                file=sys.stderr,
+            )
+            return 2
     newest = max((found for _, found in runs), key=lambda found: found["date"])
     report = {
         "date": newest["date"],

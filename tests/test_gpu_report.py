@@ -176,6 +176,8 @@ def test_a_page_of_several_runs_takes_each_part_from_the_latest_run_that_ran_it(
     )
     out = tmp_path / "gpu"
     out.mkdir()
+    (out / "tests.json").write_text(json.dumps({**ok, "command": "new tests"}))
+    (out / "offload.json").write_text(json.dumps({**ok, "command": "old offload"}))
     scratch = {"name": "scratch", "final_val_loss": 1.5, "flops": 2e15, "tokens": 4096}
     grown = {"name": "bu-1to8-at80", "final_val_loss": 1.6, "flops": 6e14, "budget_ratio": 0.3, "flops_to_target": None}
     (out / "convergence.json").write_text(
@@ -203,3 +205,16 @@ def test_a_page_refuses_a_dry_run_or_a_file_that_is_not_a_report_in_one_line(tmp
         error = capsys.readouterr().err
         assert error == f"gpu_report: --page: {path}: not the report.json of a GPU run\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_page_refuses_a_part_record_of_another_run_in_one_line(tmp_path, capsys):
+    """The targets are read from OUT's part records: one left from an older run than the page names is refused."""
+    ok = {"status": "ok", "seconds": 10.0}
+    run = _run_report(tmp_path / "1" / "report.json", "2026-11-28T10:00:00+00:00", {"tests": {**ok, "command": "new"}})
+    out = tmp_path / "gpu"
+    out.mkdir()
+    (out / "tests.json").write_text(json.dumps({**ok, "command": "old"}))
+    assert gpu_report.main(["--page", str(run), "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"gpu_report: --page: {out / 'tests.json'} is not the record")
+    assert not (out / "report.md").exists()
