@@ -17,8 +17,8 @@ LOCK   ?= requirements/tested.txt
 WORKERS ?= auto
 # And for the tests that start processes: two at a time. About half of them start one process (a script, a command
 # line) and leave a second core idle when run alone; the others start 2-4 with one intra-op thread each. Measured on
-# 2 cores: the tier in 25 min this way (2026-11-28, load 1-5), both cores busy. More than two would multiply the processes (and
-# memory) of the 4-process tests.
+# 2 cores: the tier in 25 min this way (2026-11-28, load 1-5), both cores busy. More than two would multiply the
+# processes (and memory) of the 4-process tests.
 REST_WORKERS ?= 2
 # Each test's time limit is its tier's (tests/tiers.py) times this factor: raise it on a slow or busy machine.
 export P2R_TEST_TIME_FACTOR ?= 1
